@@ -1,0 +1,36 @@
+# Two entry points, both self-contained on a fresh Debian machine with Python 3.11 and root:
+#   make demo   set everything up, then run the crash-and-recover demo
+#   make test   set everything up, then run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.deps
+	@# (Re)build and install the package with its native core; the CMake build dir is reused.
+	$(PIP) install --quiet ".[test,bench]"
+
+$(VENV)/.deps:
+	@# libpmem from Debian: the PMEM writer uses pmem_memcpy_nodrain + pmem_drain when present.
+	@dpkg -s libpmem-dev >/dev/null 2>&1 || (apt-get install -y libpmem-dev || (apt-get update && apt-get install -y libpmem-dev))
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@# torch first and pinned, so pip takes the local CPU wheel instead of a CUDA build.
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "hypothesis>=6.80" "safetensors>=0.4" "matplotlib>=3.7"
+	touch $@
+
+demo: setup
+	$(PY) -m pccheck.demo
+
+test: setup
+	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) -m bench.persist
+
+clean:
+	rm -rf build $(VENV) checkpoints
