@@ -1,0 +1,32 @@
+"""pccheck: persistent, concurrent, crash-safe checkpoints for ML training.
+
+    import pccheck
+    ck = pccheck.Checkpointer(state, path="ckpt", interval=10)   # state: name -> numpy array
+    ...
+    r = pccheck.load_latest("ckpt")                               # r.step, r.state
+
+``import pccheck`` never imports torch or cupy.
+"""
+
+from __future__ import annotations
+
+import logging as _logging
+
+from .errors import (ConfigError, CorruptCheckpointError, DeviceIOError, NativeExtensionError,
+                     NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, StorageError,
+                     StoreLockedError, UnsupportedDtypeError)
+from .native import _native  # noqa: F401  (fails early, with build instructions, if missing)
+from .checkpointer import Checkpointer
+from .orchestrator.orchestrator import CheckpointStats
+from .persist.recovery import Restored, load_latest
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer", "CheckpointStats", "Restored", "load_latest",
+    "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
+    "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
+    "StorageError", "NoSpaceError", "DeviceIOError", "__version__",
+]
+
+_logging.getLogger("pccheck").addHandler(_logging.NullHandler())

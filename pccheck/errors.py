@@ -1,0 +1,87 @@
+"""The pccheck exception hierarchy.
+
+Every error pccheck raises derives from :class:`PCCheckError`. Where a built-in exception means the
+same thing, the subclass also derives from it (``NoCheckpointError`` is a ``FileNotFoundError``),
+so callers can catch either. Messages say what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+__all__ = [
+    "PCCheckError",
+    "NativeExtensionError",
+    "ConfigError",
+    "UnsupportedDtypeError",
+    "PathNotWritableError",
+    "StoreLockedError",
+    "NoCheckpointError",
+    "CorruptCheckpointError",
+    "StorageError",
+    "NoSpaceError",
+    "DeviceIOError",
+    "storage_error_from_oserror",
+]
+
+
+class PCCheckError(Exception):
+    """Root of all pccheck errors."""
+
+
+class NativeExtensionError(PCCheckError, ImportError):
+    """The compiled core (pccheck.native._native) is missing or does not load."""
+
+
+class ConfigError(PCCheckError, ValueError):
+    """An argument is out of range or inconsistent."""
+
+
+class UnsupportedDtypeError(PCCheckError, TypeError):
+    """An array's dtype cannot be checkpointed (object dtypes hold pointers, not data)."""
+
+
+class PathNotWritableError(PCCheckError, PermissionError):
+    """The checkpoint directory cannot be created or written."""
+
+
+class StoreLockedError(PCCheckError, BlockingIOError):
+    """Another Checkpointer (in this or another process) is writing to the same store."""
+
+
+class NoCheckpointError(PCCheckError, FileNotFoundError):
+    """There is no valid checkpoint at the given path."""
+
+
+class CorruptCheckpointError(PCCheckError, ValueError):
+    """A store file, meta record, manifest or array failed validation."""
+
+
+class StorageError(PCCheckError, OSError):
+    """The storage device failed during a checkpoint. The previous checkpoint is untouched."""
+
+
+class NoSpaceError(StorageError):
+    """ENOSPC: the file system is full."""
+
+
+class DeviceIOError(StorageError):
+    """EIO: the device reported an I/O error."""
+
+
+def storage_error_from_oserror(exc: OSError, doing: str) -> StorageError:
+    """Maps an OSError from the native core to the matching pccheck error, keeping its errno."""
+    code = exc.errno or 0
+    name = _errno.errorcode.get(code, str(code))
+    if code == _errno.ENOSPC:
+        cls: type[StorageError] = NoSpaceError
+        advice = "free space on that file system or point the Checkpointer at another path"
+    elif code == _errno.EIO:
+        cls = DeviceIOError
+        advice = "the device reported an I/O error; check its health (dmesg) and consider another path"
+    else:
+        cls = StorageError
+        advice = "see the OS error above"
+    err = cls(code, f"{doing} failed with {name} ({exc.strerror or exc}): {advice}. "
+                    "The last committed checkpoint is untouched and still loadable.")
+    return err

@@ -1,0 +1,232 @@
+// Python binding: converts types, releases the GIL around everything that copies, writes or
+// waits, and maps native errors to OSError (with errno) or ValueError. No logic lives here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "crc32c.h"
+#include "engine.h"
+#include "format.h"
+#include "io.h"
+#include "ntcopy.h"
+#include "store.h"
+
+namespace py = pybind11;
+using namespace pcc;
+
+namespace {
+
+[[noreturn]] void throw_rc(int rc, const std::string& what) { throw NativeError(-rc, what); }
+
+Mode parse_mode(const std::string& m) {
+  if (m == "odirect") return Mode::kODirect;
+  if (m == "mmap") return Mode::kMmap;
+  if (m == "pmem") return Mode::kPmem;
+  throw std::invalid_argument("unknown write mode '" + m + "' (odirect, mmap or pmem)");
+}
+
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::kODirect: return "odirect";
+    case Mode::kMmap: return "mmap";
+    case Mode::kPmem: return "pmem";
+  }
+  return "?";
+}
+
+py::dict header_dict(const Header& h) {
+  py::dict d;
+  d["version"] = h.version;
+  d["block_size"] = h.block_size;
+  d["num_slots"] = h.num_slots;
+  d["flags"] = h.flags;
+  d["slot_capacity"] = h.slot_capacity;
+  d["slots_offset"] = h.slots_offset;
+  d["generation"] = h.generation;
+  d["world_size"] = h.world_size;
+  d["rank"] = h.rank;
+  d["created_unix_ns"] = h.created_unix_ns;
+  d["file_size"] = h.file_size();
+  return d;
+}
+
+py::buffer_info read_buffer(const py::buffer& b) { return b.request(); }
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "pccheck native core: queue, store + commit protocol, chunk pool, writers, crc32c";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const NativeError& e) {
+      py::object exc = py::module_::import("builtins").attr("OSError")(e.err, e.what());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  m.attr("BLOCK") = kBlock;
+  m.attr("MAX_SLOTS") = kMaxSlots;
+  m.attr("FORMAT_VERSION") = kFormatVersion;
+  m.attr("CHECK_ADDR_OFFSET") = kCheckAddrOffset;
+  m.attr("OP_PWRITE") = uint32_t(io::kPwrite);
+  m.attr("OP_FDATASYNC") = uint32_t(io::kFdatasync);
+  m.attr("OP_MSYNC") = uint32_t(io::kMsync);
+  m.attr("OP_FALLOCATE") = uint32_t(io::kFallocate);
+  m.attr("OP_PMEM_DRAIN") = uint32_t(io::kPmemDrain);
+  m.attr("OP_ALL") = uint32_t(io::kAll);
+  m.attr("SHORT_WRITE") = io::kShortWrite;
+
+  m.def("crc32c", [](const py::buffer& b, uint32_t crc) {
+        py::buffer_info info = read_buffer(b);
+        const void* p = info.ptr;
+        size_t n = static_cast<size_t>(info.size * info.itemsize);
+        py::gil_scoped_release nogil;
+        return crc32c_update(crc, p, n);
+      },
+      py::arg("data"), py::arg("crc") = 0, "crc32c of a contiguous buffer (continues `crc`).");
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
+  m.def("crc32c_hardware", &crc32c_hardware);
+  m.def("have_libpmem", &have_libpmem);
+  m.def("ntcopy_kernel", &ntcopy_kernel);
+
+  m.def("set_fault", &io::set_fault, py::arg("op_mask"), py::arg("nth"), py::arg("err"),
+        py::arg("persistent") = false,
+        "Fail the nth I/O call among op_mask with errno `err` (SHORT_WRITE: a short write).");
+  m.def("clear_fault", &io::clear_fault);
+  m.def("fault_calls", &io::fault_calls);
+
+  m.def("create_store", &create_store, py::arg("path"), py::arg("num_slots"), py::arg("slot_capacity"),
+        py::arg("generation"), py::arg("world_size") = 1, py::arg("rank") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("parse_header", [](const py::bytes& b) {
+        std::string s = b;
+        Header h;
+        std::string why = parse_header(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &h);
+        if (!why.empty()) throw std::invalid_argument(why);
+        py::dict d = header_dict(h);
+        uint64_t word = 0;
+        std::memcpy(&word, s.data() + kCheckAddrOffset, sizeof(word));
+        d["check_word"] = word;
+        return d;
+      },
+      "Parse and validate block 0 (FORMAT.md §2). Raises ValueError saying what is wrong.");
+  m.def("parse_meta", [](const py::bytes& b, uint32_t slot, uint64_t slot_capacity) -> py::object {
+        std::string s = b;
+        Header h;
+        h.slot_capacity = slot_capacity;
+        Meta mt;
+        std::string why = parse_meta(reinterpret_cast<const uint8_t*>(s.data()), s.size(), h, slot, &mt);
+        if (why == "empty") return py::none();
+        if (!why.empty()) throw std::invalid_argument(why);
+        py::dict d;
+        d["slot"] = mt.slot;
+        d["counter"] = mt.counter;
+        d["step"] = mt.step;
+        d["data_len"] = mt.data_len;
+        d["manifest_offset"] = mt.manifest_offset;
+        d["manifest_len"] = mt.manifest_len;
+        d["manifest_crc"] = mt.manifest_crc;
+        d["unix_ns"] = mt.unix_ns;
+        return d;
+      },
+      "Parse and validate a meta record (FORMAT.md §3): dict, None when empty, ValueError if invalid.");
+  m.def("word_counter", &word_counter);
+  m.def("word_slot", &word_slot);
+  m.def("make_word", &make_word);
+
+  py::class_<Store, std::shared_ptr<Store>>(m, "Store")
+      .def(py::init([](const std::string& path, const std::string& mode) {
+             Mode md = parse_mode(mode);
+             py::gil_scoped_release nogil;
+             return std::make_shared<Store>(path, md);
+           }),
+           py::arg("path"), py::arg("mode"))
+      .def_property_readonly("header", [](const Store& s) { return header_dict(s.header()); })
+      .def_property_readonly("mode", [](const Store& s) { return std::string(mode_name(s.mode())); })
+      .def_property_readonly("is_pmem", &Store::is_pmem)
+      .def_property_readonly("check_word", &Store::check_word)
+      .def("init", [](Store& s, uint64_t word, uint64_t next_counter) {
+             int rc;
+             {
+               py::gil_scoped_release nogil;
+               rc = s.init(word, next_counter);
+             }
+             if (rc) throw_rc(rc, "cannot persist the recovered CHECK_ADDR");
+           })
+      .def("next_counter", &Store::next_counter)
+      .def("acquire_slot", [](Store& s, double timeout) -> py::object {
+             int rc;
+             {
+               py::gil_scoped_release nogil;
+               rc = s.acquire_slot(timeout);
+             }
+             if (rc == -ETIMEDOUT) return py::none();
+             if (rc < 0) throw_rc(rc, "cannot invalidate the meta record of a free slot");
+             return py::int_(rc);
+           },
+           py::arg("timeout") = -1.0)
+      .def("release_slot", &Store::release_slot)
+      .def("commit", [](Store& s, uint32_t slot, uint64_t counter, int64_t step, const py::bytes& manifest,
+                        uint64_t manifest_offset, uint64_t data_len) {
+             std::string mf = manifest;
+             int rc;
+             {
+               py::gil_scoped_release nogil;
+               rc = s.commit(slot, counter, step, mf, manifest_offset, data_len);
+             }
+             if (rc < 0) throw_rc(rc, "checkpoint commit failed");
+             return rc == 1;
+           },
+           py::arg("slot"), py::arg("counter"), py::arg("step"), py::arg("manifest"),
+           py::arg("manifest_offset"), py::arg("data_len"),
+           "Listing 1 steps 3-5. True: this checkpoint is now the durable latest; False: a newer one won.")
+      .def("free_slots", &Store::free_slots)
+      .def("close", &Store::close, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Job, std::shared_ptr<Job>>(m, "Job")
+      .def("copy", [](Job& j) {
+             {
+               py::gil_scoped_release nogil;
+               j.copy();
+             }
+           },
+           "Fill chunks from the arrays and hand them to the writers (GIL released).")
+      .def("wait", &Job::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("error", &Job::error)
+      .def_property_readonly("crcs", &Job::crcs)
+      .def_property_readonly("slot", &Job::slot)
+      .def_property_readonly("num_chunks", &Job::num_chunks)
+      .def_property_readonly("copy_seconds", &Job::copy_seconds)
+      .def_property_readonly("backpressure_seconds", &Job::backpressure_seconds);
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init([](uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads) {
+             py::gil_scoped_release nogil;
+             return std::make_shared<Engine>(chunk_size, num_chunks, writer_threads);
+           }),
+           py::arg("chunk_size"), py::arg("num_chunks"), py::arg("writer_threads"))
+      .def("begin", [](Engine& e, std::shared_ptr<Store> store, uint32_t slot, const py::list& sources,
+                       uint64_t stream_len) {
+             std::vector<ArraySource> srcs;
+             srcs.reserve(sources.size());
+             for (const py::handle& item : sources) {
+               auto t = item.cast<py::tuple>();
+               if (t.size() != 6) throw std::invalid_argument("source is (ptr, offset, nbytes, itemsize, shape, strides)");
+               ArraySource s;
+               s.ptr = reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>());
+               s.offset = t[1].cast<uint64_t>();
+               s.nbytes = t[2].cast<uint64_t>();
+               s.itemsize = t[3].cast<uint64_t>();
+               s.shape = t[4].cast<std::vector<int64_t>>();
+               s.strides = t[5].cast<std::vector<int64_t>>();
+               srcs.push_back(std::move(s));
+             }
+             return e.begin(std::move(store), slot, std::move(srcs), stream_len);
+           },
+           py::arg("store"), py::arg("slot"), py::arg("sources"), py::arg("stream_len"))
+      .def_property_readonly("chunk_size", &Engine::chunk_size)
+      .def_property_readonly("num_chunks", &Engine::num_chunks)
+      .def("free_chunks", &Engine::free_chunks)
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,223 @@
+#include "engine.h"
+
+#include <errno.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "crc32c.h"
+
+namespace pcc {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+void ArraySource::prepare() {
+  const size_t ndim = shape.size();
+  uint64_t expected = itemsize;
+  d0 = ndim;
+  for (size_t j = ndim; j-- > 0;) {
+    // A dim of extent 1 never moves the pointer, so its stride does not matter.
+    if (shape[j] != 1 && strides[j] != static_cast<int64_t>(expected)) break;
+    expected *= static_cast<uint64_t>(shape[j]);
+    d0 = j;
+  }
+  run_bytes = expected;
+}
+
+void ArraySource::copy_range(uint64_t begin, uint64_t end, uint8_t* dst) const {
+  if (begin >= end) return;
+  if (d0 == 0) {  // contiguous: one memcpy
+    std::memcpy(dst, ptr + begin, end - begin);
+    return;
+  }
+  // Odometer over the outer dims [0, d0); each position is one run of run_bytes bytes.
+  uint64_t run = begin / run_bytes;
+  uint64_t off = begin % run_bytes;
+  int64_t idx[64];
+  for (size_t j = d0; j-- > 0;) {
+    idx[j] = static_cast<int64_t>(run % static_cast<uint64_t>(shape[j]));
+    run /= static_cast<uint64_t>(shape[j]);
+  }
+  while (begin < end) {
+    const uint8_t* p = ptr;
+    for (size_t j = 0; j < d0; j++) p += idx[j] * strides[j];
+    uint64_t n = std::min(run_bytes - off, end - begin);
+    std::memcpy(dst, p + off, n);
+    dst += n;
+    begin += n;
+    off = 0;
+    for (size_t j = d0; j-- > 0;) {
+      if (++idx[j] < shape[j]) break;
+      idx[j] = 0;
+    }
+  }
+}
+
+Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads)
+    : chunk_size_(chunk_size),
+      num_chunks_(num_chunks),
+      free_chunks_(num_chunks + 1),
+      tasks_(num_chunks + 1) {
+  if (chunk_size == 0 || chunk_size % kBlock || num_chunks == 0 || writer_threads == 0)
+    throw std::invalid_argument("chunk size must be a positive multiple of 4096, with >= 1 chunk and >= 1 writer");
+  pool_len_ = chunk_size * num_chunks;
+  void* p = ::mmap(nullptr, pool_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw NativeError(errno, "cannot allocate the DRAM chunk pool");
+  pool_ = static_cast<uint8_t*>(p);
+  ::madvise(pool_, pool_len_, MADV_HUGEPAGE);  // fewer TLB misses in memcpy; advisory
+  // First touch is slow on these machines (GUIDE §4): pay it once, here, not per checkpoint.
+  std::memset(pool_, 0, pool_len_);
+  for (uint32_t i = 0; i < num_chunks; i++) free_chunks_.push(i);
+  for (uint32_t i = 0; i < writer_threads; i++) writers_.emplace_back([this] { writer_loop(); });
+}
+
+Engine::~Engine() {
+  close();
+  if (pool_) ::munmap(pool_, pool_len_);
+}
+
+void Engine::close() {
+  if (closed_) return;
+  closed_ = true;
+  tasks_.close();
+  for (auto& t : writers_) t.join();
+  writers_.clear();
+  free_chunks_.close();
+}
+
+uint32_t Engine::free_chunks() {
+  std::vector<uint32_t> ids;
+  uint32_t id;
+  while (free_chunks_.try_pop(id)) ids.push_back(id);
+  for (uint32_t x : ids) free_chunks_.push(x);
+  return static_cast<uint32_t>(ids.size());
+}
+
+std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
+                                   std::vector<ArraySource> sources, uint64_t stream_len) {
+  if (closed_) throw std::invalid_argument("the engine is closed");
+  const Header& h = store->header();
+  if (slot >= h.num_slots) throw std::invalid_argument("slot out of range");
+  if (stream_len % kBlock || stream_len > h.slot_capacity)
+    throw std::invalid_argument("data region does not fit the slot");
+  auto job = std::make_shared<Job>();
+  job->engine_ = this;
+  job->store_ = std::move(store);
+  job->slot_ = slot;
+  job->slot_off_ = h.slot_offset(slot);
+  job->stream_len_ = stream_len;
+  job->chunk_size_ = chunk_size_;
+  job->nchunks_ = (stream_len + chunk_size_ - 1) / chunk_size_;
+  std::sort(sources.begin(), sources.end(),
+            [](const ArraySource& a, const ArraySource& b) { return a.offset < b.offset; });
+  uint64_t prev_end = 0;
+  for (auto& s : sources) {
+    if (s.shape.size() != s.strides.size() || s.shape.size() > 64)
+      throw std::invalid_argument("bad array shape/strides");
+    if (s.offset < prev_end || s.nbytes > stream_len || s.offset > stream_len - s.nbytes)
+      throw std::invalid_argument("array regions overlap or exceed the data region");
+    prev_end = s.offset + s.nbytes;
+    s.prepare();
+  }
+  job->srcs_ = std::move(sources);
+  job->crcs_.assign(job->srcs_.size(), 0);
+  job->pieces_.resize(job->nchunks_);
+  for (uint32_t a = 0; a < job->srcs_.size(); a++) {
+    const ArraySource& s = job->srcs_[a];
+    for (uint64_t pos = s.offset, end = s.offset + s.nbytes; pos < end;) {
+      uint64_t k = pos / chunk_size_;
+      uint64_t stop = std::min(end, (k + 1) * chunk_size_);
+      job->pieces_[k].push_back({a, pos - k * chunk_size_, stop - pos, 0});
+      pos = stop;
+    }
+  }
+  job->remaining_.store(job->nchunks_ + 1);
+  return job;
+}
+
+void Job::fill(uint64_t k, uint8_t* chunk) const {
+  const uint64_t base = k * chunk_size_;
+  const uint64_t len = std::min(chunk_size_, stream_len_ - base);
+  uint64_t filled = 0;  // bytes of the chunk written so far; gaps between arrays are zeroed
+  for (const Piece& p : pieces_[k]) {
+    if (p.chunk_off > filled) std::memset(chunk + filled, 0, p.chunk_off - filled);
+    const ArraySource& s = srcs_[p.array];
+    uint64_t begin = base + p.chunk_off - s.offset;
+    s.copy_range(begin, begin + p.len, chunk + p.chunk_off);
+    filled = p.chunk_off + p.len;
+  }
+  if (len > filled) std::memset(chunk + filled, 0, len - filled);
+}
+
+void Job::copy() {
+  auto t0 = std::chrono::steady_clock::now();
+  uint64_t k = 0;
+  for (; k < nchunks_ && err_.load() == 0; k++) {
+    uint32_t id;
+    auto w0 = std::chrono::steady_clock::now();
+    if (!engine_->free_chunks_.pop(id)) {  // the engine was closed under us
+      set_error(-ECANCELED);
+      break;
+    }
+    backpressure_s_ += seconds_since(w0);
+    fill(k, engine_->chunk_ptr(id));
+    // Hand the chunk to the writers at once: persisting chunk k overlaps copying chunk k+1.
+    engine_->tasks_.push(Engine::Task{shared_from_this(), k, id});
+  }
+  copy_s_ = seconds_since(t0);
+  done(nchunks_ - k + 1);  // chunks never handed out, plus the copy's own reference
+}
+
+void Job::write_chunk(uint64_t k, uint8_t* chunk) {
+  if (err_.load() == 0) {
+    const uint64_t len = std::min(chunk_size_, stream_len_ - k * chunk_size_);
+    int rc = store_->write_data(chunk, len, slot_off_ + k * chunk_size_);
+    if (rc != 0) set_error(rc);
+  }
+  if (err_.load() == 0)
+    for (Piece& p : pieces_[k]) p.crc = crc32c_update(0, chunk + p.chunk_off, p.len);
+}
+
+void Job::done(uint64_t n) {
+  if (remaining_.fetch_sub(n) != n) return;
+  if (err_.load() == 0) {
+    // Pieces of one array come in chunk order; combine their crcs in that order
+    // (crc32c of the empty prefix is 0, so the first combine just takes the piece's crc).
+    for (auto& chunk_pieces : pieces_)
+      for (const Piece& p : chunk_pieces) crcs_[p.array] = crc32c_combine(crcs_[p.array], p.crc, p.len);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  finished_ = true;
+  cv_.notify_all();
+}
+
+bool Job::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [this] { return finished_; });
+    return true;
+  }
+  return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [this] { return finished_; });
+}
+
+std::vector<uint32_t> Job::crcs() const { return crcs_; }
+
+void Engine::writer_loop() {
+  Task t;
+  while (tasks_.pop(t)) {
+    t.job->write_chunk(t.k, chunk_ptr(t.chunk));
+    free_chunks_.push(t.chunk);  // only after the write: the chunk was its source
+    t.job->done(1);
+    t.job.reset();  // drop the reference before sleeping on the queue
+  }
+}
+
+}  // namespace pcc

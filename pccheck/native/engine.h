@@ -1,0 +1,126 @@
+// The data path of a checkpoint: a fixed pool of pre-touched DRAM chunks, a CPU copy engine that
+// fills them from (possibly strided) arrays, and a writer thread pool that persists each filled
+// chunk at its offset in the slot and returns it to the pool. Runs without the GIL.
+//
+// Call order for one checkpoint (a Job):
+//   job = engine.begin(store, slot, sources, stream_len)   // geometry only, no I/O
+//   job->copy()        // caller thread: fill chunks in order, hand each to the writers;
+//                      // waits for free chunks when the pool is empty (back-pressure)
+//   job->wait(t)       // until every chunk is written (or the job failed)
+//   job->crcs()        // per-array crc32c, then Store::commit
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mpmc_queue.h"
+#include "store.h"
+
+namespace pcc {
+
+// One array's bytes, in C order, placed at `offset` in the slot's data region.
+struct ArraySource {
+  const uint8_t* ptr = nullptr;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+  uint64_t itemsize = 0;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // in bytes; may be negative or 0 (broadcast)
+
+  // Derived by prepare(): dims [d0, ndim) are C-contiguous, so the array is a sequence of
+  // `nruns` runs of `run_bytes` contiguous bytes each; d0 == 0 means fully contiguous.
+  size_t d0 = 0;
+  uint64_t run_bytes = 0;
+  void prepare();
+  // Copies logical bytes [begin, end) of the array into dst.
+  void copy_range(uint64_t begin, uint64_t end, uint8_t* dst) const;
+};
+
+class Engine;
+
+class Job : public std::enable_shared_from_this<Job> {
+ public:
+  void copy();
+  bool wait(double timeout_s);       // true when finished
+  int error() const { return err_.load(); }  // 0 or a negative errno
+  std::vector<uint32_t> crcs() const;  // valid once finished without error
+  double copy_seconds() const { return copy_s_; }
+  double backpressure_seconds() const { return backpressure_s_; }
+  uint32_t slot() const { return slot_; }
+  uint64_t num_chunks() const { return nchunks_; }
+
+ private:
+  friend class Engine;
+  struct Piece {
+    uint32_t array;
+    uint64_t chunk_off;
+    uint64_t len;
+    uint32_t crc;
+  };
+  void fill(uint64_t k, uint8_t* chunk) const;
+  void write_chunk(uint64_t k, uint8_t* chunk);  // writer thread
+  void done(uint64_t n);                        // n chunks (or the copy itself) finished
+  void set_error(int rc) {
+    int expected = 0;
+    err_.compare_exchange_strong(expected, rc);
+  }
+
+  Engine* engine_ = nullptr;
+  std::shared_ptr<Store> store_;
+  uint32_t slot_ = 0;
+  uint64_t slot_off_ = 0;
+  uint64_t stream_len_ = 0;  // data region length, a multiple of the block size
+  uint64_t chunk_size_ = 0;
+  uint64_t nchunks_ = 0;
+  std::vector<ArraySource> srcs_;              // sorted by offset, non-overlapping
+  std::vector<std::vector<Piece>> pieces_;     // per chunk: the array bytes it carries
+  std::vector<uint32_t> crcs_;
+  std::atomic<int> err_{0};
+  std::atomic<uint64_t> remaining_{0};         // chunks not yet written + 1 for the copy
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  double copy_s_ = 0, backpressure_s_ = 0;
+};
+
+class Engine {
+ public:
+  // Allocates and pre-touches chunk_size * num_chunks bytes (chunk_size: a multiple of 4096),
+  // once; no allocation happens per checkpoint. Starts writer_threads writers.
+  Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  std::shared_ptr<Job> begin(std::shared_ptr<Store> store, uint32_t slot,
+                             std::vector<ArraySource> sources, uint64_t stream_len);
+  uint64_t chunk_size() const { return chunk_size_; }
+  uint32_t num_chunks() const { return num_chunks_; }
+  uint32_t free_chunks();  // only meaningful while idle
+  void close();            // joins the writers; call when no job is in flight
+
+ private:
+  friend class Job;
+  struct Task {
+    std::shared_ptr<Job> job;
+    uint64_t k = 0;
+    uint32_t chunk = 0;
+  };
+  void writer_loop();
+  uint8_t* chunk_ptr(uint32_t id) { return pool_ + uint64_t(id) * chunk_size_; }
+
+  uint64_t chunk_size_;
+  uint32_t num_chunks_;
+  uint8_t* pool_ = nullptr;
+  size_t pool_len_ = 0;
+  BlockingQueue<uint32_t> free_chunks_;
+  BlockingQueue<Task> tasks_;
+  std::vector<std::thread> writers_;
+  bool closed_ = false;
+};
+
+}  // namespace pcc

@@ -1,0 +1,270 @@
+#include "store.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+
+#include "crc32c.h"
+#include "io.h"
+#include "ntcopy.h"
+
+namespace pcc {
+namespace {
+
+struct AlignedBuf {
+  uint8_t* p = nullptr;
+  explicit AlignedBuf(size_t n) {
+    if (posix_memalign(reinterpret_cast<void**>(&p), kBlock, n) != 0) p = nullptr;
+    else std::memset(p, 0, n);
+  }
+  ~AlignedBuf() { std::free(p); }
+};
+
+uint64_t round_up(uint64_t v) { return (v + kBlock - 1) / kBlock * kBlock; }
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+}  // namespace
+
+void create_store(const std::string& path, uint32_t num_slots, uint64_t slot_capacity,
+                  uint64_t generation, uint32_t world_size, uint32_t rank) {
+  Header h;
+  h.num_slots = num_slots;
+  h.slot_capacity = slot_capacity;
+  h.slots_offset = (1 + uint64_t(num_slots)) * kBlock;
+  h.generation = generation;
+  h.world_size = world_size;
+  h.rank = rank;
+  h.created_unix_ns = now_ns();
+  AlignedBuf block(kBlock);
+  if (!block.p) throw NativeError(ENOMEM, "out of memory");
+  pack_header(h, block.p);
+  {  // validate what we are about to write with the same parser recovery uses
+    Header check;
+    std::string why = parse_header(block.p, kBlock, &check);
+    if (!why.empty()) throw std::invalid_argument("invalid store geometry: " + why);
+  }
+  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0644);
+  if (fd < 0) throw NativeError(errno, "cannot create store file " + path);
+  int rc = io::fallocate_fd(fd, 0, h.file_size());  // meta records and slots read as zeros
+  if (rc == 0) rc = io::pwrite_all(fd, block.p, kBlock, 0);
+  if (rc == 0) rc = io::fdatasync_fd(fd);
+  ::close(fd);
+  if (rc != 0) {
+    ::unlink(path.c_str());
+    throw NativeError(-rc, "cannot preallocate store file " + path + " (" +
+                               std::to_string(h.file_size()) + " bytes)");
+  }
+}
+
+Store::Store(const std::string& path, Mode mode) : path_(path), mode_(mode), free_(kMaxSlots + 1) {
+  int flags = O_RDWR | O_CLOEXEC | (mode == Mode::kODirect ? O_DIRECT : 0);
+  fd_ = ::open(path.c_str(), flags);
+  if (fd_ < 0) throw NativeError(errno, "cannot open store file " + path);
+  AlignedBuf block(kBlock);
+  ssize_t n = block.p ? ::pread(fd_, block.p, kBlock, 0) : -1;
+  if (n != static_cast<ssize_t>(kBlock)) {
+    int e = n < 0 ? errno : EIO;
+    close();
+    throw NativeError(e, "cannot read the header of " + path);
+  }
+  std::string why = parse_header(block.p, kBlock, &header_);
+  struct stat st;
+  if (why.empty() && (::fstat(fd_, &st) != 0 || uint64_t(st.st_size) < header_.file_size()))
+    why = "file is shorter than its geometry";
+  if (!why.empty()) {
+    close();
+    throw std::invalid_argument(path + ": " + why);
+  }
+  int err = 0;
+  if (mode == Mode::kODirect) {
+    map_len_ = kBlock;  // only the commit word's block; data and records go through O_DIRECT
+    void* p = ::mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    map_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+    if (!map_) err = -errno;
+  } else if (mode == Mode::kMmap) {
+    map_len_ = header_.file_size();
+    void* p = ::mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    map_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+    if (!map_) err = -errno;
+  } else {
+    map_len_ = header_.file_size();
+    map_ = static_cast<uint8_t*>(pmem_map(fd_, map_len_, &is_pmem_, &err));
+  }
+  if (!map_) {
+    close();
+    throw NativeError(-err, "cannot map store file " + path);
+  }
+  word_ = reinterpret_cast<std::atomic<uint64_t>*>(map_ + kCheckAddrOffset);
+}
+
+Store::~Store() { close(); }
+
+void Store::close() {
+  free_.close();
+  if (map_) {
+    if (mode_ == Mode::kPmem) pmem_unmap(map_, map_len_);
+    else ::munmap(map_, map_len_);
+    map_ = nullptr;
+    word_ = nullptr;
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+int Store::init(uint64_t word, uint64_t next_counter) {
+  counter_.store(next_counter);
+  if (word_->load() != word) {
+    word_->store(word);
+    if (int rc = barrier_word()) return rc;
+  }
+  bool has_latest = word != 0;
+  for (uint32_t s = 0; s < header_.num_slots; s++)
+    if (!has_latest || s != word_slot(word)) free_.push(s);
+  return 0;
+}
+
+int Store::acquire_slot(double timeout_s) {
+  uint32_t slot;
+  if (!free_.pop(slot, timeout_s)) return -ETIMEDOUT;
+  uint8_t zeros[64] = {0};
+  // Only the magic and crc need to go; a short record is padded with zeros to a full block.
+  int rc = write_record(header_.meta_offset(slot), zeros, sizeof(zeros));
+  if (rc != 0) {
+    free_.push(slot);
+    return rc;
+  }
+  return static_cast<int>(slot);
+}
+
+void Store::release_slot(uint32_t slot) { free_.push(slot); }
+
+int Store::write_data(const uint8_t* buf, size_t len, uint64_t file_off) {
+  switch (mode_) {
+    case Mode::kODirect:
+      return io::pwrite_all(fd_, buf, len, file_off);
+    case Mode::kMmap:
+      std::memcpy(map_ + file_off, buf, len);
+      return io::msync_range(map_ + file_off, len);
+    case Mode::kPmem:
+      pmem_copy_nodrain(map_ + file_off, buf, len);
+      pmem_fence();  // per-CPU: each writer thread drains its own streaming stores
+      return io::check_pmem_drain();
+  }
+  return -EINVAL;
+}
+
+int Store::write_record(uint64_t file_off, const void* data, size_t len) {
+  uint64_t padded = round_up(len);
+  if (mode_ == Mode::kODirect) {
+    AlignedBuf buf(padded);
+    if (!buf.p) return -ENOMEM;
+    std::memcpy(buf.p, data, len);
+    return io::pwrite_all(fd_, buf.p, padded, file_off);
+  }
+  std::memcpy(map_ + file_off, data, len);
+  std::memset(map_ + file_off + len, 0, padded - len);
+  if (mode_ == Mode::kPmem) pmem_persist_range(map_ + file_off, padded);
+  return 0;
+}
+
+int Store::sync_records() {
+  if (mode_ == Mode::kPmem) return io::check_pmem_drain();  // records were persisted as written
+  // fdatasync flushes the device cache after O_DIRECT writes, and writes back dirty mapped pages.
+  return io::fdatasync_fd(fd_);
+}
+
+int Store::barrier_word() {
+  if (mode_ == Mode::kPmem) {
+    pmem_persist_range(word_, sizeof(uint64_t));
+    return io::check_pmem_drain();
+  }
+  return io::msync_range(word_, sizeof(uint64_t));
+}
+
+void Store::release_pending() {
+  std::lock_guard<std::mutex> lk(pending_mu_);
+  for (uint32_t s : pending_) free_.push(s);
+  pending_.clear();
+}
+
+int Store::commit(uint32_t slot, uint64_t counter, int64_t step, const std::string& manifest,
+                  uint64_t manifest_offset, uint64_t data_len) {
+  const uint64_t slot_off = header_.slot_offset(slot);
+  if (manifest_offset % kBlock || data_len > manifest_offset ||
+      manifest_offset > header_.slot_capacity ||
+      round_up(manifest.size()) > header_.slot_capacity - manifest_offset) {
+    release_slot(slot);
+    return -EOVERFLOW;
+  }
+  Meta m;
+  m.slot = slot;
+  m.counter = counter;
+  m.step = step;
+  m.data_len = data_len;
+  m.manifest_offset = manifest_offset;
+  m.manifest_len = manifest.size();
+  m.manifest_crc = crc32c_update(0, manifest.data(), manifest.size());
+  m.unix_ns = now_ns();
+  uint8_t block[kBlock];
+  pack_meta(m, block);
+
+  // Step 3: manifest, then meta record, then ONE barrier for data + manifest + meta. A meta
+  // record that reaches the disk without its data is harmless: CHECK_ADDR never names it, and
+  // recovery's fallback scan rejects it by the array checksums.
+  int rc = write_record(slot_off + manifest_offset, manifest.data(), manifest.size());
+  if (rc == 0) rc = write_record(header_.meta_offset(slot), block, kBlock);
+  if (rc == 0) rc = sync_records();
+  if (rc != 0) {
+    release_slot(slot);  // never named by CHECK_ADDR: safe to reuse
+    return rc;
+  }
+
+  // Steps 4-5: CAS CHECK_ADDR from the value we last saw to ours, only ever forward.
+  const uint64_t mine = make_word(counter, slot);
+  uint64_t cur = word_->load(std::memory_order_acquire);
+  for (;;) {
+    if (word_counter(cur) > counter) {
+      // A newer checkpoint already won (Listing 1 l.29-31). Make sure it is durable, then our
+      // slot, which CHECK_ADDR never named, goes back to the free queue.
+      rc = barrier_word();
+      if (rc == 0) release_pending();
+      free_.push(slot);
+      return rc < 0 ? rc : 0;
+    }
+    if (word_->compare_exchange_weak(cur, mine, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      rc = barrier_word();
+      std::lock_guard<std::mutex> lk(pending_mu_);
+      if (cur != 0) pending_.push_back(word_slot(cur));
+      if (rc != 0) return rc;  // old slot stays pending: the durable word may still name it
+      // Invariant: the slot CHECK_ADDR names is never freed. `cur` was replaced by `mine` and
+      // `mine` is durable, so every pending slot is now safe to reuse.
+      for (uint32_t s : pending_) free_.push(s);
+      pending_.clear();
+      return 1;
+    }
+    // CAS failed: `cur` now holds the current word; loop re-checks whether it is newer.
+  }
+}
+
+std::vector<uint32_t> Store::free_slots() {
+  std::vector<uint32_t> out;
+  uint32_t s;
+  while (free_.try_pop(s)) out.push_back(s);
+  for (uint32_t x : out) free_.push(x);
+  return out;
+}
+
+}  // namespace pcc

@@ -1,0 +1,101 @@
+// The slot store: one preallocated file with a header, N+1 meta records and N+1 slots
+// (docs/FORMAT.md), the free-slot queue, the global counter and the commit protocol (§4, the
+// paper's Listing 1). Errors are negative errnos, or NativeError exceptions from constructors.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "format.h"
+#include "mpmc_queue.h"
+
+namespace pcc {
+
+// An OS error with its errno, raised to Python as OSError.
+struct NativeError : std::runtime_error {
+  int err;
+  NativeError(int e, const std::string& what) : std::runtime_error(what), err(e) {}
+};
+
+enum class Mode {
+  kODirect,  // data: pwrite(O_DIRECT) of aligned chunks; durability: fdatasync
+  kMmap,     // data: memcpy into a shared mapping + msync of the written range
+  kPmem,     // data: non-temporal copy + per-thread drain; records: pmem_persist
+};
+
+// Creates a new store file at `path` (which must not exist): header, zeroed meta records and
+// preallocated (posix_fallocate) slots, made durable with fdatasync. The caller renames it into
+// place and fsyncs the directory.
+void create_store(const std::string& path, uint32_t num_slots, uint64_t slot_capacity,
+                  uint64_t generation, uint32_t world_size, uint32_t rank);
+
+class Store {
+ public:
+  // Opens an existing store for writing. Throws NativeError (EINVAL for O_DIRECT on a file
+  // system that lacks it, e.g. tmpfs) or std::invalid_argument for a bad header.
+  Store(const std::string& path, Mode mode);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  const Header& header() const { return header_; }
+  Mode mode() const { return mode_; }
+  bool is_pmem() const { return is_pmem_; }
+  uint64_t check_word() const { return word_->load(std::memory_order_acquire); }
+
+  // Called once after open, before any checkpoint. Points CHECK_ADDR at `word` (the recovered
+  // latest, which the caller validated; 0 for none) and persists it if it changed, then fills
+  // the free queue with every other slot. Invariant established here and kept by commit():
+  // the slot CHECK_ADDR names is never in the free queue.
+  int init(uint64_t word, uint64_t next_counter);
+
+  // Listing 1 step 1: a fresh counter (atomic add).
+  uint64_t next_counter() { return counter_.fetch_add(1); }
+  // Listing 1 step 2: a free slot, -ETIMEDOUT after timeout_s (< 0: wait forever). Its meta record is
+  // zeroed first so a half-rewritten slot can never pass for its previous checkpoint
+  // (a failure there is returned as a negative errno).
+  int acquire_slot(double timeout_s);
+  // Returns a slot whose checkpoint failed before its commit.
+  void release_slot(uint32_t slot);
+
+  // Writes a filled chunk at an absolute file offset, durably for kMmap and kPmem; kODirect
+  // relies on the fdatasync in commit(). Called by writer threads, concurrently.
+  int write_data(const uint8_t* buf, size_t len, uint64_t file_off);
+
+  // Listing 1 steps 3-5 for a slot whose chunks are all written: manifest + meta record, one
+  // durability barrier, then CAS on CHECK_ADDR and its persistence barrier. Returns 1 when this
+  // checkpoint became the durable latest, 0 when a newer one had already won, or a negative
+  // errno (the slot is then released, and the previous latest stays untouched and loadable).
+  int commit(uint32_t slot, uint64_t counter, int64_t step, const std::string& manifest,
+             uint64_t manifest_offset, uint64_t data_len);
+
+  // Free slots, in queue order. Only meaningful while no checkpoint is in flight.
+  std::vector<uint32_t> free_slots();
+  void close();
+
+ private:
+  int write_record(uint64_t file_off, const void* data, size_t len);  // block-padded, not synced
+  int sync_records();        // makes data + manifest + meta durable (before the CAS)
+  int barrier_word();        // makes the CHECK_ADDR word durable (after the CAS)
+  void release_pending();    // after a successful barrier_word
+
+  std::string path_;
+  Mode mode_;
+  int fd_ = -1;
+  Header header_;
+  uint8_t* map_ = nullptr;   // block 0 (kODirect) or the whole file (kMmap, kPmem)
+  size_t map_len_ = 0;
+  bool is_pmem_ = false;
+  std::atomic<uint64_t>* word_ = nullptr;  // CHECK_ADDR, inside map_
+  std::atomic<uint64_t> counter_{1};
+  BlockingQueue<uint32_t> free_;
+  std::mutex pending_mu_;
+  // Slots replaced in CHECK_ADDR whose replacement is not yet known durable (its barrier failed):
+  // the durable word may still name them, so they are freed only after a later barrier succeeds.
+  std::vector<uint32_t> pending_;
+};
+
+}  // namespace pcc

@@ -1,0 +1,211 @@
+"""The orchestrator: runs up to N checkpoints concurrently through one DRAM chunk pool.
+
+Life of a checkpoint (paper §3.1, Fig. 5; FORMAT.md §4 for the commit):
+
+1. ``start`` waits only if N checkpoints are already in flight (recorded as stall).
+2. It takes a counter and a free slot, and the copy engine copies the arrays into chunks; each
+   filled chunk goes to the writer threads at once. When the pool is empty the copy waits for a
+   persisted chunk to come back (back-pressure); it never allocates beyond the budget.
+3. ``start`` returns: the live arrays may change again.
+4. A background thread waits for the writers, builds the manifest with the array checksums and
+   runs the native commit (barrier, CAS on CHECK_ADDR, barrier, free the replaced slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..errors import ConfigError, PCCheckError, StorageError, storage_error_from_oserror
+from ..native import _native
+from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
+from ..persist.store import SlotStore
+from .copy_engine import CopyEngine
+
+__all__ = ["Orchestrator", "CheckpointStats", "chunk_geometry"]
+
+log = logging.getLogger("pccheck")
+
+BLOCK: int = _native.BLOCK
+# Room kept in each slot beyond the manifest's current size, so metadata can grow a little
+# without a new store generation.
+MANIFEST_SLACK = 64 << 10
+
+
+@dataclass(frozen=True)
+class CheckpointStats:
+    """Timings of one checkpoint, in seconds."""
+
+    step: int
+    counter: int
+    nbytes: int
+    stall_s: float         # waiting because max_concurrent checkpoints were in flight
+    copy_s: float          # copying into DRAM chunks, until the arrays were free again
+    backpressure_s: float  # part of copy_s spent waiting for a free chunk
+    persist_s: float       # from the start until durable (or failed)
+    outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
+
+
+def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -> tuple[int, int]:
+    """(chunk bytes, chunk count) for the pool: ``dram_budget`` (default 2x the state) carved
+    into chunks of at most ``chunk_size``, each a multiple of 4096."""
+    if chunk_size < BLOCK:
+        raise ConfigError(f"chunk_size must be at least {BLOCK} bytes, got {chunk_size}")
+    state = max(BLOCK, (state_bytes + BLOCK - 1) // BLOCK * BLOCK)
+    budget = 2 * state if dram_budget is None else int(dram_budget)
+    if budget < BLOCK:
+        raise ConfigError(f"dram_budget must be at least {BLOCK} bytes, got {budget}")
+    chunk = min(chunk_size // BLOCK * BLOCK, state, budget // BLOCK * BLOCK)
+    return chunk, max(1, budget // chunk)
+
+
+class Orchestrator:
+    """Runs checkpoints of a mapping of arrays into a :class:`SlotStore`."""
+
+    def __init__(self, store: SlotStore, layout: Layout, *, max_concurrent: int, writer_threads: int,
+                 chunk_size: int, dram_budget: int | None, copy_engine: CopyEngine,
+                 on_error: Callable[[PCCheckError], None]) -> None:
+        self.store = store
+        self.max_concurrent = max_concurrent
+        self.copy_engine = copy_engine
+        self._on_error = on_error
+        chunk, count = chunk_geometry(layout.data_len, chunk_size, dram_budget)
+        try:
+            self.engine = _native.Engine(chunk, count, writer_threads)
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot allocate the DRAM chunk pool ({count} x {chunk} bytes): "
+                               f"{exc.strerror}; lower dram_budget") from None
+        self._inflight = threading.BoundedSemaphore(max_concurrent)
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="pccheck-commit")
+        self._futures: set[Future] = set()
+        self._lock = threading.Lock()
+        self._durable: tuple[int, int] | None = None  # (counter, step) of the newest durable commit
+        self._retire_after_commit = False
+        self.stats: deque[CheckpointStats] = deque(maxlen=10_000)
+        self._closed = False
+
+    @property
+    def last_durable_step(self) -> int | None:
+        with self._lock:
+            return self._durable[1] if self._durable else None
+
+    def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None) -> int:
+        """Slot capacity this layout needs: data, then the manifest with slack."""
+        man = manifest_upper_bound(layout, metadata) + MANIFEST_SLACK
+        return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
+
+    def start(self, step: int, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None) -> None:
+        """Starts one checkpoint; returns once the arrays' bytes are all in DRAM chunks."""
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed")
+        t0 = time.perf_counter()
+        layout = plan(arrays)
+        self._inflight.acquire()
+        stall = time.perf_counter() - t0
+        try:
+            need = self.slot_bytes(layout, metadata)
+            if not self.store.fits(self.max_concurrent + 1, need):
+                self._drain()  # every slot of the old generation must be settled first
+                self.store.new_generation(self.max_concurrent + 1, need)
+                self._retire_after_commit = True
+            native = self.store.native
+            counter = native.next_counter()
+            slot = self._acquire_slot(native)
+        except BaseException:
+            self._inflight.release()
+            raise
+        try:
+            job = self.engine.begin(native, slot, self.copy_engine.sources(list(arrays.values()), layout),
+                                    layout.data_len)
+            self.copy_engine.copy(job)
+        except BaseException:
+            native.release_slot(slot)
+            self._inflight.release()
+            raise
+        copied = time.perf_counter()
+        fut = self._pool.submit(self._finish, job, native, layout, step, counter, metadata, t0, stall,
+                                copied - t0 - stall)
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._forget)
+
+    def _acquire_slot(self, native: Any) -> int:
+        # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
+        # barrier left one pending (freed by the next barrier that succeeds).
+        while True:
+            try:
+                slot = native.acquire_slot(1.0)
+            except OSError as exc:
+                raise storage_error_from_oserror(exc, "preparing a slot") from None
+            if slot is not None:
+                return slot
+            with self._lock:
+                busy = bool(self._futures)
+            if not busy:
+                raise StorageError(0, "no free slot: earlier commit barriers failed and no checkpoint "
+                                      "in flight can free one; check the device, then reopen the store")
+
+    def _forget(self, fut: Future) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    def _finish(self, job: Any, native: Any, layout: Layout, step: int, counter: int,
+                metadata: Mapping[str, Any] | None, t0: float, stall: float, copy_s: float) -> None:
+        outcome = "failed"
+        try:
+            job.wait()
+            if job.error:
+                native.release_slot(job.slot)
+                code = -job.error
+                raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
+            manifest = build_manifest(layout, step, counter, job.crcs, metadata)
+            try:
+                won = native.commit(job.slot, counter, step, manifest, layout.data_len, layout.data_len)
+            except OSError as exc:
+                raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
+            outcome = "committed" if won else "superseded"
+            if won:
+                with self._lock:
+                    if self._durable is None or counter > self._durable[0]:
+                        self._durable = (counter, step)
+                    retire, self._retire_after_commit = self._retire_after_commit, False
+                if retire:
+                    self.store.retire_older_generations()
+        except PCCheckError as exc:
+            self._on_error(exc)
+        except Exception as exc:  # a bug, not an I/O fault: still surface it through on_error
+            log.exception("pccheck: unexpected error in a background checkpoint")
+            self._on_error(PCCheckError(f"checkpoint of step {step} failed: {exc!r}"))
+        finally:
+            self.stats.append(CheckpointStats(step, counter, layout.data_len, stall, copy_s,
+                                              job.backpressure_seconds, time.perf_counter() - t0, outcome))
+            self._inflight.release()
+
+    def _drain(self) -> None:
+        """Waits for every in-flight checkpoint (callers hold one in-flight permit)."""
+        while True:
+            with self._lock:
+                pending = list(self._futures)
+            if not pending:
+                return
+            futures_wait(pending)
+
+    def wait(self) -> None:
+        """Blocks until every started checkpoint has committed or failed."""
+        self._drain()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._drain()
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self.engine.close()

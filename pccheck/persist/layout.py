@@ -1,0 +1,184 @@
+"""Where each array goes inside a slot, and the JSON manifest that describes it (FORMAT.md §5).
+
+A slot holds the arrays' raw bytes, in the order given, each at a 64-byte aligned offset, padded
+with zeros to a 4096-byte boundary (``data_len``); the manifest follows at ``data_len``.
+Parsing treats the manifest as untrusted input: it raises only :class:`CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import ConfigError, CorruptCheckpointError, UnsupportedDtypeError
+from ..native import _native
+
+__all__ = ["ArrayEntry", "Layout", "plan", "build_manifest", "parse_manifest", "Manifest", "ARRAY_ALIGN"]
+
+ARRAY_ALIGN = 64
+BLOCK: int = _native.BLOCK
+MANIFEST_FORMAT = 1
+MAX_MANIFEST_BYTES = 64 << 20
+_MAX_NDIM = 64
+_CRC_PLACEHOLDER = "00000000"
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class ArrayEntry:
+    """One array's place in a slot."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The arrays of one checkpoint and the size of their data region."""
+
+    entries: tuple[ArrayEntry, ...]
+    data_len: int  # multiple of BLOCK; the manifest starts here
+
+    def same_shape_as(self, other: "Layout | None") -> bool:
+        return other is not None and self.entries == other.entries
+
+
+def plan(arrays: Mapping[str, np.ndarray]) -> Layout:
+    """Validates the arrays and assigns each an aligned offset, in mapping order."""
+    entries = []
+    off = 0
+    for name, arr in arrays.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"state keys must be str, got {name!r} ({type(name).__name__})")
+        if not isinstance(arr, np.ndarray):
+            raise ConfigError(
+                f"state[{name!r}] is a {type(arr).__name__}, not a numpy.ndarray; "
+                "pass numpy arrays (use the PyTorch front-end for tensors)")
+        if arr.dtype.hasobject:
+            raise UnsupportedDtypeError(
+                f"state[{name!r}] has dtype {arr.dtype} which holds Python objects; "
+                "pccheck stores raw bytes only. Convert it to a numeric, string or fixed-size dtype.")
+        off = _align(off, ARRAY_ALIGN)
+        entries.append(ArrayEntry(name, arr.dtype, tuple(int(s) for s in arr.shape), off, int(arr.nbytes)))
+        off += int(arr.nbytes)
+    return Layout(tuple(entries), _align(off, BLOCK))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest."""
+
+    step: int
+    counter: int
+    data_len: int
+    arrays: tuple[ArrayEntry, ...]
+    crcs: tuple[int, ...]
+    metadata: dict[str, Any]
+
+
+def _descr(dtype: np.dtype) -> Any:
+    return np.lib.format.dtype_to_descr(dtype)
+
+
+def build_manifest(layout: Layout, step: int, counter: int, crcs: list[int] | None,
+                   metadata: Mapping[str, Any] | None) -> bytes:
+    """The manifest JSON (UTF-8). With ``crcs=None`` it has placeholders of the final length."""
+    arrays = []
+    for i, e in enumerate(layout.entries):
+        crc = _CRC_PLACEHOLDER if crcs is None else f"{crcs[i]:08x}"
+        arrays.append({"name": e.name, "dtype": _descr(e.dtype), "shape": list(e.shape),
+                       "offset": e.offset, "nbytes": e.nbytes, "crc32c": crc})
+    doc = {"format": MANIFEST_FORMAT, "step": int(step), "counter": int(counter),
+           "data_len": layout.data_len, "arrays": arrays, "metadata": dict(metadata or {})}
+    try:
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"checkpoint metadata must be JSON-serialisable (no NaN/inf): {exc}") from None
+
+
+def manifest_upper_bound(layout: Layout, metadata: Mapping[str, Any] | None) -> int:
+    """The most bytes the manifest of this layout can take, whatever the step and counter."""
+    return len(build_manifest(layout, -(2**63), 2**63 - 1, None, metadata))
+
+
+def _int(doc: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
+    v = doc.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise CorruptCheckpointError(f"{where}: '{key}' is missing or out of range")
+    return v
+
+
+def _dtype_from_descr(descr: Any, where: str) -> np.dtype:
+    def tuplify(x: Any) -> Any:
+        # JSON turns the tuples of a structured descr into lists; numpy wants tuples for fields.
+        if isinstance(x, list):
+            return [tuple(tuplify(i) for i in f) if isinstance(f, list) else f for f in x]
+        return x
+
+    if not isinstance(descr, (str, list)) or len(json.dumps(descr)) > 1 << 16:
+        raise CorruptCheckpointError(f"{where}: bad dtype description")
+    try:
+        dt = np.lib.format.descr_to_dtype(tuplify(descr))
+    except Exception as exc:  # numpy raises many types on hostile descrs
+        raise CorruptCheckpointError(f"{where}: bad dtype description ({type(exc).__name__})") from None
+    if dt.hasobject:
+        raise CorruptCheckpointError(f"{where}: object dtype in a checkpoint")
+    return dt
+
+
+def parse_manifest(raw: bytes, *, step: int, counter: int, data_len_limit: int) -> Manifest:
+    """Parses and validates a manifest against its meta record. Raises CorruptCheckpointError."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError("manifest is not valid UTF-8 JSON") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise CorruptCheckpointError("manifest has an unknown format")
+    if _int(doc, "step", -(2**63), 2**63 - 1, "manifest") != step:
+        raise CorruptCheckpointError("manifest step differs from its meta record")
+    if _int(doc, "counter", 1, 2**56 - 1, "manifest") != counter:
+        raise CorruptCheckpointError("manifest counter differs from its meta record")
+    data_len = _int(doc, "data_len", 0, data_len_limit, "manifest")
+    items = doc.get("arrays")
+    metadata = doc.get("metadata")
+    if not isinstance(items, list) or not isinstance(metadata, dict):
+        raise CorruptCheckpointError("manifest lacks 'arrays' or 'metadata'")
+    entries, crcs, names = [], [], set()
+    end = 0
+    for i, a in enumerate(items):
+        where = f"manifest array #{i}"
+        if not isinstance(a, dict):
+            raise CorruptCheckpointError(f"{where} is not an object")
+        name = a.get("name")
+        if not isinstance(name, str) or name in names:
+            raise CorruptCheckpointError(f"{where}: missing or duplicate name")
+        names.add(name)
+        dt = _dtype_from_descr(a.get("dtype"), where)
+        shape = a.get("shape")
+        if (not isinstance(shape, list) or len(shape) > _MAX_NDIM
+                or any(type(s) is not int or s < 0 for s in shape)):
+            raise CorruptCheckpointError(f"{where}: bad shape")
+        offset = _int(a, "offset", 0, data_len, where)
+        nbytes = _int(a, "nbytes", 0, data_len, where)
+        # Python ints do not overflow: a hostile shape gives a huge product and fails here.
+        if math.prod(shape) * dt.itemsize != nbytes:
+            raise CorruptCheckpointError(f"{where}: nbytes does not match dtype and shape")
+        if offset < end or offset + nbytes > data_len:
+            raise CorruptCheckpointError(f"{where}: region overlaps another or leaves the data region")
+        end = offset + nbytes
+        crc = a.get("crc32c")
+        if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
+            raise CorruptCheckpointError(f"{where}: bad crc32c")
+        entries.append(ArrayEntry(name, dt, tuple(shape), offset, nbytes))
+        crcs.append(int(crc, 16))
+    return Manifest(step, counter, data_len, tuple(entries), tuple(crcs), metadata)

@@ -1,0 +1,242 @@
+"""Recovery: find the newest checkpoint that validates, and load it (FORMAT.md §7).
+
+The store file is untrusted input. Every offset and size read from it is checked against the
+geometry, and the geometry against the file's real size, before anything is read or allocated.
+Picking a slot is a pure function (:func:`candidate_order`); validating one is another
+(:func:`load_slot`). Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
+from ..native import _native
+from .layout import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+
+__all__ = [
+    "Restored", "SlotState", "StoreImage", "read_store", "candidate_order", "read_manifest", "load_slot",
+    "load_latest", "store_files", "default_path", "STORE_GLOB",
+]
+
+log = logging.getLogger("pccheck")
+
+BLOCK: int = _native.BLOCK
+STORE_GLOB = "store-*.pcc"
+_STORE_RE = re.compile(r"^store-(\d{6,})\.pcc$")
+
+
+def default_path() -> Path:
+    """``$PCCHECK_DIR``, else ``./checkpoints``: the default for writers and readers alike."""
+    return Path(os.environ.get("PCCHECK_DIR") or "checkpoints")
+
+
+def store_files(directory: Path) -> list[tuple[int, Path]]:
+    """The store generations in a directory, newest first, as (generation, path)."""
+    out = []
+    for p in directory.glob(STORE_GLOB):
+        m = _STORE_RE.match(p.name)
+        if m:
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A loaded checkpoint: ``state`` maps names to arrays with the saved dtype, shape and bytes."""
+
+    step: int
+    state: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+    counter: int
+    generation: int
+    slot: int
+    path: Path = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What a slot's meta record says (``meta``), or why it cannot be used (``problem``)."""
+
+    slot: int
+    meta: dict[str, Any] | None
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class StoreImage:
+    """The header and meta records of one store file."""
+
+    path: Path
+    header: dict[str, Any]
+    check_word: int
+    slots: tuple[SlotState, ...]
+
+    @property
+    def generation(self) -> int:
+        return int(self.header["generation"])
+
+
+def _pread_exact(fd: int, n: int, off: int) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) != n:
+        raise CorruptCheckpointError(f"short read at offset {off}: the file is truncated")
+    return data
+
+
+def read_store(path: Path) -> StoreImage:
+    """Reads and checks the header and every meta record. Raises CorruptCheckpointError."""
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if size < BLOCK:
+            raise CorruptCheckpointError(f"{path}: too short to be a pccheck store")
+        block0 = _pread_exact(fd, BLOCK, 0)
+        try:
+            header = _native.parse_header(block0)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{path}: {exc}") from None
+        if header["file_size"] > size:
+            raise CorruptCheckpointError(
+                f"{path}: header geometry needs {header['file_size']} bytes but the file has {size}")
+        n = header["num_slots"]
+        metas = _pread_exact(fd, n * BLOCK, BLOCK)
+    slots = []
+    for s in range(n):
+        try:
+            meta = _native.parse_meta(metas[s * BLOCK:(s + 1) * BLOCK], s, header["slot_capacity"])
+            slots.append(SlotState(s, meta, None if meta else "empty"))
+        except ValueError as exc:
+            slots.append(SlotState(s, None, str(exc)))
+    return StoreImage(path, header, header.pop("check_word"), tuple(slots))
+
+
+def candidate_order(image: StoreImage) -> list[int]:
+    """Slots to try, best first: the one CHECK_ADDR names, then the rest newest first.
+
+    CHECK_ADDR's slot counts only if its meta record carries the counter the word says; a word
+    whose slot is out of range or disagrees is ignored (the fallback scan still runs).
+    """
+    word = image.check_word
+    first = None
+    if word:
+        s, c = _native.word_slot(word), _native.word_counter(word)
+        if s < len(image.slots) and image.slots[s].meta and image.slots[s].meta["counter"] == c:
+            first = s
+    rest = sorted((st for st in image.slots if st.meta and st.slot != first),
+                  key=lambda st: st.meta["counter"], reverse=True)
+    return ([first] if first is not None else []) + [st.slot for st in rest]
+
+
+def _read_into(fd: int, buf: memoryview, off: int) -> None:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], off + got)
+        if n <= 0:
+            raise CorruptCheckpointError(f"short read at offset {off + got}: the file is truncated")
+        got += n
+
+
+def read_manifest(image: StoreImage, slot: int, fd: int) -> Manifest:
+    """Reads and validates one slot's manifest against its meta record (not the array data)."""
+    meta = image.slots[slot].meta
+    if meta is None:
+        raise CorruptCheckpointError(f"slot {slot}: {image.slots[slot].problem}")
+    if meta["manifest_len"] > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"slot {slot}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    raw = _pread_exact(fd, meta["manifest_len"], _slot_base(image, slot) + meta["manifest_offset"])
+    if _native.crc32c(raw) != meta["manifest_crc"]:
+        raise CorruptCheckpointError(f"slot {slot}: manifest checksum mismatch")
+    return parse_manifest(raw, step=meta["step"], counter=meta["counter"],
+                          data_len_limit=meta["manifest_offset"])
+
+
+def _slot_base(image: StoreImage, slot: int) -> int:
+    return image.header["slots_offset"] + slot * image.header["slot_capacity"]
+
+
+def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: bool = True,
+              fd: int, mm: mmap.mmap | None = None) -> Restored:
+    """Validates one slot (meta, manifest, every array's crc32c) and loads its arrays.
+
+    With ``zero_copy`` the arrays are read-only views of ``mm``; they stay valid while no writer
+    reuses the slot (i.e. while training is not running on this store).
+    """
+    man = read_manifest(image, slot, fd)
+    base = _slot_base(image, slot)
+    state: dict[str, np.ndarray] = {}
+    for entry, crc in zip(man.arrays, man.crcs):
+        off = base + entry.offset
+        if zero_copy and mm is not None and entry.nbytes:
+            arr = np.frombuffer(mm, dtype=entry.dtype, count=entry.nbytes // entry.dtype.itemsize,
+                                offset=off).reshape(entry.shape)
+            raw_bytes = memoryview(mm)[off:off + entry.nbytes]
+        else:
+            arr = np.empty(entry.shape, dtype=entry.dtype)
+            raw_bytes = memoryview(arr.reshape(-1).view(np.uint8)) if entry.nbytes else memoryview(b"")
+            if entry.nbytes:
+                _read_into(fd, raw_bytes, off)
+        if verify and _native.crc32c(raw_bytes) != crc:
+            raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} checksum mismatch")
+        if zero_copy:
+            arr.flags.writeable = False
+        state[entry.name] = arr
+    return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path)
+
+
+def latest_in_store(path: Path, *, zero_copy: bool = False, verify: bool = True) -> Restored:
+    """The newest valid checkpoint of one store file; NoCheckpointError if none validates."""
+    image = read_store(path)
+    order = candidate_order(image)
+    problems = [f"slot {st.slot}: {st.problem}" for st in image.slots if st.problem and st.problem != "empty"]
+    word = image.check_word
+    if word and (not order or order[0] != _native.word_slot(word)):
+        problems.insert(0, f"CHECK_ADDR names slot {_native.word_slot(word)} with counter "
+                           f"{_native.word_counter(word)}, which its meta record does not confirm")
+    with open(path, "rb", buffering=0) as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if zero_copy else None
+        for i, slot in enumerate(order):
+            try:
+                r = load_slot(image, slot, zero_copy=zero_copy, verify=verify, fd=f.fileno(), mm=mm)
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            if i > 0 or problems:
+                log.warning("pccheck: %s: falling back to slot %d (step %d, counter %d) because: %s",
+                            path, slot, r.step, r.counter, "; ".join(problems))
+            return r
+    raise NoCheckpointError(f"{path}: no valid checkpoint" + (f" ({'; '.join(problems)})" if problems else ""))
+
+
+def load_latest(path: str | os.PathLike[str] | None = None, *, zero_copy: bool = False,
+                verify: bool = True) -> Restored:
+    """Loads the newest valid checkpoint under ``path`` (default: ``$PCCHECK_DIR`` or ./checkpoints).
+
+    Reads CHECK_ADDR, validates that slot's meta record, manifest and every array's crc32c; if
+    anything is wrong, logs a warning naming it and falls back to the newest slot that validates,
+    then to older store generations. Raises NoCheckpointError when nothing validates.
+    """
+    directory = Path(path) if path is not None else default_path()
+    if not directory.is_dir():
+        raise NoCheckpointError(
+            f"no checkpoint directory at {directory}: pass the path the Checkpointer wrote to "
+            "(or set PCCHECK_DIR)")
+    files = store_files(directory)
+    if not files:
+        raise NoCheckpointError(f"{directory} holds no pccheck store ({STORE_GLOB}); nothing to load")
+    problems = []
+    for _, file in files:
+        try:
+            return latest_in_store(file, zero_copy=zero_copy, verify=verify)
+        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+            problems.append(str(exc) if isinstance(exc, PCCheckError) else f"{file}: {exc}")
+            log.warning("pccheck: %s", problems[-1])
+    raise NoCheckpointError(f"no valid checkpoint under {directory}: " + "; ".join(problems))

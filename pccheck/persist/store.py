@@ -1,0 +1,212 @@
+"""A store directory opened for writing: its lock, its generations and the native slot store.
+
+Directory layout (FORMAT.md §1)::
+
+    PATH/LOCK                 flock()ed by the one writer; holds its pid
+    PATH/store-000001.pcc     a store generation: header, N+1 meta records, N+1 slots
+    PATH/store-000002.pcc     a newer generation, made when the state outgrew the old slots
+
+Reopening continues the newest generation's counter and never truncates it. A generation that
+no longer fits gets a successor beside it; the old one stays loadable until the successor has a
+committed checkpoint, and only then is deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError, StoreLockedError,
+                      storage_error_from_oserror)
+from ..native import _native
+from .recovery import StoreImage, candidate_order, load_slot, read_manifest, read_store, store_files
+
+__all__ = ["SlotStore", "STORAGE_CHOICES", "DEFAULT_SSD_MODE"]
+
+log = logging.getLogger("pccheck")
+
+BLOCK: int = _native.BLOCK
+STORAGE_CHOICES = ("auto", "ssd", "odirect", "mmap", "pmem")
+# Chosen by bench/persist_modes.py on these machines (bench/results/persist_modes.json):
+# O_DIRECT pwrite of aligned chunks beats memcpy into a mapping + msync.
+DEFAULT_SSD_MODE = "odirect"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SlotStore:
+    """The writer's side of a store directory. Not thread-safe except through ``native``."""
+
+    def __init__(self, path: Path, storage: str = "auto", world_size: int = 1, rank: int = 0) -> None:
+        self.path = path
+        self.storage = storage
+        self.world_size = world_size
+        self.rank = rank
+        self.native: _native.Store | None = None
+        self.generation = 0
+        self._lock_fd = -1
+        self._next_counter = 1
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise PathNotWritableError(
+                f"cannot create or write the checkpoint directory {path} ({exc.strerror or exc}); "
+                "pass a writable path= or set PCCHECK_DIR") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise StoreLockedError(
+                f"{path} is being written by another Checkpointer (pid {holder}); close it first, "
+                "or give this one a different path") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        for stale in path.glob("store-*.pcc.tmp"):  # a crash during creation; never committed
+            stale.unlink(missing_ok=True)
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @property
+    def header(self) -> dict:
+        assert self.native is not None
+        return self.native.header
+
+    def fits(self, num_slots: int, slot_bytes: int) -> bool:
+        """Whether the open generation has at least ``num_slots`` slots of ``slot_bytes``."""
+        if self.native is None:
+            return False
+        h = self.native.header
+        return h["num_slots"] >= num_slots and h["slot_capacity"] >= slot_bytes
+
+    def open(self, num_slots: int, slot_bytes: int) -> None:
+        """Opens the newest generation if it fits, else creates a new one."""
+        files = store_files(self.path)
+        if files:
+            gen, file = files[0]
+            self.generation = gen
+            try:
+                image = read_store(file)
+                self._next_counter = max(self._next_counter, self._max_counter(image) + 1)
+                h = image.header
+                if h["num_slots"] >= num_slots and h["slot_capacity"] >= slot_bytes:
+                    self._attach(file, image)
+                    return
+                log.info("pccheck: %s has %d slots of %d bytes; need %d of %d: new generation",
+                         file, h["num_slots"], h["slot_capacity"], num_slots, slot_bytes)
+            except CorruptCheckpointError as exc:
+                log.warning("pccheck: cannot reuse %s (%s); starting a new generation beside it", file, exc)
+        self.new_generation(num_slots, slot_bytes)
+
+    def new_generation(self, num_slots: int, slot_bytes: int) -> None:
+        """Creates generation+1 (durably: create, fallocate, fsync, rename, fsync dir) and opens it."""
+        if self.native is not None:
+            self._next_counter = max(self._next_counter, _native.word_counter(self.native.check_word) + 1)
+            self._close_native()
+        gen = self.generation + 1
+        final = self.path / f"store-{gen:06d}.pcc"
+        tmp = final.with_name(final.name + ".tmp")
+        capacity = (slot_bytes + BLOCK - 1) // BLOCK * BLOCK
+        try:
+            _native.create_store(str(tmp), num_slots, capacity, gen, self.world_size, self.rank)
+            os.rename(tmp, final)
+            _fsync_dir(self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise storage_error_from_oserror(
+                exc, f"creating {final} ({num_slots} slots x {capacity} bytes)") from None
+        self.generation = gen
+        self._attach(final, read_store(final))
+
+    def _attach(self, file: Path, image: StoreImage) -> None:
+        self.native = self._open_native(file)
+        word = self._recover_word(image)
+        try:
+            self.native.init(word, self._next_counter)
+        except OSError as exc:
+            raise storage_error_from_oserror(exc, f"opening {file}") from None
+        log.info("pccheck: writing to %s (mode %s, %d slots of %d bytes, next counter %d)", file,
+                 self.native.mode, image.header["num_slots"], image.header["slot_capacity"],
+                 self._next_counter)
+
+    def _open_native(self, file: Path) -> "_native.Store":
+        want = self.storage
+        if want in ("auto", "pmem"):
+            st = _native.Store(str(file), "pmem")
+            if st.is_pmem:
+                return st
+            st.close()
+            if want == "pmem":
+                raise StorageError(errno.EINVAL, f"{file} is not on persistent memory (libpmem says so); "
+                                   "use storage='ssd', or PMEM_IS_PMEM_FORCE=1 on a DAX/tmpfs file for tests")
+        mode = DEFAULT_SSD_MODE if want in ("auto", "ssd") else want
+        try:
+            return _native.Store(str(file), mode)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and mode == "odirect" and want != "odirect":
+                log.info("pccheck: %s does not support O_DIRECT (e.g. tmpfs); using mmap + msync", file)
+                return _native.Store(str(file), "mmap")
+            raise storage_error_from_oserror(exc, f"opening {file}") from None
+
+    @staticmethod
+    def _max_counter(image: StoreImage) -> int:
+        counters = [st.meta["counter"] for st in image.slots if st.meta]
+        return max(counters + [_native.word_counter(image.check_word)])
+
+    @staticmethod
+    def _recover_word(image: StoreImage) -> int:
+        """The CHECK_ADDR to continue from: the word on disk if its slot's meta and manifest check
+        out, else the newest slot that fully validates (then the word is repaired), else 0."""
+        order = candidate_order(image)
+        word = image.check_word
+        with open(image.path, "rb", buffering=0) as f:
+            if word and order and order[0] == _native.word_slot(word):
+                try:
+                    read_manifest(image, order[0], f.fileno())
+                    return word
+                except CorruptCheckpointError as exc:
+                    log.warning("pccheck: the latest checkpoint in %s is damaged (%s)", image.path, exc)
+            for slot in order:
+                try:
+                    r = load_slot(image, slot, fd=f.fileno())
+                except CorruptCheckpointError:
+                    continue
+                if word:
+                    log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d)", image.path, slot, r.step)
+                return _native.make_word(r.counter, slot)
+        return 0
+
+    # -- retiring and closing ------------------------------------------------------------------
+
+    def retire_older_generations(self) -> None:
+        """Deletes generations older than the open one. Call only after it has a durable commit."""
+        removed = False
+        for gen, file in store_files(self.path):
+            if gen < self.generation:
+                file.unlink(missing_ok=True)
+                removed = True
+                log.info("pccheck: retired %s", file)
+        if removed:
+            _fsync_dir(self.path)
+
+    def _close_native(self) -> None:
+        if self.native is not None:
+            self.native.close()
+            self.native = None
+
+    def close(self) -> None:
+        self._close_native()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
