@@ -128,6 +128,7 @@ class _System(abc.ABC):
     """
 
     name: str
+    info: dict[str, Any] = {}  # facts about the configured system, copied into the JSON per size
 
     @abc.abstractmethod
     def run(self, step: int) -> dict[str, float]:
@@ -152,6 +153,7 @@ class _PCCheck(_System):
         self._ck = pccheck.Checkpointer(
             state, path=workdir, interval=1, max_concurrent=2, writer_threads=2, chunk_size=_PIECE
         )
+        self.info = {"storage": str(getattr(self._ck, "storage", "?"))}
 
     def run(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -287,8 +289,9 @@ def _settle() -> None:
 
 def _bench_size(
     nbytes: int, systems: Sequence[str], repeats: int, workdir: Path, first_step: int
-) -> tuple[dict[str, list[dict[str, float]]], int]:
-    """Measure every system at one size; return their per-repetition timings and the next step."""
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, dict[str, Any]], int]:
+    """Measure every system at one size; return their per-repetition timings, their info and the
+    next step."""
     state = make_state(nbytes)
     runners: dict[str, _System] = {}
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
@@ -308,12 +311,15 @@ def _bench_size(
     finally:
         for runner in runners.values():
             runner.close()
-    return samples, step
+    return samples, {name: r.info for name, r in runners.items() if r.info}, step
 
 
-def _size_record(nbytes: int, samples: Mapping[str, list[dict[str, float]]]) -> dict[str, Any]:
+def _size_record(
+    nbytes: int, samples: Mapping[str, list[dict[str, float]]], info: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
     """Medians, GB/s and pccheck ratios of one size, keyed as in the JSON output."""
     rec: dict[str, Any] = {"size_bytes": nbytes, "size": format_size(nbytes)}
+    rec.update({f"{name}_info": dict(facts) for name, facts in info.items()})
     for name, runs in samples.items():
         total = summarize([r["s"] for r in runs])
         rec[f"{name}_s"] = total["median"]
@@ -419,8 +425,8 @@ def run_benchmark(
         host = host_info(workdir)
         step = 1
         for nbytes in sizes:
-            samples, step = _bench_size(nbytes, systems, repeats, workdir, step)
-            records.append(_size_record(_state_nbytes_for(nbytes), samples))
+            samples, info, step = _bench_size(nbytes, systems, repeats, workdir, step)
+            records.append(_size_record(_state_nbytes_for(nbytes), samples, info))
     return {
         "benchmark": "bench.persist",
         "machine": machine_label(host),

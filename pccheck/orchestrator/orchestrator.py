@@ -88,7 +88,6 @@ class Orchestrator:
         self._futures: set[Future] = set()
         self._lock = threading.Lock()
         self._durable: tuple[int, int] | None = None  # (counter, step) of the newest durable commit
-        self._retire_after_commit = False
         self.stats: deque[CheckpointStats] = deque(maxlen=10_000)
         self._closed = False
 
@@ -115,7 +114,6 @@ class Orchestrator:
             if not self.store.fits(self.max_concurrent + 1, need):
                 self._drain()  # every slot of the old generation must be settled first
                 self.store.new_generation(self.max_concurrent + 1, need)
-                self._retire_after_commit = True
             native = self.store.native
             counter = native.next_counter()
             slot = self._acquire_slot(native)
@@ -176,9 +174,8 @@ class Orchestrator:
                 with self._lock:
                     if self._durable is None or counter > self._durable[0]:
                         self._durable = (counter, step)
-                    retire, self._retire_after_commit = self._retire_after_commit, False
-                if retire:
-                    self.store.retire_older_generations()
+                    if self.store.retire_pending:
+                        self.store.retire_older_generations()
         except PCCheckError as exc:
             self._on_error(exc)
         except Exception as exc:  # a bug, not an I/O fault: still surface it through on_error

@@ -192,12 +192,15 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
     return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path)
 
 
-def latest_in_store(path: Path, *, zero_copy: bool = False, verify: bool = True) -> Restored:
-    """The newest valid checkpoint of one store file; NoCheckpointError if none validates."""
+def latest_in_store(path: Path, *, zero_copy: bool = False, verify: bool = True) -> Restored | None:
+    """The newest valid checkpoint of one store file; None if it never had one; NoCheckpointError
+    if it has checkpoints but none validates."""
     image = read_store(path)
     order = candidate_order(image)
     problems = [f"slot {st.slot}: {st.problem}" for st in image.slots if st.problem and st.problem != "empty"]
     word = image.check_word
+    if not word and not order and not problems:
+        return None
     if word and (not order or order[0] != _native.word_slot(word)):
         problems.insert(0, f"CHECK_ADDR names slot {_native.word_slot(word)} with counter "
                            f"{_native.word_counter(word)}, which its meta record does not confirm")
@@ -235,7 +238,10 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, zero_copy: bool =
     problems = []
     for _, file in files:
         try:
-            return latest_in_store(file, zero_copy=zero_copy, verify=verify)
+            r = latest_in_store(file, zero_copy=zero_copy, verify=verify)
+            if r is not None:
+                return r
+            problems.append(f"{file}: no checkpoint yet")
         except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
             problems.append(str(exc) if isinstance(exc, PCCheckError) else f"{file}: {exc}")
             log.warning("pccheck: %s", problems[-1])

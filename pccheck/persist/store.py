@@ -55,6 +55,9 @@ class SlotStore:
         self.generation = 0
         self._lock_fd = -1
         self._next_counter = 1
+        # Set when a new generation was created beside older ones: they are deleted after the
+        # new generation's first durable commit (retire_older_generations), not before.
+        self.retire_pending = False
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -127,6 +130,7 @@ class SlotStore:
             raise storage_error_from_oserror(
                 exc, f"creating {final} ({num_slots} slots x {capacity} bytes)") from None
         self.generation = gen
+        self.retire_pending = gen > 1
         self._attach(final, read_store(final))
 
     def _attach(self, file: Path, image: StoreImage) -> None:
@@ -199,6 +203,7 @@ class SlotStore:
                 log.info("pccheck: retired %s", file)
         if removed:
             _fsync_dir(self.path)
+        self.retire_pending = False
 
     def _close_native(self) -> None:
         if self.native is not None:
