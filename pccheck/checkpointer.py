@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
-from .errors import ConfigError, PCCheckError
+from .errors import ConfigError, PCCheckError, StorageError
 from .orchestrator.copy_engine import CopyEngine, CpuCopyEngine
 from .orchestrator.orchestrator import CheckpointStats, Orchestrator
 from .persist.layout import plan
@@ -72,7 +72,7 @@ class Checkpointer:
             raise ConfigError(f"state must be a mapping of name -> numpy array, got {type(state).__name__}")
         self.state = state
         self.interval = interval
-        self.metadata = dict(metadata or {})
+        self.metadata = _check_metadata(metadata)
         self.path = Path(path) if path is not None else default_path()
         self._on_error_policy = on_error
         self._errors: list[PCCheckError] = []
@@ -102,6 +102,7 @@ class Checkpointer:
         in-flight permit when ``max_concurrent`` are running (recorded as ``stall_s``).
         """
         self._raise_pending()
+        _check_step(step)
         if step % self.interval != 0:
             return False
         self.checkpoint(step, metadata)
@@ -110,10 +111,16 @@ class Checkpointer:
     def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> None:
         """Checkpoints now, regardless of the interval."""
         self._raise_pending()
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise ConfigError(f"step must be an int, got {type(step).__name__}")
-        meta = {**self.metadata, **(metadata or {})}
-        self._orch.start(int(step), self.state, meta)
+        _check_step(step)
+        meta = {**self.metadata, **_check_metadata(metadata)}
+        try:
+            self._orch.start(int(step), self.state, meta)
+        except StorageError as exc:
+            # An I/O fault while preparing the slot or a new generation: the same policy as a
+            # fault in the background part of the checkpoint.
+            if self._on_error_policy == "raise":
+                raise
+            self._background_error(exc)
 
     def wait(self) -> None:
         """Blocks until every checkpoint in flight has committed; raises a pending error."""
@@ -180,6 +187,19 @@ class Checkpointer:
                 return
             first, self._errors = self._errors[0], []
         raise first
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ConfigError(f"step must be an int, got {step!r} ({type(step).__name__})")
+
+
+def _check_metadata(metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata must be a mapping (a JSON object), got {type(metadata).__name__}")
+    return dict(metadata)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:

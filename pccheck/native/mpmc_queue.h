@@ -125,6 +125,11 @@ class BlockingQueue {
     return ok;
   }
 
+  bool closed() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return closed_;
+  }
+
   // Wakes every waiter; pops still drain what is left, then return false.
   void close() {
     std::lock_guard<std::mutex> lk(mu_);

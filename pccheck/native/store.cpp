@@ -137,8 +137,30 @@ int Store::init(uint64_t word, uint64_t next_counter) {
 }
 
 int Store::acquire_slot(double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(timeout_s < 0 ? 0 : timeout_s));
   uint32_t slot;
-  if (!free_.pop(slot, timeout_s)) return -ETIMEDOUT;
+  for (;;) {
+    if (free_.try_pop(slot)) break;
+    // Nothing free. If a failed barrier left slots pending, retry the barrier: the word in
+    // memory is the truth, so persisting it again is always safe, and success frees them.
+    bool has_pending;
+    {
+      std::lock_guard<std::mutex> lk(pending_mu_);
+      has_pending = !pending_.empty();
+    }
+    if (has_pending) {
+      if (int rc = barrier_word()) return rc;
+      release_pending();
+      continue;
+    }
+    // Sleep on the queue in short slices, so slots that become pending meanwhile are noticed.
+    double left = timeout_s < 0 ? 0.05 : std::chrono::duration<double>(deadline - clock::now()).count();
+    if (left <= 0) return -ETIMEDOUT;
+    if (free_.pop(slot, left < 0.05 ? left : 0.05)) break;
+    if (free_.closed()) return -ECANCELED;
+  }
   uint8_t zeros[64] = {0};
   // Only the magic and crc need to go; a short record is padded with zeros to a full block.
   int rc = write_record(header_.meta_offset(slot), zeros, sizeof(zeros));
