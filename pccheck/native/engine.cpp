@@ -177,13 +177,19 @@ void Job::copy() {
 }
 
 void Job::write_chunk(uint64_t k, uint8_t* chunk) {
-  if (err_.load() == 0) {
-    const uint64_t len = std::min(chunk_size_, stream_len_ - k * chunk_size_);
-    int rc = store_->write_data(chunk, len, slot_off_ + k * chunk_size_);
-    if (rc != 0) set_error(rc);
-  }
-  if (err_.load() == 0)
-    for (Piece& p : pieces_[k]) p.crc = crc32c_update(0, chunk + p.chunk_off, p.len);
+  if (err_.load() != 0) return;
+  struct Ctx {
+    std::vector<Piece>* pieces;
+    const uint8_t* chunk;
+  } ctx{&pieces_[k], chunk};
+  // Checksums are computed while the device writes the chunk (both only read it).
+  auto checksum = [](void* a) {
+    auto* c = static_cast<Ctx*>(a);
+    for (Piece& p : *c->pieces) p.crc = crc32c_update(0, c->chunk + p.chunk_off, p.len);
+  };
+  const uint64_t len = std::min(chunk_size_, stream_len_ - k * chunk_size_);
+  int rc = store_->write_data(chunk, len, slot_off_ + k * chunk_size_, checksum, &ctx);
+  if (rc != 0) set_error(rc);
 }
 
 void Job::done(uint64_t n) {

@@ -2,8 +2,12 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/aio_abi.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <atomic>
 #include <cstdint>
@@ -68,6 +72,64 @@ int pwrite_all(int fd, const void* buf, size_t len, uint64_t off) {
     len -= static_cast<size_t>(n);
   }
   return 0;
+}
+
+namespace {
+
+// One kernel AIO context per writer thread, created on first use, destroyed at thread exit.
+struct AioContext {
+  aio_context_t ctx = 0;
+  bool ok = false;
+  AioContext() { ok = ::syscall(SYS_io_setup, 1, &ctx) == 0; }
+  ~AioContext() {
+    if (ok) ::syscall(SYS_io_destroy, ctx);
+  }
+};
+
+}  // namespace
+
+int pwrite_all_overlapped(int fd, const void* buf, size_t len, uint64_t off, void (*overlap)(void*), void* arg) {
+  thread_local AioContext aio;
+  size_t first = len;
+  int inj;
+  do {
+    inj = injected(kPwrite);  // an interrupted submission is retried, as in pwrite_all
+  } while (inj == EINTR);
+  if (inj > 0) return -inj;
+  if (inj == kShortWrite && len >= 2 * 4096) first = (len / 2) & ~size_t(4095);
+  if (!aio.ok) {
+    int rc = pwrite_all(fd, buf, len, off);
+    if (rc == 0) overlap(arg);
+    return rc;
+  }
+  struct iocb cb;
+  std::memset(&cb, 0, sizeof(cb));
+  cb.aio_lio_opcode = IOCB_CMD_PWRITE;
+  cb.aio_fildes = static_cast<uint32_t>(fd);
+  cb.aio_buf = reinterpret_cast<uint64_t>(buf);
+  cb.aio_nbytes = first;
+  cb.aio_offset = static_cast<int64_t>(off);
+  struct iocb* cbs[1] = {&cb};
+  long n;
+  do {
+    n = ::syscall(SYS_io_submit, aio.ctx, 1, cbs);
+  } while (n < 0 && (errno == EINTR || errno == EAGAIN));
+  if (n != 1) {  // could not submit at all: write synchronously instead
+    int rc = pwrite_all(fd, buf, len, off);
+    if (rc == 0) overlap(arg);
+    return rc;
+  }
+  overlap(arg);  // the device works on the write meanwhile
+  struct io_event ev;
+  do {
+    n = ::syscall(SYS_io_getevents, aio.ctx, 1, 1, &ev, nullptr);
+  } while (n < 0 && errno == EINTR);
+  if (n != 1) return -errno;
+  if (ev.res < 0) return static_cast<int>(ev.res);
+  size_t done = static_cast<size_t>(ev.res);
+  if (done == 0 && len > 0) return -EIO;
+  // A short completion continues synchronously, like pwrite_all.
+  return done < len ? pwrite_all(fd, static_cast<const char*>(buf) + done, len - done, off + done) : 0;
 }
 
 int fdatasync_fd(int fd) {

@@ -31,6 +31,10 @@ int64_t fault_calls();
 
 // Writes all of buf at off: retries EINTR and continues after short writes.
 int pwrite_all(int fd, const void* buf, size_t len, uint64_t off);
+// Writes all of buf at off (an O_DIRECT fd) and runs `overlap` on this thread while the write is
+// in flight (Linux AIO), so CPU work such as checksumming does not leave the device idle.
+// Where AIO is unavailable the write is synchronous and `overlap` runs after it.
+int pwrite_all_overlapped(int fd, const void* buf, size_t len, uint64_t off, void (*overlap)(void*), void* arg);
 int fdatasync_fd(int fd);
 int msync_range(void* addr, size_t len);  // addr need not be page aligned; MS_SYNC
 int fallocate_fd(int fd, uint64_t off, uint64_t len);

@@ -173,19 +173,23 @@ int Store::acquire_slot(double timeout_s) {
 
 void Store::release_slot(uint32_t slot) { free_.push(slot); }
 
-int Store::write_data(const uint8_t* buf, size_t len, uint64_t file_off) {
+int Store::write_data(const uint8_t* buf, size_t len, uint64_t file_off, void (*overlap)(void*), void* arg) {
+  int rc = -EINVAL;
   switch (mode_) {
     case Mode::kODirect:
-      return io::pwrite_all(fd_, buf, len, file_off);
+      return io::pwrite_all_overlapped(fd_, buf, len, file_off, overlap, arg);
     case Mode::kMmap:
       std::memcpy(map_ + file_off, buf, len);
-      return io::msync_range(map_ + file_off, len);
+      rc = io::msync_range(map_ + file_off, len);
+      break;
     case Mode::kPmem:
       pmem_copy_nodrain(map_ + file_off, buf, len);
       pmem_fence();  // per-CPU: each writer thread drains its own streaming stores
-      return io::check_pmem_drain();
+      rc = io::check_pmem_drain();
+      break;
   }
-  return -EINVAL;
+  if (rc == 0) overlap(arg);
+  return rc;
 }
 
 int Store::write_record(uint64_t file_off, const void* data, size_t len) {

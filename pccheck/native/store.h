@@ -63,7 +63,9 @@ class Store {
 
   // Writes a filled chunk at an absolute file offset, durably for kMmap and kPmem; kODirect
   // relies on the fdatasync in commit(). Called by writer threads, concurrently.
-  int write_data(const uint8_t* buf, size_t len, uint64_t file_off);
+  // `overlap(arg)` runs exactly once on success, while the write is in flight where the mode
+  // allows it (kODirect: kernel AIO), else after it.
+  int write_data(const uint8_t* buf, size_t len, uint64_t file_off, void (*overlap)(void*), void* arg);
 
   // Listing 1 steps 3-5 for a slot whose chunks are all written: manifest + meta record, one
   // durability barrier, then CAS on CHECK_ADDR and its persistence barrier. Returns 1 when this

@@ -24,6 +24,7 @@ BLOCK: int = _native.BLOCK
 MANIFEST_FORMAT = 1
 MAX_MANIFEST_BYTES = 64 << 20
 _MAX_NDIM = 64
+_MAX_NUMPY_BYTES = 2**63 - 1
 _CRC_PLACEHOLDER = "00000000"
 
 
@@ -173,6 +174,10 @@ def parse_manifest(raw: bytes, *, step: int, counter: int, data_len_limit: int) 
         # Python ints do not overflow: a hostile shape gives a huge product and fails here.
         if math.prod(shape) * dt.itemsize != nbytes:
             raise CorruptCheckpointError(f"{where}: nbytes does not match dtype and shape")
+        # A zero-size array passes the check above with any shape: numpy must still be able to
+        # represent it (each extent, and the product of the non-zero ones, below 2**63).
+        if math.prod(s for s in shape if s) * max(dt.itemsize, 1) > _MAX_NUMPY_BYTES:
+            raise CorruptCheckpointError(f"{where}: shape too large to represent")
         if offset < end or offset + nbytes > data_len:
             raise CorruptCheckpointError(f"{where}: region overlaps another or leaves the data region")
         end = offset + nbytes

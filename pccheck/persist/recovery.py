@@ -175,15 +175,18 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
     state: dict[str, np.ndarray] = {}
     for entry, crc in zip(man.arrays, man.crcs):
         off = base + entry.offset
-        if zero_copy and mm is not None and entry.nbytes:
-            arr = np.frombuffer(mm, dtype=entry.dtype, count=entry.nbytes // entry.dtype.itemsize,
-                                offset=off).reshape(entry.shape)
-            raw_bytes = memoryview(mm)[off:off + entry.nbytes]
-        else:
-            arr = np.empty(entry.shape, dtype=entry.dtype)
-            raw_bytes = memoryview(arr.reshape(-1).view(np.uint8)) if entry.nbytes else memoryview(b"")
-            if entry.nbytes:
-                _read_into(fd, raw_bytes, off)
+        try:
+            if zero_copy and mm is not None and entry.nbytes:
+                arr = np.frombuffer(mm, dtype=entry.dtype, count=entry.nbytes // entry.dtype.itemsize,
+                                    offset=off).reshape(entry.shape)
+                raw_bytes = memoryview(mm)[off:off + entry.nbytes]
+            else:
+                arr = np.empty(entry.shape, dtype=entry.dtype)
+                raw_bytes = memoryview(arr.reshape(-1).view(np.uint8)) if entry.nbytes else memoryview(b"")
+        except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # defence in depth
+            raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} cannot be built: {exc}") from None
+        if entry.nbytes and not (zero_copy and mm is not None):
+            _read_into(fd, raw_bytes, off)
         if verify and _native.crc32c(raw_bytes) != crc:
             raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} checksum mismatch")
         if zero_copy:
