@@ -12,6 +12,9 @@ TORCH  ?= torch==2.13.0
 setup: $(VENV)/.deps
 	@# (Re)build and install the package with its native core; the CMake build dir is reused.
 	$(PIP) install --quiet ".[test,bench]"
+	@# Also put the built extension into the source tree, so `python -m pccheck.demo` and
+	@# `python -m bench...` work from the repo root (where ./pccheck shadows site-packages).
+	cd / && $(CURDIR)/$(PY) -c "import shutil, pccheck.native._native as m; shutil.copy2(m.__file__, '$(CURDIR)/pccheck/native/')"
 
 $(VENV)/.deps:
 	@# libpmem from Debian: the PMEM writer uses pmem_memcpy_nodrain + pmem_drain when present.
