@@ -51,12 +51,16 @@ class Checkpointer:
             training goes on), or a callable given the exception (called on the writer thread).
             In every case the last committed checkpoint stays loadable.
         metadata: JSON-serialisable dict stored with every checkpoint.
+        keep_every: if set, every k-th committed checkpoint is also copied, in the background, to
+            ``PATH/history/step-XXXXXX.safetensors`` (+ a JSON sidecar) for debugging history.
+        max_history: keep at most this many history files (oldest deleted first; never a slot).
     """
 
     def __init__(self, state: Mapping[str, np.ndarray], path: str | os.PathLike[str] | None = None, *,
                  interval: int = 10, max_concurrent: int = 2, writer_threads: int = 2,
                  dram_budget: int | None = None, chunk_size: int = 64 << 20, storage: str = "auto",
                  on_error: OnError = "raise", metadata: Mapping[str, Any] | None = None,
+                 keep_every: int | None = None, max_history: int | None = None,
                  copy_engine: CopyEngine | None = None) -> None:
         _check_int("interval", interval, 1)
         _check_int("max_concurrent", max_concurrent, 1, 254)
@@ -64,6 +68,10 @@ class Checkpointer:
         _check_int("chunk_size", chunk_size, 4096)
         if dram_budget is not None:
             _check_int("dram_budget", dram_budget, 4096)
+        if keep_every is not None:
+            _check_int("keep_every", keep_every, 1)
+        if max_history is not None:
+            _check_int("max_history", max_history, 1)
         if storage not in STORAGE_CHOICES:
             raise ConfigError(f"storage must be one of {', '.join(STORAGE_CHOICES)}; got {storage!r}")
         if not (on_error in ("raise", "log") or callable(on_error)):
@@ -79,16 +87,23 @@ class Checkpointer:
         self._err_lock = threading.Lock()
 
         layout = plan(state)  # validates names and dtypes before touching the disk
+        self._history = None
+        if keep_every is not None:
+            from .history import HistoryKeeper
+
+            self._history = HistoryKeeper(self.path, keep_every, max_history)
         self._store = SlotStore(self.path, storage)
         try:
             self._orch = Orchestrator(self._store, layout, max_concurrent=max_concurrent,
                                       writer_threads=writer_threads, chunk_size=chunk_size,
                                       dram_budget=dram_budget, copy_engine=copy_engine or CpuCopyEngine(),
-                                      on_error=self._background_error)
+                                      on_error=self._background_error, on_commit=self._history)
             self._store.open(max_concurrent + 1, self._orch.slot_bytes(layout, self.metadata))
         except BaseException:
             if hasattr(self, "_orch"):
                 self._orch.close()
+            if self._history is not None:
+                self._history.close()
             self._store.close()
             raise
 
@@ -151,6 +166,8 @@ class Checkpointer:
         try:
             self._orch.close()
         finally:
+            if self._history is not None:
+                self._history.close()  # finishes copies of committed checkpoints first
             self._store.close()
         self._raise_pending()
 

@@ -13,6 +13,8 @@
 namespace py = pybind11;
 using namespace pcc;
 
+void bind_io(py::module_& m);  // binding_io.cpp
+
 namespace {
 
 [[noreturn]] void throw_rc(int rc, const std::string& what) { throw NativeError(-rc, what); }
@@ -69,13 +71,6 @@ PYBIND11_MODULE(_native, m) {
   m.attr("MAX_SLOTS") = kMaxSlots;
   m.attr("FORMAT_VERSION") = kFormatVersion;
   m.attr("CHECK_ADDR_OFFSET") = kCheckAddrOffset;
-  m.attr("OP_PWRITE") = uint32_t(io::kPwrite);
-  m.attr("OP_FDATASYNC") = uint32_t(io::kFdatasync);
-  m.attr("OP_MSYNC") = uint32_t(io::kMsync);
-  m.attr("OP_FALLOCATE") = uint32_t(io::kFallocate);
-  m.attr("OP_PMEM_DRAIN") = uint32_t(io::kPmemDrain);
-  m.attr("OP_ALL") = uint32_t(io::kAll);
-  m.attr("SHORT_WRITE") = io::kShortWrite;
 
   m.def("crc32c", [](const py::buffer& b, uint32_t crc) {
         py::buffer_info info = read_buffer(b);
@@ -90,11 +85,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("have_libpmem", &have_libpmem);
   m.def("ntcopy_kernel", &ntcopy_kernel);
 
-  m.def("set_fault", &io::set_fault, py::arg("op_mask"), py::arg("nth"), py::arg("err"),
-        py::arg("persistent") = false,
-        "Fail the nth I/O call among op_mask with errno `err` (SHORT_WRITE: a short write).");
-  m.def("clear_fault", &io::clear_fault);
-  m.def("fault_calls", &io::fault_calls);
+  bind_io(m);  // fault injection and I/O tracing: binding_io.cpp
 
   m.def("create_store", &create_store, py::arg("path"), py::arg("num_slots"), py::arg("slot_capacity"),
         py::arg("generation"), py::arg("world_size") = 1, py::arg("rank") = 0,

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -30,7 +31,7 @@ from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
 from .copy_engine import CopyEngine
 
-__all__ = ["Orchestrator", "CheckpointStats", "chunk_geometry"]
+__all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "chunk_geometry"]
 
 log = logging.getLogger("pccheck")
 
@@ -54,6 +55,17 @@ class CheckpointStats:
     outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
 
 
+@dataclass(frozen=True)
+class CommitInfo:
+    """A checkpoint that just became the durable latest: where it lives. The slot stays as it is
+    until a newer checkpoint commits, so readers must validate what they read (crc32c)."""
+
+    step: int
+    counter: int
+    slot: int
+    store_file: Path
+
+
 def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -> tuple[int, int]:
     """(chunk bytes, chunk count) for the pool: ``dram_budget`` (default 2x the state) carved
     into chunks of at most ``chunk_size``, each a multiple of 4096."""
@@ -72,11 +84,13 @@ class Orchestrator:
 
     def __init__(self, store: SlotStore, layout: Layout, *, max_concurrent: int, writer_threads: int,
                  chunk_size: int, dram_budget: int | None, copy_engine: CopyEngine,
-                 on_error: Callable[[PCCheckError], None]) -> None:
+                 on_error: Callable[[PCCheckError], None],
+                 on_commit: Callable[[CommitInfo], None] | None = None) -> None:
         self.store = store
         self.max_concurrent = max_concurrent
         self.copy_engine = copy_engine
         self._on_error = on_error
+        self._on_commit = on_commit
         chunk, count = chunk_geometry(layout.data_len, chunk_size, dram_budget)
         try:
             self.engine = _native.Engine(chunk, count, writer_threads)
@@ -170,6 +184,11 @@ class Orchestrator:
             except OSError as exc:
                 raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
             outcome = "committed" if won else "superseded"
+            if won and self._on_commit is not None:
+                try:  # e.g. history retention: it must only enqueue, and never fail the checkpoint
+                    self._on_commit(CommitInfo(step, counter, job.slot, self.store.file))
+                except Exception:
+                    log.exception("pccheck: the on_commit hook raised; the checkpoint itself is committed")
             if won:
                 with self._lock:
                     if self._durable is None or counter > self._durable[0]:

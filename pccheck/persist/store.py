@@ -53,6 +53,7 @@ class SlotStore:
         self.world_size = world_size
         self.rank = rank
         self.native: _native.Store | None = None
+        self.file: Path | None = None  # the generation file open for writing
         self.generation = 0
         self._lock_fd = -1
         self._next_counter = 1
@@ -136,6 +137,7 @@ class SlotStore:
 
     def _attach(self, file: Path, image: StoreImage) -> None:
         self.native = self._open_native(file)
+        self.file = file
         word = self._recover_word(image)
         try:
             self.native.init(word, self._next_counter)
