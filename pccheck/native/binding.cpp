@@ -176,14 +176,20 @@ PYBIND11_MODULE(_native, m) {
       .def("close", &Store::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")
-      .def("copy", [](Job& j) {
-             {
-               py::gil_scoped_release nogil;
-               j.copy();
-             }
-           },
-           "Fill chunks from the arrays and hand them to the writers (GIL released).")
-      .def("wait", &Job::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("copy", &Job::copy, py::arg("until") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Claim, fill and hand to the writers every unclaimed chunk (those holding stream bytes "
+           "below `until`, if > 0). Several threads may call it at once. GIL released.")
+      .def("wait_copied", &Job::wait_copied, py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>(), "True once every chunk is filled.")
+      .def("wait", &Job::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>(),
+           "True once every chunk is written (or the job failed).")
+      .def("claim", &Job::claim, "Next chunk index to fill, or -1 when all are claimed.")
+      .def("acquire_chunk", &Job::acquire_chunk, py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>(), "A free chunk id (waits: back-pressure); -1 on timeout.")
+      .def("fill", &Job::fill, py::arg("k"), py::arg("chunk"), py::call_guard<py::gil_scoped_release>(),
+           "Fill chunk k from host-memory sources (memcpy).")
+      .def("submit", &Job::submit, py::arg("k"), py::arg("chunk"), "Hand filled chunk k to the writers.")
+      .def("skip", &Job::skip, py::arg("k"), py::arg("err"), "Give up chunk k, failing the job with -err.")
       .def_property_readonly("error", &Job::error)
       .def_property_readonly("crcs", &Job::crcs)
       .def_property_readonly("slot", &Job::slot)
@@ -219,5 +225,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("chunk_size", &Engine::chunk_size)
       .def_property_readonly("num_chunks", &Engine::num_chunks)
       .def("free_chunks", &Engine::free_chunks)
+      .def_property_readonly("pool_address", &Engine::pool_address)
+      .def_property_readonly("pool_bytes", &Engine::pool_bytes)
+      .def("chunk_address", &Engine::chunk_address)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
 }

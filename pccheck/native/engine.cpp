@@ -140,10 +140,15 @@ std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
     }
   }
   job->remaining_.store(job->nchunks_ + 1);
+  if (job->nchunks_ == 0) {  // nothing to copy: the copy phase is over before it starts
+    job->copied_ = true;
+    job->remaining_.store(1);
+    job->done(1);
+  }
   return job;
 }
 
-void Job::fill(uint64_t k, uint8_t* chunk) const {
+void Job::fill_into(uint64_t k, uint8_t* chunk) const {
   const uint64_t base = k * chunk_size_;
   const uint64_t len = std::min(chunk_size_, stream_len_ - base);
   uint64_t filled = 0;  // bytes of the chunk written so far; gaps between arrays are zeroed
@@ -157,23 +162,78 @@ void Job::fill(uint64_t k, uint8_t* chunk) const {
   if (len > filled) std::memset(chunk + filled, 0, len - filled);
 }
 
-void Job::copy() {
-  auto t0 = std::chrono::steady_clock::now();
-  uint64_t k = 0;
-  for (; k < nchunks_ && err_.load() == 0; k++) {
-    uint32_t id;
-    auto w0 = std::chrono::steady_clock::now();
-    if (!engine_->free_chunks_.pop(id)) {  // the engine was closed under us
-      set_error(-ECANCELED);
-      break;
-    }
-    backpressure_s_ += seconds_since(w0);
-    fill(k, engine_->chunk_ptr(id));
-    // Hand the chunk to the writers at once: persisting chunk k overlaps copying chunk k+1.
-    engine_->tasks_.push(Engine::Task{shared_from_this(), k, id});
+int64_t Job::claim() {
+  uint64_t k = next_.fetch_add(1);
+  if (k >= nchunks_) {
+    next_.store(nchunks_);  // keep it from creeping towards overflow
+    return -1;
   }
-  copy_s_ = seconds_since(t0);
-  done(nchunks_ - k + 1);  // chunks never handed out, plus the copy's own reference
+  return static_cast<int64_t>(k);
+}
+
+int64_t Job::acquire_chunk(double timeout_s) {
+  auto w0 = std::chrono::steady_clock::now();
+  uint32_t id;
+  bool ok = engine_->free_chunks_.pop(id, timeout_s);
+  backpressure_ns_ += static_cast<int64_t>(seconds_since(w0) * 1e9);
+  return ok ? static_cast<int64_t>(id) : -1;
+}
+
+void Job::fill(uint64_t k, uint32_t chunk) {
+  auto t0 = std::chrono::steady_clock::now();
+  fill_into(k, engine_->chunk_ptr(chunk));
+  copy_ns_ += static_cast<int64_t>(seconds_since(t0) * 1e9);
+}
+
+void Job::submit(uint64_t k, uint32_t chunk) {
+  // Hand the chunk to the writers at once: persisting chunk k overlaps copying chunk k+1.
+  engine_->tasks_.push(Engine::Task{shared_from_this(), k, chunk});
+  filled();
+}
+
+void Job::skip(uint64_t k, int err) {
+  (void)k;
+  set_error(err);
+  filled();
+  done(1);  // the chunk will never be written
+}
+
+void Job::filled() {
+  if (filled_.fetch_add(1) + 1 != nchunks_) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    copied_ = true;
+    cv_.notify_all();
+  }
+  done(1);  // the copy phase's reference
+}
+
+void Job::copy(uint64_t until) {
+  const uint64_t last = until ? std::min(nchunks_, (until + chunk_size_ - 1) / chunk_size_) : nchunks_;
+  while (next_.load() < last) {
+    int64_t k = claim();
+    if (k < 0) break;
+    if (err_.load() != 0) {  // a write already failed: the checkpoint is lost, stop copying
+      skip(static_cast<uint64_t>(k), err_.load());
+      continue;
+    }
+    int64_t id = acquire_chunk(-1.0);
+    if (id < 0) {  // the engine was closed under us
+      skip(static_cast<uint64_t>(k), -ECANCELED);
+      continue;
+    }
+    fill(static_cast<uint64_t>(k), static_cast<uint32_t>(id));
+    submit(static_cast<uint64_t>(k), static_cast<uint32_t>(id));
+  }
+}
+
+bool Job::wait_copied(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [this] { return copied_; });
+    return true;
+  }
+  return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [this] { return copied_; });
 }
 
 void Job::write_chunk(uint64_t k, uint8_t* chunk) {

@@ -4,10 +4,14 @@
 //
 // Call order for one checkpoint (a Job):
 //   job = engine.begin(store, slot, sources, stream_len)   // geometry only, no I/O
-//   job->copy()        // caller thread: fill chunks in order, hand each to the writers;
-//                      // waits for free chunks when the pool is empty (back-pressure)
+//   job->copy()        // fill chunks in order, hand each to the writers; waits for free
+//                      // chunks when the pool is empty (back-pressure). Several threads may
+//                      // call copy() at once: each claims the next unfilled chunk, so a thread
+//                      // that needs the snapshot out of live memory *now* helps finish it.
 //   job->wait(t)       // until every chunk is written (or the job failed)
 //   job->crcs()        // per-array crc32c, then Store::commit
+// Copy engines that fill chunks themselves (device -> pinned host memory) use the same
+// claim protocol step by step: claim() -> acquire_chunk() -> (fill) -> submit().
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -44,12 +48,24 @@ class Engine;
 
 class Job : public std::enable_shared_from_this<Job> {
  public:
-  void copy();
-  bool wait(double timeout_s);       // true when finished
+  // Claims and fills chunks until none is left to claim; returns then (others may still be
+  // filling theirs: wait_copied). Stops early after claiming the chunk holding byte
+  // `until` - 1 of the stream when until > 0.
+  void copy(uint64_t until = 0);
+  bool wait_copied(double timeout_s);  // every chunk filled: the sources may change again
+  bool wait(double timeout_s);         // every chunk written: ready to commit
+
+  // Step-by-step protocol for external copy engines. claim() returns the next chunk index or
+  // -1 when all are claimed; a claimed chunk MUST be either submitted or skipped.
+  int64_t claim();
+  int64_t acquire_chunk(double timeout_s);  // a free chunk id, -1 on timeout (back-pressure)
+  void fill(uint64_t k, uint32_t chunk);    // native memcpy of chunk k from host sources
+  void submit(uint64_t k, uint32_t chunk);  // hands a filled chunk to the writers
+  void skip(uint64_t k, int err);           // gives up chunk k (e.g. a device copy failed)
   int error() const { return err_.load(); }  // 0 or a negative errno
   std::vector<uint32_t> crcs() const;  // valid once finished without error
-  double copy_seconds() const { return copy_s_; }
-  double backpressure_seconds() const { return backpressure_s_; }
+  double copy_seconds() const { return copy_ns_.load() * 1e-9; }
+  double backpressure_seconds() const { return backpressure_ns_.load() * 1e-9; }
   uint32_t slot() const { return slot_; }
   uint64_t num_chunks() const { return nchunks_; }
 
@@ -61,9 +77,10 @@ class Job : public std::enable_shared_from_this<Job> {
     uint64_t len;
     uint32_t crc;
   };
-  void fill(uint64_t k, uint8_t* chunk) const;
+  void fill_into(uint64_t k, uint8_t* chunk) const;
   void write_chunk(uint64_t k, uint8_t* chunk);  // writer thread
-  void done(uint64_t n);                        // n chunks (or the copy itself) finished
+  void filled();                                // one chunk left the copy phase
+  void done(uint64_t n);                        // n chunks (or the copy phase) finished
   void set_error(int rc) {
     int expected = 0;
     err_.compare_exchange_strong(expected, rc);
@@ -80,11 +97,14 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::vector<Piece>> pieces_;     // per chunk: the array bytes it carries
   std::vector<uint32_t> crcs_;
   std::atomic<int> err_{0};
-  std::atomic<uint64_t> remaining_{0};         // chunks not yet written + 1 for the copy
+  std::atomic<uint64_t> next_{0};              // next chunk index to claim
+  std::atomic<uint64_t> filled_{0};            // chunks submitted or skipped
+  std::atomic<uint64_t> remaining_{0};         // chunks not yet written + 1 for the copy phase
   std::mutex mu_;
   std::condition_variable cv_;
+  bool copied_ = false;
   bool finished_ = false;
-  double copy_s_ = 0, backpressure_s_ = 0;
+  std::atomic<int64_t> copy_ns_{0}, backpressure_ns_{0};  // summed over copying threads
 };
 
 class Engine {
@@ -101,6 +121,9 @@ class Engine {
   uint64_t chunk_size() const { return chunk_size_; }
   uint32_t num_chunks() const { return num_chunks_; }
   uint32_t free_chunks();  // only meaningful while idle
+  uintptr_t pool_address() const { return reinterpret_cast<uintptr_t>(pool_); }
+  uint64_t pool_bytes() const { return pool_len_; }
+  uintptr_t chunk_address(uint32_t id) const { return pool_address() + uint64_t(id) * chunk_size_; }
   void close();            // joins the writers; call when no job is in flight
 
  private:
