@@ -1,9 +1,9 @@
 """pccheck: persistent, concurrent, crash-safe checkpoints for ML training.
 
     import pccheck
-    ck = pccheck.Checkpointer(state, path="ckpt", interval=10)   # state: name -> numpy array
+    ck = pccheck.Checkpointer(model, optimizer, path="ckpt")      # or a mapping name -> array
     ...
-    r = pccheck.load_latest("ckpt")                               # r.step, r.state
+    r = pccheck.load_latest("ckpt", model=model, optimizer=optimizer)   # restored in place
 
 ``import pccheck`` never imports torch or cupy.
 """
@@ -13,17 +13,19 @@ from __future__ import annotations
 import logging as _logging
 
 from .errors import (ConfigError, CorruptCheckpointError, DeviceIOError, NativeExtensionError,
-                     NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, StorageError,
-                     StoreLockedError, UnsupportedDtypeError)
+                     NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, SnapshotError,
+                     StorageError, StoreLockedError, UnsupportedDtypeError)
 from .native import _native  # noqa: F401  (fails early, with build instructions, if missing)
 from .checkpointer import Checkpointer
 from .orchestrator.orchestrator import CheckpointStats
-from .persist.recovery import Restored, load_latest
+from .persist.recovery import Restored
+from .restore import load_latest
+from .stats import StatsReport
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpointer", "CheckpointStats", "Restored", "load_latest",
+    "Checkpointer", "CheckpointStats", "StatsReport", "Restored", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "__version__",

@@ -1,28 +1,33 @@
-"""The front-end: ``Checkpointer`` for a mapping of numpy arrays.
+"""The front-end: ``Checkpointer`` for a PyTorch model + optimizer, or a mapping of arrays.
 
-    ck = pccheck.Checkpointer(state, path="ckpt", interval=10, max_concurrent=2)
-    for step in range(1, steps + 1):
-        update(state)                 # in place
-        ck.maybe_checkpoint(step)     # returns once the arrays may change again
+    ck = pccheck.Checkpointer(model, optimizer, extra_state={"sched": sched}, path="ckpt")
+    for step in range(start + 1, total + 1):
+        train_step()                  # forward, backward, optimizer.step(), sched.step()
+        ck.maybe_checkpoint(step)     # returns at once; the copy overlaps the next forward/backward
     ck.close()                        # waits for every checkpoint in flight
+
+    ck = pccheck.Checkpointer({"w": w, "m": m}, "ckpt")   # numpy / cupy arrays, updated in place
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 
 from .errors import ConfigError, PCCheckError, StorageError
-from .orchestrator.copy_engine import CopyEngine, CpuCopyEngine
-from .orchestrator.orchestrator import CheckpointStats, Orchestrator
+from .orchestrator.copy_engine import CopyEngine, select_copy_engine
+from .orchestrator.orchestrator import Orchestrator
 from .persist.layout import plan
 from .persist.recovery import default_path
 from .persist.store import STORAGE_CHOICES, SlotStore
+from .stats import StatsReport
+from .torch_state import TREE_KEY, Snapshot, TorchState
 
 __all__ = ["Checkpointer", "OnError"]
 
@@ -31,16 +36,39 @@ log = logging.getLogger("pccheck")
 OnError = Union[str, Callable[[PCCheckError], None]]
 
 
+class _ArraysState:
+    """A mapping of arrays, read at every checkpoint and copied before maybe_checkpoint returns."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"state must be a torch.nn.Module or a mapping of name -> array, "
+                              f"got {type(state).__name__}")
+        self.state = state
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(dict(self.state), len(self.state), {})
+
+
+def _is_module(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
 class Checkpointer:
     """Persists a mapping of numpy arrays concurrently and crash-safely (PCcheck, ASPLOS'25).
 
     Args:
-        state: name -> numpy array (any dtype but object, any shape, any strides). The mapping
-            is read at every checkpoint, so arrays may be replaced or mutated in place.
+        state: a ``torch.nn.Module``, or a mapping name -> array (numpy, cupy or torch; any dtype
+            but object, any shape, any strides), read at every checkpoint.
+        optimizer: the model's ``torch.optim.Optimizer`` (for a mapping, the second positional
+            argument may be the path instead).
         path: store directory; default ``$PCCHECK_DIR`` or ``./checkpoints``.
+        extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (LR scheduler,
+            GradScaler, a sampler) or a plain JSON-able value.
         interval: ``maybe_checkpoint(step)`` checkpoints when ``step % interval == 0``.
         max_concurrent: N, checkpoints in flight at once. The store holds N+1 slots, so storage
             use is (N+1) x the state size.
+        when_busy: when N are in flight: "block" (wait, recorded as stall) or "skip" (count it).
         writer_threads: threads persisting chunks (2 saturates a 2-core machine).
         dram_budget: bytes of DRAM staging chunks, allocated and touched once (default 2x state).
         chunk_size: bytes per chunk (pipelining unit; a multiple of 4096).
@@ -50,18 +78,31 @@ class Checkpointer:
             ``maybe_checkpoint``/``checkpoint``/``wait``/``close`` raises it), "log" (logged,
             training goes on), or a callable given the exception (called on the writer thread).
             In every case the last committed checkpoint stays loadable.
+        soft_cow: (PyTorch) copy the tensors in the background while the next forward/backward
+            runs; an optimizer step pre-hook finishes the copy before the update mutates them.
+            Default: on when an optimizer is given. Off: copy before maybe_checkpoint returns.
+            Anything that mutates parameters outside ``optimizer.step()`` must call
+            :meth:`wait_copied` first.
+        capture_rng: (PyTorch) save and restore the Python, numpy, torch and CUDA RNG states.
+        eager: (PyTorch) state_dict names to copy before maybe_checkpoint returns, besides the
+            module buffers (which forward itself changes, e.g. BatchNorm running stats).
         metadata: JSON-serialisable dict stored with every checkpoint.
         keep_every: if set, every k-th committed checkpoint is also copied, in the background, to
             ``PATH/history/step-XXXXXX.safetensors`` (+ a JSON sidecar) for debugging history.
         max_history: keep at most this many history files (oldest deleted first; never a slot).
     """
 
-    def __init__(self, state: Mapping[str, np.ndarray], path: str | os.PathLike[str] | None = None, *,
-                 interval: int = 10, max_concurrent: int = 2, writer_threads: int = 2,
-                 dram_budget: int | None = None, chunk_size: int = 64 << 20, storage: str = "auto",
-                 on_error: OnError = "raise", metadata: Mapping[str, Any] | None = None,
-                 keep_every: int | None = None, max_history: int | None = None,
-                 copy_engine: CopyEngine | None = None) -> None:
+    def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
+                 extra_state: Mapping[str, Any] | None = None, interval: int = 10, max_concurrent: int = 2,
+                 when_busy: str = "block", writer_threads: int = 2, dram_budget: int | None = None,
+                 chunk_size: int = 64 << 20, storage: str = "auto", on_error: OnError = "raise",
+                 metadata: Mapping[str, Any] | None = None, soft_cow: bool | None = None,
+                 capture_rng: bool = True, eager: Iterable[str] = (), keep_every: int | None = None,
+                 max_history: int | None = None, copy_engine: CopyEngine | None = None) -> None:
+        if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
+            if path is not None:
+                raise ConfigError("path given twice (positionally and as path=)")
+            optimizer, path = None, optimizer
         _check_int("interval", interval, 1)
         _check_int("max_concurrent", max_concurrent, 1, 254)
         _check_int("writer_threads", writer_threads, 1, 256)
@@ -72,21 +113,35 @@ class Checkpointer:
             _check_int("keep_every", keep_every, 1)
         if max_history is not None:
             _check_int("max_history", max_history, 1)
+        if when_busy not in ("block", "skip"):
+            raise ConfigError(f"when_busy must be 'block' or 'skip', got {when_busy!r}")
         if storage not in STORAGE_CHOICES:
             raise ConfigError(f"storage must be one of {', '.join(STORAGE_CHOICES)}; got {storage!r}")
         if not (on_error in ("raise", "log") or callable(on_error)):
             raise ConfigError("on_error must be 'raise', 'log' or a callable taking the exception")
-        if not isinstance(state, Mapping):
-            raise ConfigError(f"state must be a mapping of name -> numpy array, got {type(state).__name__}")
+        if _is_module(state):
+            self._source: Any = TorchState(state, optimizer, extra_state, capture_rng=capture_rng, eager=eager)
+            self.soft_cow = optimizer is not None if soft_cow is None else bool(soft_cow)
+            if self.soft_cow and optimizer is None:
+                raise ConfigError("soft_cow needs the optimizer: its step pre-hook guards the copy")
+        else:
+            if optimizer is not None or extra_state:
+                raise ConfigError("optimizer and extra_state go with a torch.nn.Module state")
+            self._source = _ArraysState(state)
+            self.soft_cow = False
         self.state = state
+        self.optimizer = optimizer
         self.interval = interval
+        self.when_busy = when_busy
         self.metadata = _check_metadata(metadata)
         self.path = Path(path) if path is not None else default_path()
         self._on_error_policy = on_error
         self._errors: list[PCCheckError] = []
         self._err_lock = threading.Lock()
+        self._hook: Any = None
 
-        layout = plan(state)  # validates names and dtypes before touching the disk
+        snap = self._source.snapshot()  # validates names, dtypes and values before touching the disk
+        layout = plan(snap.arrays)
         self._history = None
         if keep_every is not None:
             from .history import HistoryKeeper
@@ -96,9 +151,10 @@ class Checkpointer:
         try:
             self._orch = Orchestrator(self._store, layout, max_concurrent=max_concurrent,
                                       writer_threads=writer_threads, chunk_size=chunk_size,
-                                      dram_budget=dram_budget, copy_engine=copy_engine or CpuCopyEngine(),
+                                      dram_budget=dram_budget,
+                                      copy_engine=copy_engine or select_copy_engine(snap.arrays),
                                       on_error=self._background_error, on_commit=self._history)
-            self._store.open(max_concurrent + 1, self._orch.slot_bytes(layout, self.metadata))
+            self._store.open(max_concurrent + 1, self._orch.slot_bytes(layout, self._meta(snap, None)))
         except BaseException:
             if hasattr(self, "_orch"):
                 self._orch.close()
@@ -106,36 +162,60 @@ class Checkpointer:
                 self._history.close()
             self._store.close()
             raise
+        if self.soft_cow:
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     # -- the training loop's API -----------------------------------------------------------------
 
     def maybe_checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
         """Checkpoints if ``step % interval == 0``; returns whether it did.
 
-        Returns as soon as the arrays may be mutated again (their bytes are in DRAM chunks or
-        already written). Never waits for an earlier checkpoint to persist, only for a free
-        in-flight permit when ``max_concurrent`` are running (recorded as ``stall_s``).
+        Returns as soon as the state may change again: for arrays, once their bytes are in DRAM
+        chunks; for a model with soft copy-on-write, at once (buffers and RNG states copied),
+        while the optimizer's next step waits for whatever is not copied yet. Never waits for an
+        earlier checkpoint to persist, only for a free in-flight permit when ``max_concurrent``
+        are running (``when_busy="block"``, recorded as ``stall_s``; "skip" returns False).
         """
         self._raise_pending()
         _check_step(step)
         if step % self.interval != 0:
             return False
-        self.checkpoint(step, metadata)
-        return True
+        return self.checkpoint(step, metadata)
 
-    def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> None:
-        """Checkpoints now, regardless of the interval."""
+    def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
+        """Checkpoints now, regardless of the interval. False if skipped (``when_busy="skip"``)."""
         self._raise_pending()
         _check_step(step)
-        meta = {**self.metadata, **_check_metadata(metadata)}
+        snap = self._source.snapshot()
+        meta = self._meta(snap, _check_metadata(metadata))
         try:
-            self._orch.start(int(step), self.state, meta)
+            return self._orch.start(int(step), snap.arrays, meta,
+                                    eager=snap.eager if self.soft_cow else None,
+                                    validate=snap.validate if self.soft_cow else None,
+                                    when_busy=self.when_busy)
         except StorageError as exc:
             # An I/O fault while preparing the slot or a new generation: the same policy as a
             # fault in the background part of the checkpoint.
             if self._on_error_policy == "raise":
                 raise
             self._background_error(exc)
+            return False
+
+    def wait_copied(self) -> None:
+        """Returns once no checkpoint in flight still reads live tensors (soft copy-on-write).
+        Call it before mutating parameters or optimizer state outside ``optimizer.step()``."""
+        self._orch.ensure_copied()
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._orch.ensure_copied()
+
+    def _meta(self, snap: Snapshot, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        meta = {**self.metadata, **(extra or {})}
+        if TREE_KEY in meta:
+            raise ConfigError(f"metadata key {TREE_KEY!r} is reserved")
+        if snap.tree:
+            meta[TREE_KEY] = snap.tree
+        return meta
 
     def wait(self) -> None:
         """Blocks until every checkpoint in flight has committed; raises a pending error."""
@@ -147,10 +227,11 @@ class Checkpointer:
         """The step of the newest checkpoint known durable, or None."""
         return self._orch.last_durable_step
 
-    @property
-    def stats(self) -> list[CheckpointStats]:
-        """Per-checkpoint timings (stall, copy, back-pressure, persist) of finished checkpoints."""
-        return list(self._orch.stats)
+    def stats(self) -> StatsReport:
+        """Per-checkpoint stall, copy and persist times, bytes and bandwidth, the skip counter and
+        the age of the latest durable checkpoint (``.as_dict()``, ``.to_json()``)."""
+        o = self._orch
+        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time)
 
     @property
     def storage(self) -> str:
@@ -163,6 +244,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for checkpoints in flight, stops the writers and releases the store lock."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         try:
             self._orch.close()
         finally:

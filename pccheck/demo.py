@@ -89,9 +89,9 @@ def child(directory: str, steps: int) -> None:
             if ck.last_durable_step != durable:
                 durable = ck.last_durable_step
                 print(f"DURABLE {durable}", flush=True)
-            stats = ck.stats
+            stats = ck.stats().checkpoints
             for st in stats[reported:]:
-                print(f"STAT {st.step} {st.stall_s + st.copy_s:.6f} {st.persist_s:.6f}", flush=True)
+                print(f"STAT {st.step} {st.stall_s + st.blocked_copy_s + st.cow_wait_s:.6f} {st.persist_s:.6f}", flush=True)
             reported = len(stats)
 
 

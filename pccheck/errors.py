@@ -18,6 +18,7 @@ __all__ = [
     "StoreLockedError",
     "NoCheckpointError",
     "CorruptCheckpointError",
+    "SnapshotError",
     "StorageError",
     "NoSpaceError",
     "DeviceIOError",
@@ -55,6 +56,11 @@ class NoCheckpointError(PCCheckError, FileNotFoundError):
 
 class CorruptCheckpointError(PCCheckError, ValueError):
     """A store file, meta record, manifest or array failed validation."""
+
+
+class SnapshotError(PCCheckError, RuntimeError):
+    """A snapshot's tensors changed while they were being copied (soft copy-on-write was bypassed,
+    e.g. an in-place update outside optimizer.step). That checkpoint is discarded."""
 
 
 class StorageError(PCCheckError, OSError):

@@ -89,7 +89,7 @@ def test_state_larger_than_dram_budget(store_dir):
             state["big"] += 1.0
             ck.maybe_checkpoint(step)
         ck.wait()
-        stats = ck.stats
+        stats = ck.stats().checkpoints
     assert max(s.backpressure_s for s in stats) > 0
     assert all(s.outcome in ("committed", "superseded") for s in stats)
     r = pccheck.load_latest(store_dir)

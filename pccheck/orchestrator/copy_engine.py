@@ -1,41 +1,69 @@
 """Copy engines: move one snapshot's bytes from live arrays into DRAM chunks.
 
-Call protocol, per checkpoint::
+Call protocol::
 
-    sources = engine.sources(arrays, layout)      # describe the arrays (no copying)
-    job = native_engine.begin(store, slot, sources, layout.data_len)
-    engine.copy(job)                              # returns when every byte is in a chunk
+    engine.attach(native_engine)                  # once: e.g. pin the chunk pool for DMA
+    # per checkpoint, on the training thread, right after the snapshot is taken:
+    src = engine.sources(arrays, layout)          # describe the arrays; no copying
+    job = native_engine.begin(store, slot, src.native, layout.data_len)
+    engine.copy(job, src, until)                  # fill chunks up to stream byte `until` (0: all)
+    # ... possibly on another thread, possibly several threads at once:
+    engine.copy(job, src)                         # the rest; returns when no chunk is left to claim
+    engine.detach()                               # once, at close
 
-After ``copy`` returns the live arrays may be mutated again. Chunks go to the writer threads as
-soon as each is filled, so persisting overlaps copying (the paper's pipelining, §4.1).
-The CUDA and cupy engines (device → pinned chunk over a dedicated stream) implement the same
-protocol and arrive with the PyTorch front-end.
+Chunks go to the writer threads as soon as each is filled, so persisting overlaps copying
+(the paper's pipelining, §4.1). Engines claim chunks from the job one at a time, so the training
+thread can help a background copy finish (soft copy-on-write). Implementations must not
+allocate host memory per checkpoint.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping
 
-import numpy as np
-
+from ..arrays import describe
 from ..persist.layout import Layout
 
-__all__ = ["CopyEngine", "CpuCopyEngine"]
+__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "select_copy_engine", "abandon"]
+
+
+@dataclass
+class Sources:
+    """One snapshot's arrays as an engine sees them. ``native``: descriptors the native engine
+    copies from itself, ``(ptr, offset, nbytes, itemsize, shape, strides)``; ``private``: what a
+    device engine needs (byte views, a ready event)."""
+
+    native: list[tuple]
+    private: Any = None
 
 
 class CopyEngine(ABC):
-    """Moves array bytes into the chunk pool. Implementations must not allocate per checkpoint."""
+    """Moves array bytes into the chunk pool."""
 
     name: str = "abstract"
+    native_engine: Any = None
+
+    def attach(self, native_engine: Any) -> None:
+        """Called once with the native engine whose chunk pool this engine fills."""
+        self.native_engine = native_engine
+
+    def detach(self) -> None:
+        """Called once when the Checkpointer closes."""
+
+    def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
+        """Describes the arrays of one snapshot, on the training thread."""
+        out = []
+        for (name, a), e in zip(arrays.items(), layout.entries):
+            info = describe(name, a)
+            out.append((info.ptr, e.offset, e.nbytes, info.itemsize, info.shape, info.strides))
+        return Sources(out)
 
     @abstractmethod
-    def sources(self, arrays: Sequence[np.ndarray], layout: Layout) -> list[tuple]:
-        """Native source descriptors ``(ptr, offset, nbytes, itemsize, shape, strides)``."""
-
-    @abstractmethod
-    def copy(self, job: object) -> None:
-        """Fills the job's chunks and hands them to the writers; blocks until all are filled."""
+    def copy(self, job: Any, src: Sources, until: int = 0) -> None:
+        """Claims and fills chunks (up to stream byte ``until`` if > 0) and hands them to the writers."""
 
 
 class CpuCopyEngine(CopyEngine):
@@ -47,9 +75,56 @@ class CpuCopyEngine(CopyEngine):
 
     name = "cpu"
 
-    def sources(self, arrays: Sequence[np.ndarray], layout: Layout) -> list[tuple]:
-        return [(a.ctypes.data, e.offset, e.nbytes, a.itemsize, a.shape, a.strides)
-                for a, e in zip(arrays, layout.entries)]
+    def copy(self, job: Any, src: Sources, until: int = 0) -> None:
+        job.copy(until)
 
-    def copy(self, job: object) -> None:
-        job.copy()  # type: ignore[attr-defined]
+
+class ThrottledCopyEngine(CpuCopyEngine):
+    """The CPU engine held to ``bytes_per_s``, to emulate a PCIe link (tests and benchmarks).
+
+    It drives the same step-by-step protocol (claim → acquire → fill → submit) that the CUDA and
+    cupy engines use.
+    """
+
+    name = "cpu-throttled"
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError("bytes_per_s must be positive")
+        self.bytes_per_s = float(bytes_per_s)
+
+    def copy(self, job: Any, src: Sources, until: int = 0) -> None:
+        chunk = self.native_engine.chunk_size
+        last = -(-until // chunk) if until else None
+        while True:
+            k = job.claim()
+            if k < 0:
+                return
+            cid = job.acquire_chunk()
+            t0 = time.perf_counter()
+            job.fill(k, cid)
+            time.sleep(max(0.0, chunk / self.bytes_per_s - (time.perf_counter() - t0)))
+            job.submit(k, cid)
+            if last is not None and k + 1 >= last:
+                return
+
+
+def select_copy_engine(arrays: Mapping[str, Any]) -> CopyEngine:
+    """The engine for where the arrays live: CUDA (torch) or cupy device memory, else the CPU."""
+    devices = {describe(name, a).device.split(":")[0] for name, a in arrays.items()}
+    if "cuda" in devices:
+        from .cuda_engine import TorchCudaCopyEngine
+
+        return TorchCudaCopyEngine()
+    if "cupy" in devices:
+        from .cuda_engine import CupyCopyEngine
+
+        return CupyCopyEngine()
+    return CpuCopyEngine()
+
+
+def abandon(job: Any, err: int) -> None:
+    """Fails a job whose copy cannot go on: every unclaimed chunk is skipped, so the job still
+    finishes (with the error) and nothing waits for it forever."""
+    while (k := job.claim()) >= 0:
+        job.skip(k, err)

@@ -13,23 +13,23 @@ Life of a checkpoint (paper §3.1, Fig. 5; FORMAT.md §4 for the commit):
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
 
-from ..errors import ConfigError, PCCheckError, StorageError, storage_error_from_oserror
+from ..errors import ConfigError, PCCheckError, SnapshotError, StorageError, storage_error_from_oserror
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
-from .copy_engine import CopyEngine
+from .copy_engine import CopyEngine, Sources, abandon
 
 __all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "chunk_geometry"]
 
@@ -43,16 +43,43 @@ MANIFEST_SLACK = 64 << 10
 
 @dataclass(frozen=True)
 class CheckpointStats:
-    """Timings of one checkpoint, in seconds."""
+    """Timings of one checkpoint, in seconds. Training was blocked for ``stall_s + blocked_copy_s
+    + cow_wait_s`` in all."""
 
     step: int
     counter: int
     nbytes: int
     stall_s: float         # waiting because max_concurrent checkpoints were in flight
-    copy_s: float          # copying into DRAM chunks, until the arrays were free again
+    blocked_copy_s: float  # copying inside maybe_checkpoint (all of it, or the eager prefix)
+    cow_wait_s: float      # in the optimizer pre-hook, finishing the copy before the update
+    copy_s: float          # copying into DRAM chunks in all (any thread), incl. back-pressure
     backpressure_s: float  # part of copy_s spent waiting for a free chunk
     persist_s: float       # from the start until durable (or failed)
     outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
+
+    @property
+    def gbps(self) -> float:
+        """Bytes per second from the start to durable, in GB/s."""
+        return self.nbytes / self.persist_s / 1e9 if self.persist_s > 0 else 0.0
+
+
+@dataclass
+class _Flight:
+    """A checkpoint in flight (mutable, owned by the orchestrator)."""
+
+    job: Any
+    src: Sources
+    native: Any
+    layout: Layout
+    step: int
+    counter: int
+    metadata: Mapping[str, Any] | None
+    validate: Callable[[], str | None] | None
+    t0: float
+    stall: float
+    blocked_copy: float = 0.0
+    cow_wait: float = 0.0
+    copied: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -97,11 +124,15 @@ class Orchestrator:
         except OSError as exc:
             raise StorageError(exc.errno, f"cannot allocate the DRAM chunk pool ({count} x {chunk} bytes): "
                                f"{exc.strerror}; lower dram_budget") from None
+        copy_engine.attach(self.engine)
         self._inflight = threading.BoundedSemaphore(max_concurrent)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="pccheck-commit")
         self._futures: set[Future] = set()
         self._lock = threading.Lock()
-        self._durable: tuple[int, int] | None = None  # (counter, step) of the newest durable commit
+        # (counter, step, wall time) of the newest durable commit
+        self._durable: tuple[int, int, float] | None = None
+        self._copying: list[_Flight] = []  # checkpoints whose copy may still read live memory
+        self.skipped = 0  # checkpoints skipped by when_busy="skip"
         self.stats: deque[CheckpointStats] = deque(maxlen=10_000)
         self._closed = False
 
@@ -110,18 +141,38 @@ class Orchestrator:
         with self._lock:
             return self._durable[1] if self._durable else None
 
+    @property
+    def last_durable_time(self) -> float | None:
+        """Wall-clock time (time.time()) of the newest durable commit of this process."""
+        with self._lock:
+            return self._durable[2] if self._durable else None
+
     def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None) -> int:
         """Slot capacity this layout needs: data, then the manifest with slack."""
         man = manifest_upper_bound(layout, metadata) + MANIFEST_SLACK
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
 
-    def start(self, step: int, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None) -> None:
-        """Starts one checkpoint; returns once the arrays' bytes are all in DRAM chunks."""
+    def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
+              eager: int | None = None, validate: Callable[[], str | None] | None = None,
+              when_busy: str = "block") -> bool:
+        """Starts one checkpoint. Returns False if it was skipped (``when_busy="skip"``).
+
+        With ``eager=None`` it returns once every byte is in DRAM chunks. With ``eager=k`` it
+        returns once the first k arrays are copied; the rest is copied in the background, and
+        :meth:`ensure_copied` must run before anything mutates them (soft copy-on-write).
+        ``validate`` runs after the copy; a message it returns fails the checkpoint.
+        """
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
         layout = plan(arrays)
-        self._inflight.acquire()
+        if when_busy == "skip":
+            if not self._inflight.acquire(blocking=False):
+                with self._lock:
+                    self.skipped += 1
+                return False
+        else:
+            self._inflight.acquire()
         stall = time.perf_counter() - t0
         try:
             need = self.slot_bytes(layout, metadata)
@@ -135,19 +186,54 @@ class Orchestrator:
             self._inflight.release()
             raise
         try:
-            job = self.engine.begin(native, slot, self.copy_engine.sources(list(arrays.values()), layout),
-                                    layout.data_len)
-            self.copy_engine.copy(job)
+            src = self.copy_engine.sources(arrays, layout)
+            job = self.engine.begin(native, slot, src.native, layout.data_len)
         except BaseException:
             native.release_slot(slot)
             self._inflight.release()
             raise
-        copied = time.perf_counter()
-        fut = self._pool.submit(self._finish, job, native, layout, step, counter, metadata, t0, stall,
-                                copied - t0 - stall)
+        fl = _Flight(job, src, native, layout, step, counter, metadata, validate, t0, stall)
+        t1 = time.perf_counter()
+        try:
+            if eager is None:
+                self.copy_engine.copy(job, src)
+            elif eager > 0:
+                e = layout.entries[eager - 1]
+                self.copy_engine.copy(job, src, e.offset + e.nbytes)
+        except BaseException:
+            abandon(job, errno.EIO)
+            job.wait()
+            native.release_slot(slot)
+            self._inflight.release()
+            raise
+        fl.blocked_copy = time.perf_counter() - t1
+        if eager is None:
+            fl.copied.set()
+        else:
+            with self._lock:
+                self._copying.append(fl)
+        fut = self._pool.submit(self._finish, fl)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
+        return True
+
+    def ensure_copied(self) -> float:
+        """Soft copy-on-write: returns once no checkpoint in flight still reads live memory.
+        Helps copy what is left (this thread claims chunks too). Returns the seconds it waited."""
+        with self._lock:
+            pending = list(self._copying)
+        if not pending:
+            return 0.0
+        t0 = time.perf_counter()
+        for fl in pending:
+            if not fl.copied.is_set():
+                w0 = time.perf_counter()
+                self.copy_engine.copy(fl.job, fl.src)
+                fl.job.wait_copied()
+                fl.copied.wait()  # includes the version check
+                fl.cow_wait += time.perf_counter() - w0
+        return time.perf_counter() - t0
 
     def _acquire_slot(self, native: Any) -> int:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
@@ -169,40 +255,61 @@ class Orchestrator:
         with self._lock:
             self._futures.discard(fut)
 
-    def _finish(self, job: Any, native: Any, layout: Layout, step: int, counter: int,
-                metadata: Mapping[str, Any] | None, t0: float, stall: float, copy_s: float) -> None:
+    def _finish(self, fl: _Flight) -> None:
+        job, native, step = fl.job, fl.native, fl.step
         outcome = "failed"
         try:
+            if not fl.copied.is_set():
+                failure: Exception | None = None
+                try:
+                    self.copy_engine.copy(job, fl.src)  # the rest, beside training
+                except Exception as exc:
+                    abandon(job, errno.EIO)
+                    failure = exc
+                job.wait_copied()
+                problem = fl.validate() if fl.validate is not None and failure is None else None
+                with self._lock:
+                    self._copying.remove(fl)
+                fl.copied.set()
+                if failure is not None or problem:
+                    job.wait()
+                    native.release_slot(job.slot)
+                    if failure is not None:
+                        raise PCCheckError(f"copying checkpoint of step {step} failed: {failure}") from failure
+                    raise SnapshotError(f"checkpoint of step {step} discarded: {problem}")
             job.wait()
             if job.error:
                 native.release_slot(job.slot)
                 code = -job.error
                 raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
-            manifest = build_manifest(layout, step, counter, job.crcs, metadata)
+            manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata)
             try:
-                won = native.commit(job.slot, counter, step, manifest, layout.data_len, layout.data_len)
+                won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
             except OSError as exc:
                 raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
             outcome = "committed" if won else "superseded"
             if won and self._on_commit is not None:
                 try:  # e.g. history retention: it must only enqueue, and never fail the checkpoint
-                    self._on_commit(CommitInfo(step, counter, job.slot, self.store.file))
+                    self._on_commit(CommitInfo(step, fl.counter, job.slot, self.store.file))
                 except Exception:
                     log.exception("pccheck: the on_commit hook raised; the checkpoint itself is committed")
             if won:
                 with self._lock:
-                    if self._durable is None or counter > self._durable[0]:
-                        self._durable = (counter, step)
+                    if self._durable is None or fl.counter > self._durable[0]:
+                        self._durable = (fl.counter, step, time.time())
                     if self.store.retire_pending:
                         self.store.retire_older_generations()
         except PCCheckError as exc:
             self._on_error(exc)
-        except Exception as exc:  # a bug, not an I/O fault: still surface it through on_error
+        except Exception as exc:  # a bug or a device fault: still surface it through on_error
             log.exception("pccheck: unexpected error in a background checkpoint")
             self._on_error(PCCheckError(f"checkpoint of step {step} failed: {exc!r}"))
         finally:
-            self.stats.append(CheckpointStats(step, counter, layout.data_len, stall, copy_s,
-                                              job.backpressure_seconds, time.perf_counter() - t0, outcome))
+            fl.copied.set()
+            self.stats.append(CheckpointStats(
+                step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
+                job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
+                time.perf_counter() - fl.t0, outcome))
             self._inflight.release()
 
     def _drain(self) -> None:
@@ -224,4 +331,5 @@ class Orchestrator:
         self._drain()
         self._closed = True
         self._pool.shutdown(wait=True)
+        self.copy_engine.detach()
         self.engine.close()

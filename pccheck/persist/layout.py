@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import ConfigError, CorruptCheckpointError, UnsupportedDtypeError
+from ..arrays import TORCH_DTYPES, describe
+from ..errors import ConfigError, CorruptCheckpointError
 from ..native import _native
 
 __all__ = ["ArrayEntry", "Layout", "plan", "build_manifest", "parse_manifest", "Manifest", "ARRAY_ALIGN"]
@@ -41,6 +42,7 @@ class ArrayEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    torch_dtype: str | None = None  # a torch dtype numpy lacks; ``dtype`` is then its byte carrier
 
 
 @dataclass(frozen=True)
@@ -54,24 +56,17 @@ class Layout:
         return other is not None and self.entries == other.entries
 
 
-def plan(arrays: Mapping[str, np.ndarray]) -> Layout:
-    """Validates the arrays and assigns each an aligned offset, in mapping order."""
+def plan(arrays: Mapping[str, Any]) -> Layout:
+    """Validates the arrays (numpy, torch or cupy) and assigns each an aligned offset, in order."""
     entries = []
     off = 0
     for name, arr in arrays.items():
         if not isinstance(name, str):
             raise ConfigError(f"state keys must be str, got {name!r} ({type(name).__name__})")
-        if not isinstance(arr, np.ndarray):
-            raise ConfigError(
-                f"state[{name!r}] is a {type(arr).__name__}, not a numpy.ndarray; "
-                "pass numpy arrays (use the PyTorch front-end for tensors)")
-        if arr.dtype.hasobject:
-            raise UnsupportedDtypeError(
-                f"state[{name!r}] has dtype {arr.dtype} which holds Python objects; "
-                "pccheck stores raw bytes only. Convert it to a numeric, string or fixed-size dtype.")
+        info = describe(name, arr)
         off = _align(off, ARRAY_ALIGN)
-        entries.append(ArrayEntry(name, arr.dtype, tuple(int(s) for s in arr.shape), off, int(arr.nbytes)))
-        off += int(arr.nbytes)
+        entries.append(ArrayEntry(name, info.dtype, info.shape, off, info.nbytes, info.torch_dtype))
+        off += info.nbytes
     return Layout(tuple(entries), _align(off, BLOCK))
 
 
@@ -97,8 +92,11 @@ def build_manifest(layout: Layout, step: int, counter: int, crcs: list[int] | No
     arrays = []
     for i, e in enumerate(layout.entries):
         crc = _CRC_PLACEHOLDER if crcs is None else f"{crcs[i]:08x}"
-        arrays.append({"name": e.name, "dtype": _descr(e.dtype), "shape": list(e.shape),
-                       "offset": e.offset, "nbytes": e.nbytes, "crc32c": crc})
+        item = {"name": e.name, "dtype": _descr(e.dtype), "shape": list(e.shape),
+                "offset": e.offset, "nbytes": e.nbytes, "crc32c": crc}
+        if e.torch_dtype:
+            item["torch_dtype"] = e.torch_dtype
+        arrays.append(item)
     doc = {"format": MANIFEST_FORMAT, "step": int(step), "counter": int(counter),
            "data_len": layout.data_len, "arrays": arrays, "metadata": dict(metadata or {})}
     try:
@@ -184,6 +182,10 @@ def parse_manifest(raw: bytes, *, step: int, counter: int, data_len_limit: int) 
         crc = a.get("crc32c")
         if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
             raise CorruptCheckpointError(f"{where}: bad crc32c")
-        entries.append(ArrayEntry(name, dt, tuple(shape), offset, nbytes))
+        tdt = a.get("torch_dtype")
+        if tdt is not None and (not isinstance(tdt, str) or tdt not in TORCH_DTYPES
+                                or np.dtype(TORCH_DTYPES[tdt]) != dt):
+            raise CorruptCheckpointError(f"{where}: bad torch_dtype")
+        entries.append(ArrayEntry(name, dt, tuple(shape), offset, nbytes, tdt))
         crcs.append(int(crc, 16))
     return Manifest(step, counter, data_len, tuple(entries), tuple(crcs), metadata)

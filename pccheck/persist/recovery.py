@@ -60,6 +60,8 @@ class Restored:
     generation: int
     slot: int
     path: Path = field(repr=False)
+    # Arrays whose torch dtype numpy lacks (bfloat16, ...): their arrays hold the raw bits.
+    torch_dtypes: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,8 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
         if zero_copy:
             arr.flags.writeable = False
         state[entry.name] = arr
-    return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path)
+    return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path,
+                    {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype})
 
 
 def latest_in_store(path: Path, *, zero_copy: bool = False, verify: bool = True) -> Restored | None:

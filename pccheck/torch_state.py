@@ -1,0 +1,252 @@
+"""What a PyTorch checkpoint holds, and how it goes back in place.
+
+A snapshot flattens everything into named arrays (the tensors, saved as raw bytes with no
+casting) and a JSON *tree* that mirrors the nested structure and refers to the arrays by name:
+
+    {"model": <model.state_dict()>, "optimizer": <optimizer.state_dict()>,
+     "extra": {name: <obj.state_dict() or a plain value>},
+     "rng": {"python": ..., "numpy": ..., "torch": ..., "cuda": [...]}}
+
+Tree encoding (JSON): str-keyed dicts as ``{"d": {...}}``, other dicts (the optimizer's integer
+keys) as ``{"dk": [[key, value], ...]}``, tuples as ``{"t": [...]}``, lists as lists, tensors as
+``{"T": name}``, numpy arrays as ``{"A": name}``, non-finite floats as ``{"f": "nan"}``, torch
+dtypes/devices as ``{"dtype": "float32"}`` / ``{"device": "cuda:0"}``; ints, finite floats, str,
+bool and None as themselves. Anything else is refused with a ConfigError naming its path.
+
+Tensors that share storage (tied weights) are stored once; both paths refer to the same name.
+Module buffers (BatchNorm running stats and the like, which forward itself changes) and any name
+the user marks are *eager*: copied before ``maybe_checkpoint`` returns. Everything else is copied
+in the background until the optimizer's next step (soft copy-on-write).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from .arrays import torch_dtype
+from .errors import ConfigError, CorruptCheckpointError
+
+__all__ = ["Snapshot", "TorchState", "TREE_KEY", "rebuild", "unwrap_extra"]
+
+TREE_KEY = "pccheck.state"  # manifest metadata key holding the tree
+
+
+@dataclass
+class Snapshot:
+    """One checkpoint's content: arrays in layout order (eager ones first) and the tree."""
+
+    arrays: dict[str, Any]
+    eager: int                      # the first ``eager`` arrays must be copied synchronously
+    tree: dict[str, Any]
+    versions: list[tuple[str, Any, int]] = field(default_factory=list)  # (name, tensor, _version)
+
+    def validate(self) -> str | None:
+        """Tensor version counters as a validator: a lazily copied tensor whose ``_version`` moved
+        was modified in place during the copy. (Fused AdamW and BatchNorm do not bump
+        ``_version``, so a clean result is not a proof; the optimizer pre-hook is.)"""
+        changed = [name for name, t, v in self.versions if t._version != v]
+        if changed:
+            return (f"{len(changed)} tensor(s) were modified in place while being copied (first: {changed[0]!r}); "
+                    "update parameters only inside optimizer.step(), or call ck.wait_copied() first")
+        return None
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.arrays: dict[str, Any] = {}
+        self._seen: dict[tuple, str] = {}  # storage identity -> array name (tied tensors)
+
+    def tensor(self, path: str, t: Any) -> dict[str, str]:
+        t = t.detach()
+        key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+               tuple(t.shape), tuple(t.stride()), t.dtype) if t.numel() else None
+        if key is not None and key in self._seen:
+            return {"T": self._seen[key]}
+        self.arrays[path] = t
+        if key is not None:
+            self._seen[key] = path
+        return {"T": path}
+
+    def encode(self, path: str, x: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(x, torch.Tensor):
+            return self.tensor(path, x)
+        if isinstance(x, np.ndarray):
+            if x.dtype.hasobject:
+                raise ConfigError(f"{path}: object arrays cannot be checkpointed")
+            self.arrays[path] = x
+            return {"A": path}
+        if x is None or isinstance(x, (bool, int, str)):
+            return x
+        if isinstance(x, float):
+            return x if math.isfinite(x) else {"f": repr(x)}
+        if isinstance(x, (np.integer, np.floating, np.bool_)):
+            return self.encode(path, x.item())
+        if isinstance(x, Mapping):
+            if all(isinstance(k, str) for k in x):
+                return {"d": {k: self.encode(f"{path}/{k}", v) for k, v in x.items()}}
+            if all(isinstance(k, (int, str, bool)) or k is None for k in x):
+                return {"dk": [[k, self.encode(f"{path}/{k}", v)] for k, v in x.items()]}
+        if isinstance(x, tuple):
+            return {"t": [self.encode(f"{path}/{i}", v) for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [self.encode(f"{path}/{i}", v) for i, v in enumerate(x)]
+        if torch is not None and isinstance(x, torch.dtype):
+            return {"dtype": str(x).removeprefix("torch.")}
+        if torch is not None and isinstance(x, torch.device):
+            return {"device": str(x)}
+        raise ConfigError(f"{path}: cannot checkpoint a {type(x).__name__}; state must hold tensors, "
+                          "numpy arrays and plain values (int, float, str, bool, None, list, tuple, dict)")
+
+
+def rebuild(tree: Any, arrays: Mapping[str, Any], as_tensor: Callable[[str], Any]) -> Any:
+    """Inverse of the tree encoding; ``as_tensor(name)`` makes the tensor for a ``{"T": name}`` leaf."""
+    if isinstance(tree, list):
+        return [rebuild(v, arrays, as_tensor) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if len(tree) != 1:
+        raise CorruptCheckpointError("malformed state tree")
+    (tag, v), = tree.items()
+    if tag == "d" and isinstance(v, dict):
+        return {k: rebuild(x, arrays, as_tensor) for k, x in v.items()}
+    if tag == "dk" and isinstance(v, list):
+        return {kv[0]: rebuild(kv[1], arrays, as_tensor) for kv in v}
+    if tag == "t" and isinstance(v, list):
+        return tuple(rebuild(x, arrays, as_tensor) for x in v)
+    if tag == "T" and isinstance(v, str) and v in arrays:
+        return as_tensor(v)
+    if tag == "A" and isinstance(v, str) and v in arrays:
+        return arrays[v]
+    if tag == "f" and v in ("nan", "inf", "-inf"):
+        return float(v)
+    if tag == "dtype" and isinstance(v, str):
+        import torch
+
+        dt = getattr(torch, v, None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    if tag == "device" and isinstance(v, str):
+        import torch
+
+        return torch.device(v)
+    raise CorruptCheckpointError(f"malformed state tree node {tag!r}")
+
+
+class TorchState:
+    """Takes snapshots of a model, an optimizer and extra state objects, and restores them."""
+
+    def __init__(self, model: Any, optimizer: Any = None, extra_state: Mapping[str, Any] | None = None, *,
+                 capture_rng: bool = True, eager: Iterable[str] = ()) -> None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.extra = dict(extra_state or {})
+        for k in self.extra:
+            if not isinstance(k, str):
+                raise ConfigError(f"extra_state keys must be str, got {k!r}")
+        self.capture_rng = capture_rng
+        self.user_eager = set(eager)
+
+    def snapshot(self) -> Snapshot:
+        import torch
+
+        f = _Flattener()
+        # Eager first: buffers (forward changes them) and user-marked tensors, then the RNG states.
+        sd = self.model.state_dict()
+        eager_names = [k for k, v in sd.items()
+                       if isinstance(v, torch.Tensor) and (_is_buffer(self.model, k) or k in self.user_eager)]
+        for k in eager_names:
+            f.tensor(f"model/{k}", sd[k])
+        n_eager = len(f.arrays)
+        tree: dict[str, Any] = {"model": f.encode("model", sd)}
+        if self.optimizer is not None:
+            tree["optimizer"] = f.encode("optimizer", self.optimizer.state_dict())
+        extra = {}
+        for name, obj in self.extra.items():
+            if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+                extra[name] = {"d": {"state_dict": f.encode(f"extra/{name}", obj.state_dict())}}
+            else:
+                extra[name] = {"d": {"value": f.encode(f"extra/{name}", obj)}}
+        tree["extra"] = {"d": extra}
+        if self.capture_rng:
+            tree["rng"] = f.encode("rng", _rng_state(torch))
+        # Lazily copied tensors are validated by their version counters after the copy.
+        versions = [(n, a, a._version) for i, (n, a) in enumerate(f.arrays.items())
+                    if i >= n_eager and isinstance(a, torch.Tensor)]
+        return Snapshot(f.arrays, n_eager, tree, versions)
+
+    def restore(self, tree: Mapping[str, Any], arrays: Mapping[str, np.ndarray], torch_dtypes: Mapping[str, str],
+                map_location: Any = None) -> dict[str, Any]:
+        """Puts a checkpoint back in place; returns the nested state (tensors on ``map_location``)."""
+        import torch
+
+        def as_tensor(name: str) -> Any:
+            a = arrays[name]
+            t = torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
+            if name in torch_dtypes:
+                t = t.view(torch_dtype(torch_dtypes[name]))
+            return t.to(map_location) if map_location is not None else t
+
+        state = unwrap_extra(rebuild(_as_dict(tree), arrays, as_tensor))
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            if "optimizer" not in state:
+                raise ConfigError("the checkpoint holds no optimizer state; pass optimizer=None")
+            self.optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self.extra.items():
+            if name not in state["extra"]:
+                raise ConfigError(f"the checkpoint holds no extra_state {name!r}")
+            if hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(state["extra"][name])
+        if "rng" in state:
+            _set_rng_state(torch, state["rng"])
+        return state
+
+
+def unwrap_extra(state: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` entries are stored as {"state_dict": ...} or {"value": ...}; return just that."""
+    state["extra"] = {k: v.get("state_dict", v.get("value")) for k, v in state.get("extra", {}).items()}
+    return state
+
+
+def _as_dict(tree: Mapping[str, Any]) -> dict[str, Any]:
+    return {"d": dict(tree)}
+
+
+def _is_buffer(model: Any, key: str) -> bool:
+    mod_name, _, leaf = key.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name) if mod_name else model
+    except AttributeError:
+        return False
+    return leaf in getattr(mod, "_buffers", {})
+
+
+def _rng_state(torch: Any) -> dict[str, Any]:
+    st: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                          "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(torch: Any, st: Mapping[str, Any]) -> None:
+    version, internal, gauss = st["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(tuple(st["numpy"]))
+    torch.set_rng_state(st["torch"].cpu())
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.cpu() for t in st["cuda"]])
+
