@@ -48,6 +48,9 @@ class _ArraysState:
     def snapshot(self) -> Snapshot:
         return Snapshot(dict(self.state), len(self.state), {})
 
+    def may_grow(self) -> bool:
+        return False
+
 
 def _is_module(x: Any) -> bool:
     torch = sys.modules.get("torch")
@@ -154,7 +157,11 @@ class Checkpointer:
                                       dram_budget=dram_budget,
                                       copy_engine=copy_engine or select_copy_engine(snap.arrays),
                                       on_error=self._background_error, on_commit=self._history)
-            self._store.open(max_concurrent + 1, self._orch.slot_bytes(layout, self._meta(snap, None)))
+            if not self._source.may_grow():
+                self._store.open(max_concurrent + 1, self._orch.slot_bytes(layout, self._meta(snap, None)))
+            # else: the store is sized at the first checkpoint, once the optimizer has its state
+            # (Adam creates it lazily, at its first step), instead of a generation that is
+            # replaced at once.
         except BaseException:
             if hasattr(self, "_orch"):
                 self._orch.close()

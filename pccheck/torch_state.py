@@ -159,6 +159,10 @@ class TorchState:
         self.capture_rng = capture_rng
         self.user_eager = set(eager)
 
+    def may_grow(self) -> bool:
+        """True while the optimizer has no state yet: it will appear at its first step."""
+        return self.optimizer is not None and not self.optimizer.state
+
     def snapshot(self) -> Snapshot:
         import torch
 

@@ -118,13 +118,8 @@ class Orchestrator:
         self.copy_engine = copy_engine
         self._on_error = on_error
         self._on_commit = on_commit
-        chunk, count = chunk_geometry(layout.data_len, chunk_size, dram_budget)
-        try:
-            self.engine = _native.Engine(chunk, count, writer_threads)
-        except OSError as exc:
-            raise StorageError(exc.errno, f"cannot allocate the DRAM chunk pool ({count} x {chunk} bytes): "
-                               f"{exc.strerror}; lower dram_budget") from None
-        copy_engine.attach(self.engine)
+        self._chunk_size, self._dram_budget, self._writer_threads = chunk_size, dram_budget, writer_threads
+        self._make_engine(layout.data_len)
         self._inflight = threading.BoundedSemaphore(max_concurrent)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="pccheck-commit")
         self._futures: set[Future] = set()
@@ -135,6 +130,18 @@ class Orchestrator:
         self.skipped = 0  # checkpoints skipped by when_busy="skip"
         self.stats: deque[CheckpointStats] = deque(maxlen=10_000)
         self._closed = False
+
+    def _make_engine(self, state_bytes: int) -> None:
+        """The chunk pool and writers, sized for ``state_bytes`` of state (allocated once; again
+        only if the state outgrows a default-sized pool)."""
+        chunk, count = chunk_geometry(state_bytes, self._chunk_size, self._dram_budget)
+        try:
+            self.engine = _native.Engine(chunk, count, self._writer_threads)
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot allocate the DRAM chunk pool ({count} x {chunk} bytes): "
+                               f"{exc.strerror}; lower dram_budget") from None
+        self._pool_state_bytes = state_bytes
+        self.copy_engine.attach(self.engine)
 
     @property
     def last_durable_step(self) -> int | None:
@@ -176,9 +183,17 @@ class Orchestrator:
         stall = time.perf_counter() - t0
         try:
             need = self.slot_bytes(layout, metadata)
-            if not self.store.fits(self.max_concurrent + 1, need):
+            if self.store.native is None:  # opened lazily: see Checkpointer (optimizer state)
+                self.store.open(self.max_concurrent + 1, need)
+            elif not self.store.fits(self.max_concurrent + 1, need):
                 self._drain()  # every slot of the old generation must be settled first
                 self.store.new_generation(self.max_concurrent + 1, need)
+            if self._dram_budget is None and layout.data_len > self._pool_state_bytes:
+                # The default budget follows the state (2x): it grew, e.g. Adam's lazy state.
+                self._drain()
+                self.copy_engine.detach()
+                self.engine.close()
+                self._make_engine(layout.data_len)
             native = self.store.native
             counter = native.next_counter()
             slot = self._acquire_slot(native)

@@ -1,0 +1,304 @@
+"""The ``pccheck`` command: look into a store directory, check it, and get checkpoints out of it.
+
+    pccheck ls      [PATH]                              generations and slots: status, step, age
+    pccheck verify  [PATH]                              fsck: every meta record and array crc32c
+    pccheck inspect [PATH] [--step N]                   a checkpoint's arrays: name, dtype, shape
+    pccheck export  [PATH] [--step N] --format safetensors|torch --out FILE
+
+PATH defaults to ``$PCCHECK_DIR``, else ./checkpoints. Every command takes ``--json`` and then
+prints one JSON document on stdout instead of tables. Exit status: 0 success; ``verify``: 1 when
+the latest checkpoint is invalid but an older one is valid, 2 when none is; any other command:
+2 on an error (the message says what to do). All commands only read the store, so they are safe
+to run while training writes to it (a slot being rewritten shows up as free or invalid).
+
+This module only parses arguments and renders; the work is in :mod:`pccheck.inventory` and
+:mod:`pccheck.export`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .errors import PCCheckError
+from .export import export_checkpoint
+from .inventory import GenerationInfo, VerifyReport, load, locate, survey, verify
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(name="pccheck", add_completion=False, no_args_is_help=True,
+                  help="Inspect, verify and export pccheck checkpoint stores.")
+
+PathArg = Annotated[Optional[Path], typer.Argument(help="store directory (default: $PCCHECK_DIR or ./checkpoints)",
+                                                   show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
+StepOpt = Annotated[Optional[int], typer.Option("--step", help="this step instead of the latest checkpoint")]
+
+
+class ExportFormat(str, Enum):
+    safetensors = "safetensors"
+    torch = "torch"
+
+
+def _out() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _emit_json(doc: Any) -> None:
+    typer.echo(json.dumps(doc, indent=2, default=_json_default))
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, Path):
+        return str(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.asdict(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def _guard(as_json: bool, fn: Callable[[], int | None]) -> None:
+    """Runs a command; a PCCheckError becomes a message (or {"error": ...}) and exit status 2."""
+    try:
+        code = fn()
+    except PCCheckError as exc:
+        if as_json:
+            _emit_json({"error": str(exc), "type": type(exc).__name__})
+        else:
+            Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc}", markup=True)
+        raise typer.Exit(2) from None
+    if code:
+        raise typer.Exit(code)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "min"), (172800, 3600, "h")):
+        if s < limit:
+            return f"{s / div:.0f} {unit}" if unit != "s" else f"{s:.1f} s"
+    return f"{s / 86400:.1f} d"
+
+
+def _text(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+# -- ls -------------------------------------------------------------------------------------------
+
+
+@app.command("ls")
+def ls_cmd(path: PathArg = None, as_json: JsonOpt = False) -> None:
+    """List every store generation and slot: status, step, counter, size and age."""
+    def run() -> None:
+        gens = survey(path)
+        if as_json:
+            _emit_json({"generations": [_gen_doc(g) for g in gens]})
+            return
+        con = _out()
+        for g in gens:
+            _render_generation(con, g)
+
+    _guard(as_json, run)
+
+
+def _gen_doc(g: GenerationInfo) -> dict[str, Any]:
+    doc = dataclasses.asdict(g)
+    doc["path"] = str(g.path)
+    if g.check_word is not None:
+        doc["check_addr"] = {"slot": g.check_word & 0xFF, "counter": g.check_word >> 8} if g.check_word else None
+    return doc
+
+
+def _render_generation(con: Console, g: GenerationInfo) -> None:
+    if g.problem is not None:
+        con.print(f"generation {g.generation}  {g.path.name}  [bold red]unreadable[/]: {g.problem}")
+        return
+    word = (f"CHECK_ADDR slot {g.check_word & 0xFF} counter {g.check_word >> 8}" if g.check_word
+            else "CHECK_ADDR 0 (no commit)")
+    con.print(f"generation {g.generation}  {g.path.name}  {g.num_slots} slots x {_bytes(g.slot_capacity)}  "
+              f"{_bytes(g.file_bytes)}  {word}")
+    t = Table(show_edge=False, pad_edge=False)
+    for col, just in (("slot", "right"), ("status", "left"), ("step", "right"), ("counter", "right"),
+                      ("size", "right"), ("age", "right"), ("problem", "left")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for s in g.slots:
+        style = {"latest": "bold green", "invalid": "red"}.get(s.status, "")
+        t.add_row(str(s.slot), f"[{style}]{s.status}[/]" if style else s.status, _text(s.step), _text(s.counter),
+                  _bytes(s.data_bytes), _age(s.age_s), s.problem or "")
+    con.print(t)
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+
+def _name(c: Any) -> str:
+    if c is None:
+        return "none"
+    if c.slot < 0:
+        return f"generation {c.generation}"
+    step = f"step {c.step}, " if c.step is not None else ""
+    return f"{step}counter {c.counter} (generation {c.generation}, slot {c.slot})"
+
+
+def _verdict_line(r: VerifyReport) -> str:
+    if r.exit_code == 0:
+        return f"OK: the latest checkpoint, {_name(r.latest)}, is valid"
+    if r.exit_code == 1:
+        return (f"DAMAGED: the latest checkpoint, {_name(r.latest)}, is invalid ({r.latest_problem}); "
+                f"the newest valid one is {_name(r.newest_valid)}, which load_latest will return")
+    if r.latest is None:
+        return "NO CHECKPOINT: no slot holds a checkpoint"
+    return f"NO VALID CHECKPOINT: the latest, {_name(r.latest)}, is invalid ({r.latest_problem}) and nothing older is valid"
+
+
+@app.command("verify")
+def verify_cmd(path: PathArg = None, as_json: JsonOpt = False) -> None:
+    """Check every slot: meta record, manifest and every array's crc32c (an fsck).
+
+    Exit status 0: the latest checkpoint is valid; 1: it is not, but an older one is; 2: none is.
+    """
+    def run() -> int:
+        r = verify(path)
+        if as_json:
+            _emit_json({"exit_code": r.exit_code, "verdict": _verdict_line(r), "directory": str(r.directory),
+                        "latest": r.latest, "latest_problem": r.latest_problem, "newest_valid": r.newest_valid,
+                        "slots": list(r.checks),
+                        "generation_problems": [{"generation": g, "problem": p} for g, p in r.generation_problems]})
+            return r.exit_code
+        con = _out()
+        t = Table(show_edge=False, pad_edge=False)
+        for col, just in (("gen", "right"), ("slot", "right"), ("step", "right"), ("counter", "right"),
+                          ("verdict", "left"), ("arrays", "right"), ("problem", "left")):
+            t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        for c in r.checks:
+            mark = " (latest)" if r.latest is not None and (c.generation, c.slot) == (r.latest.generation, r.latest.slot) else ""
+            verdict = {"ok": "[green]ok[/]", "bad": "[bold red]BAD[/]"}.get(c.verdict, c.verdict) + mark
+            t.add_row(str(c.generation), str(c.slot), _text(c.step), _text(c.counter), verdict, _text(c.arrays),
+                      c.problem or "")
+        con.print(t)
+        for g, p in r.generation_problems:
+            con.print(f"generation {g}: [bold red]unreadable[/]: {p}")
+        colour = ("green", "yellow", "red")[r.exit_code]
+        con.print(f"[bold {colour}]{_verdict_line(r)}[/]")
+        return r.exit_code
+
+    _guard(as_json, run)
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def _descr(dtype: np.dtype) -> Any:
+    return np.lib.format.dtype_to_descr(dtype)
+
+
+@app.command("inspect")
+def inspect_cmd(path: PathArg = None, step: StepOpt = None, as_json: JsonOpt = False) -> None:
+    """Show a checkpoint's arrays: name, dtype, shape and bytes.
+
+    Reads only the manifest (checked against its crc32c); `pccheck verify` checks the array data.
+    """
+    def run() -> None:
+        loc = locate(path, step)
+        man = loc.manifest
+        arrays = [{"name": e.name, "dtype": _descr(e.dtype), "torch_dtype": getattr(e, "torch_dtype", None),
+                   "shape": list(e.shape), "nbytes": e.nbytes, "offset": e.offset, "crc32c": f"{crc:08x}"}
+                  for e, crc in zip(man.arrays, man.crcs)]
+        if as_json:
+            _emit_json({"step": man.step, "counter": man.counter, "generation": loc.generation, "slot": loc.slot,
+                        "path": str(loc.image.path), "data_bytes": man.data_len, "metadata": man.metadata,
+                        "arrays": arrays})
+            return
+        con = _out()
+        con.print(f"step {man.step}  counter {man.counter}  generation {loc.generation}  slot {loc.slot}  "
+                  f"{len(arrays)} arrays  {_bytes(sum(a['nbytes'] for a in arrays))}")
+        if man.metadata:
+            meta = json.dumps(man.metadata, separators=(",", ":"))
+            con.print(f"metadata: {meta if len(meta) <= 400 else meta[:400] + ' ...'}", markup=False)
+        t = Table(show_edge=False, pad_edge=False)
+        for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("bytes", "right")):
+            t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        for e, a in zip(man.arrays, arrays):
+            dt = a["torch_dtype"] or str(e.dtype)
+            t.add_row(e.name, dt, "(" + ", ".join(map(str, e.shape)) + ("," if len(e.shape) == 1 else "") + ")",
+                      str(e.nbytes))
+        con.print(t, markup=False)
+
+    _guard(as_json, run)
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+
+@app.command("export")
+def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (replaced atomically)")],
+               path: PathArg = None, step: StepOpt = None,
+               fmt: Annotated[ExportFormat, typer.Option("--format", help="file format to write")] = ExportFormat.safetensors,
+               skip_unsupported: Annotated[bool, typer.Option(
+                   "--skip-unsupported", help="leave out arrays the format cannot hold instead of failing")] = False,
+               as_json: JsonOpt = False) -> None:
+    """Write a checkpoint's arrays as a safetensors file or a torch state dict.
+
+    The checkpoint is fully verified first. A torch file loads with torch.load(weights_only=True).
+    """
+    def run() -> None:
+        r = load(path, step)
+        skipped = export_checkpoint(r, out, fmt.value, skip_unsupported=skip_unsupported)
+        written = [n for n in r.state if n not in skipped]
+        nbytes = sum(int(r.state[n].nbytes) for n in written)
+        if as_json:
+            _emit_json({"out": str(out), "format": fmt.value, "step": r.step, "counter": r.counter,
+                        "generation": r.generation, "slot": r.slot, "arrays": len(written), "bytes": nbytes,
+                        "skipped": skipped})
+            return
+        con = _out()
+        con.print(f"wrote {out} ({fmt.value}): {len(written)} arrays, {_bytes(nbytes)} from step {r.step} "
+                  f"(counter {r.counter}, generation {r.generation}, slot {r.slot})", markup=False)
+        if skipped:
+            con.print(f"left out (dtype not supported by {fmt.value}): {', '.join(skipped)}", markup=False)
+
+    _guard(as_json, run)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pccheck {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """Inspect, verify and export pccheck checkpoint stores."""
+
+
+def main() -> None:
+    """Entry point of the ``pccheck`` script."""
+    # Recovery logs why it skips a damaged slot; show that on stderr, stdout stays clean for --json.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Debugging history: every k-th committed checkpoint, copied to ``PATH/history/`` in the background.
+
+The store keeps only N+1 slots, so old checkpoints are overwritten within N+1 commits. For
+debugging a run (the paper's second use case) it helps to keep some of them. With
+``Checkpointer(..., keep_every=k, max_history=m)`` every k-th checkpoint that becomes the durable
+latest is copied to::
+
+    PATH/history/step-XXXXXX.safetensors   the arrays (safetensors), with step, counter and metadata
+                                           in its ``__metadata__``
+    PATH/history/step-XXXXXX.json          sidecar: step, counter, metadata, every array's dtype
+
+Arrays whose dtype safetensors cannot hold as stored (big-endian, structured, strings, ...) are
+stored as raw bytes (``U8``); the sidecar's ``dtypes`` gives their real dtype and shape.
+
+Invariants (what retention must never do to the store):
+
+* It never blocks a checkpoint: the on_commit hook only enqueues (a bounded queue; when copies
+  fall behind, the oldest pending one is dropped with a warning) and one background thread copies.
+* It never pins a slot: the writer may reuse the slot while it is being copied. The copy is
+  validated against the manifest's crc32c array by array and discarded (with a warning) if the
+  slot was overwritten meanwhile, so a history file always holds exactly one checkpoint's bytes.
+* ``max_history`` deletes the oldest history files only (by modification time), never a store
+  file or slot, and never the file just written.
+* Each file is written to a temporary name, fsynced, renamed, and the directory fsynced
+  (:func:`pccheck.export.write_durably`).
+
+The store is read with the recovery readers (:func:`read_store`, :func:`read_manifest`); the
+arrays are streamed through a bounded buffer rather than loaded whole (:func:`load_slot` would
+allocate the whole state), so keeping history costs no more memory for a large model.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import numpy as np
+
+from .errors import CorruptCheckpointError
+from .export import SafetensorsEntry, fsync_dir, safetensors_dtype, safetensors_header, write_durably
+from .native import _native
+from .persist.recovery import read_manifest, read_store
+
+__all__ = ["HistoryKeeper", "HistoryCounts", "HISTORY_DIR", "history_files"]
+
+log = logging.getLogger("pccheck")
+
+HISTORY_DIR = "history"
+_FILE_RE = re.compile(r"^step-(-?\d+)\.safetensors$")
+_COPY_BUFFER = 8 << 20
+SIDECAR_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HistoryCounts:
+    """What the keeper did so far."""
+
+    kept: int      # history files written
+    skipped: int   # checkpoints not copied: the slot was overwritten first, or the store was unreadable
+    dropped: int   # checkpoints dropped from a full queue before their copy started
+    deleted: int   # old history files deleted by max_history
+    failed: int    # copies that failed with an error (logged)
+
+
+class _Overwritten(Exception):
+    """The slot no longer holds the checkpoint being copied."""
+
+
+def history_files(path: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The history files of a store directory as (step, path), oldest first (by modification time)."""
+    d = Path(path) / HISTORY_DIR
+    out = []
+    for p in d.glob("step-*.safetensors") if d.is_dir() else ():
+        m = _FILE_RE.match(p.name)
+        if m:
+            try:
+                out.append((p.stat().st_mtime_ns, int(m.group(1)), p))
+            except FileNotFoundError:
+                continue
+    return [(step, p) for _, step, p in sorted(out)]
+
+
+class HistoryKeeper:
+    """Copies every ``keep_every``-th committed checkpoint to ``path/history`` in the background.
+
+    Call protocol (the Checkpointer follows it)::
+
+        keeper = HistoryKeeper(path, keep_every, max_history)
+        keeper(info)      # on a commit thread, after each checkpoint that became the durable
+                          # latest (a CommitInfo); only enqueues, returns at once, never raises
+        keeper.close()    # on Checkpointer.close: finishes pending copies, joins the thread
+
+    Args:
+        path: the store directory; history goes to ``path/history`` (created on first copy).
+        keep_every: copy the k-th, 2k-th, ... committed checkpoint (counted by this keeper).
+        max_history: keep at most this many history files (oldest deleted); None keeps all.
+        max_pending: copies queued at most; beyond it the oldest queued one is dropped.
+    """
+
+    def __init__(self, path: Path, keep_every: int, max_history: int | None, *, max_pending: int = 8) -> None:
+        if keep_every < 1 or (max_history is not None and max_history < 1) or max_pending < 1:
+            raise ValueError("keep_every, max_history and max_pending must be >= 1")
+        self.path = Path(path)
+        self.directory = self.path / HISTORY_DIR
+        self.keep_every = keep_every
+        self.max_history = max_history
+        self._max_pending = max_pending
+        self._cv = threading.Condition()
+        self._pending: collections.deque[Any] = collections.deque()
+        self._commits = 0
+        self._paused = 0
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._counts = dict(kept=0, skipped=0, dropped=0, deleted=0, failed=0)
+
+    # -- the hook -------------------------------------------------------------------------------
+
+    def __call__(self, info: Any) -> None:
+        """Notes one committed checkpoint (a ``CommitInfo``); queues a copy of every k-th. No I/O."""
+        with self._cv:
+            if self._closed:
+                return
+            self._commits += 1
+            if self._commits % self.keep_every:
+                return
+            if len(self._pending) >= self._max_pending:
+                old = self._pending.popleft()
+                self._counts["dropped"] += 1
+                log.warning("pccheck: history copies are falling behind; not keeping step %d", old.step)
+            self._pending.append(info)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pccheck-history", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    @property
+    def counts(self) -> HistoryCounts:
+        with self._cv:
+            return HistoryCounts(**self._counts)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Holds back copies (they queue up) for the duration, e.g. during a bandwidth-critical
+        phase. Checkpoints are never affected; ``close`` resumes and drains."""
+        with self._cv:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._paused = max(0, self._paused - 1)
+                self._cv.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until no copy is queued or running; returns False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def close(self) -> None:
+        """Finishes the queued copies (even if paused) and joins the thread. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._paused = 0
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join()
+
+    # -- the background thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: (self._pending and not self._paused) or (self._closed and not self._pending))
+                if not self._pending:
+                    return  # closed and drained
+                info = self._pending.popleft()
+                self._busy = True
+            outcome = "failed"
+            try:
+                outcome = self._keep(info)
+            except Exception:
+                log.exception("pccheck: copying step %d to %s failed; training is not affected",
+                              getattr(info, "step", -1), self.directory)
+            finally:
+                with self._cv:
+                    self._counts[outcome] += 1
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _keep(self, info: Any) -> str:
+        """Copies one checkpoint; returns "kept" or "skipped"."""
+        try:
+            self._copy(info)
+        except (_Overwritten, CorruptCheckpointError, FileNotFoundError) as exc:
+            log.warning("pccheck: not keeping step %d in history: %s", info.step, exc)
+            return "skipped"
+        self._prune(keep=self._file(info.step))
+        return "kept"
+
+    def _file(self, step: int) -> Path:
+        return self.directory / f"step-{step:06d}.safetensors"
+
+    def _copy(self, info: Any) -> None:
+        created = not self.directory.is_dir()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if created:
+            fsync_dir(self.path)  # the new directory's entry is durable
+        store = Path(info.store_file)
+        image = read_store(store)
+        meta = image.slots[info.slot].meta if info.slot < len(image.slots) else None
+        if meta is None or meta["counter"] != info.counter:
+            raise _Overwritten(f"slot {info.slot} of {store.name} was reused before it could be copied")
+        base = image.header["slots_offset"] + info.slot * image.header["slot_capacity"]
+        with open(store, "rb", buffering=0) as f:
+            man = read_manifest(image, info.slot, f.fileno())  # checks its crc and the meta's counter
+            entries, dtypes = [], {}
+            for e in man.arrays:
+                tdt = getattr(e, "torch_dtype", None)
+                # Stored bytes as they are: a safetensors type only if they already are one (LE).
+                st = safetensors_dtype(e.dtype, tdt) if e.dtype.byteorder != ">" else None
+                shape = e.shape if st else (e.nbytes,)
+                entries.append(SafetensorsEntry(e.name, st or "U8", shape, e.nbytes))
+                dtypes[e.name] = {"dtype": np.lib.format.dtype_to_descr(e.dtype), "shape": list(e.shape),
+                                  "stored_as": st or "U8", **({"torch_dtype": tdt} if tdt else {})}
+            metadata = {"pccheck.step": str(man.step), "pccheck.counter": str(man.counter),
+                        "pccheck.metadata": json.dumps(man.metadata, separators=(",", ":")),
+                        "pccheck.dtypes": json.dumps(dtypes, separators=(",", ":"))}
+            header, order = safetensors_header(entries, metadata)
+            by_name = {e.name: (e, crc) for e, crc in zip(man.arrays, man.crcs)}
+
+            def write(out: BinaryIO) -> None:
+                out.write(header)
+                for ent in order:
+                    arr, want = by_name[ent.name]
+                    if _stream(f.fileno(), base + arr.offset, arr.nbytes, out) != want:
+                        raise _Overwritten(f"array {arr.name!r} changed while it was copied "
+                                           f"(slot {info.slot} was reused)")
+
+            write_durably(self._file(man.step), write)
+        sidecar = {"format": SIDECAR_FORMAT, "step": man.step, "counter": man.counter, "metadata": man.metadata,
+                   "dtypes": dtypes, "source": {"store": store.name, "generation": image.generation,
+                                                "slot": info.slot}}
+        blob = json.dumps(sidecar, indent=1).encode("utf-8")
+        write_durably(self._file(man.step).with_suffix(".json"), lambda out: out.write(blob))
+        log.info("pccheck: kept step %d in %s", man.step, self._file(man.step))
+
+    def _prune(self, keep: Path) -> None:
+        if self.max_history is None:
+            return
+        files = history_files(self.path)
+        excess = len(files) - self.max_history
+        removed = 0
+        for _, p in files:  # oldest first; only history files, never a store file
+            if removed >= excess:
+                break
+            if p == keep:
+                continue
+            p.unlink(missing_ok=True)
+            p.with_suffix(".json").unlink(missing_ok=True)
+            removed += 1
+        if removed:
+            fsync_dir(self.directory)
+            with self._cv:
+                self._counts["deleted"] += removed
+
+
+def _stream(fd: int, off: int, n: int, out: BinaryIO) -> int:
+    """Copies n bytes at off from fd to out; returns their crc32c. A short read means the file
+    was truncated under us."""
+    crc = 0
+    buf = bytearray(min(n, _COPY_BUFFER))
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        want = min(len(buf), n - done)
+        got = os.preadv(fd, [view[:want]], off + done)
+        if got <= 0:
+            raise CorruptCheckpointError(f"short read at offset {off + done}: the store file is truncated")
+        crc = _native.crc32c(view[:got], crc)
+        out.write(view[:got])
+        done += got
+    return crc
+

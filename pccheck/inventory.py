@@ -1,0 +1,299 @@
+"""What a store directory holds, for operators: a listing, an fsck and checkpoint lookup.
+
+Read-only. Everything is read with the recovery readers (:mod:`pccheck.persist.recovery`), so the
+file is treated as untrusted input exactly as ``load_latest`` treats it (FORMAT.md §7). This module
+returns plain frozen dataclasses; rendering them is the CLI's job (:mod:`pccheck.cli`).
+
+Slot statuses (:func:`survey`), from the meta records, without reading array data:
+
+* ``latest``: the checkpoint recovery tries first in the newest generation that has one
+  (CHECK_ADDR's slot when its meta record confirms it, else the newest meta record);
+* ``committed``: another slot with a valid meta record: a complete older checkpoint (or, after a
+  crash, a newer one whose commit word never reached the disk), loadable by step until reused;
+* ``free``: an all-zero meta record over a slot that was written before: cleared for reuse;
+* ``empty``: an all-zero meta record over a never-written slot;
+* ``invalid``: the meta record fails validation (``problem`` says why).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from .errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
+from .native import _native
+from .persist.layout import Manifest
+from .persist.recovery import (Restored, StoreImage, candidate_order, default_path, load_slot, read_manifest,
+                               read_store, store_files)
+
+__all__ = [
+    "SlotInfo", "GenerationInfo", "SlotCheck", "VerifyReport", "Located",
+    "survey", "verify", "locate", "load", "resolve_directory",
+]
+
+BLOCK: int = _native.BLOCK
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One slot as its meta record describes it."""
+
+    slot: int
+    status: str               # latest, committed, free, empty, invalid
+    step: int | None
+    counter: int | None
+    data_bytes: int | None     # the array data region (FORMAT.md §3 data_len)
+    manifest_bytes: int | None
+    commit_unix_ns: int | None
+    age_s: float | None        # seconds since the commit, by this machine's clock
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    """One store file: its header and slots, or why it cannot be read."""
+
+    path: Path
+    generation: int
+    file_bytes: int
+    num_slots: int | None
+    slot_capacity: int | None
+    created_unix_ns: int | None
+    check_word: int | None
+    slots: tuple[SlotInfo, ...]
+    problem: str | None        # the header or file is unusable
+
+
+@dataclass(frozen=True)
+class SlotCheck:
+    """The fsck verdict on one slot: ``ok``, ``bad`` (``problem`` says why) or ``empty``."""
+
+    generation: int
+    slot: int
+    step: int | None
+    counter: int | None
+    verdict: str
+    problem: str | None
+    arrays: int | None         # arrays whose crc32c was checked
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Every slot's verdict, the latest checkpoint's and the newest valid one.
+
+    ``latest`` is what CHECK_ADDR names in the newest generation holding a checkpoint (or, with no
+    word, its newest meta record); ``latest_problem`` is set when it does not verify.
+    ``exit_code``: 0 the latest is valid; 1 it is not, but ``newest_valid`` is; 2 nothing is valid.
+    """
+
+    directory: Path
+    checks: tuple[SlotCheck, ...]
+    latest: SlotCheck | None
+    latest_problem: str | None
+    newest_valid: SlotCheck | None
+    generation_problems: tuple[tuple[int, str], ...]
+
+    @property
+    def exit_code(self) -> int:
+        if self.latest is not None and self.latest_problem is None:
+            return 0
+        return 1 if self.newest_valid is not None else 2
+
+
+@dataclass(frozen=True)
+class Located:
+    """A checkpoint found by :func:`locate`: its store image, slot and validated manifest."""
+
+    image: StoreImage
+    slot: int
+    manifest: Manifest
+
+    @property
+    def generation(self) -> int:
+        return self.image.generation
+
+
+def resolve_directory(path: str | os.PathLike[str] | None) -> Path:
+    """The store directory (default ``$PCCHECK_DIR`` or ./checkpoints); NoCheckpointError if absent."""
+    d = Path(path) if path is not None else default_path()
+    if not d.is_dir():
+        raise NoCheckpointError(f"no checkpoint directory at {d}: pass the path the Checkpointer wrote to "
+                                "(or set PCCHECK_DIR)")
+    return d
+
+
+def _generations(directory: Path) -> list[tuple[int, Path]]:
+    files = store_files(directory)
+    if not files:
+        raise NoCheckpointError(f"{directory} holds no pccheck store (store-*.pcc); nothing to read")
+    return files
+
+
+def _slot_was_written(image: StoreImage, slot: int, fd: int) -> bool:
+    off = image.header["slots_offset"] + slot * image.header["slot_capacity"]
+    return any(os.pread(fd, BLOCK, off))
+
+
+def survey(path: str | os.PathLike[str] | None = None) -> list[GenerationInfo]:
+    """Every generation (newest first) and slot of a store directory, from headers and meta records."""
+    directory = resolve_directory(path)
+    now = time.time_ns()
+    out = []
+    latest_marked = False
+    for gen, file in _generations(directory):
+        try:
+            size = file.stat().st_size
+            image = read_store(file)
+        except (CorruptCheckpointError, OSError) as exc:
+            out.append(GenerationInfo(file, gen, _size(file), None, None, None, None, (), _why(exc)))
+            continue
+        order = candidate_order(image)
+        latest = order[0] if order and not latest_marked else None
+        latest_marked = latest_marked or latest is not None
+        slots = []
+        with open(file, "rb", buffering=0) as f:
+            for st in image.slots:
+                m = st.meta
+                if m is not None:
+                    status = "latest" if st.slot == latest else "committed"
+                    slots.append(SlotInfo(st.slot, status, m["step"], m["counter"], m["data_len"], m["manifest_len"],
+                                          m["unix_ns"], max(0.0, (now - m["unix_ns"]) / 1e9), None))
+                elif st.problem == "empty":
+                    status = "free" if _slot_was_written(image, st.slot, f.fileno()) else "empty"
+                    slots.append(SlotInfo(st.slot, status, None, None, None, None, None, None, None))
+                else:
+                    slots.append(SlotInfo(st.slot, "invalid", None, None, None, None, None, None, st.problem))
+        h = image.header
+        out.append(GenerationInfo(file, gen, size, h["num_slots"], h["slot_capacity"], h["created_unix_ns"],
+                                  image.check_word, tuple(slots), None))
+    return out
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except OSError:
+        return 0
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, PCCheckError) else f"{type(exc).__name__}: {exc}"
+
+
+def verify(path: str | os.PathLike[str] | None = None) -> VerifyReport:
+    """fsck: checks every slot of every generation (meta record, manifest, every array's crc32c)."""
+    directory = resolve_directory(path)
+    checks: list[SlotCheck] = []
+    gen_problems: list[tuple[int, str]] = []
+    latest: SlotCheck | None = None
+    latest_problem: str | None = None
+    newest_valid: SlotCheck | None = None
+    for gen, file in _generations(directory):
+        try:
+            image = read_store(file)
+        except (CorruptCheckpointError, OSError) as exc:
+            gen_problems.append((gen, _why(exc)))
+            if latest is None and not checks:  # the newest generation is unreadable
+                latest = SlotCheck(gen, -1, None, None, "bad", _why(exc), None)
+                latest_problem = f"generation {gen} ({file.name}) cannot be read: {_why(exc)}"
+            continue
+        by_slot: dict[int, SlotCheck] = {}
+        with open(file, "rb", buffering=0) as f:
+            for st in image.slots:
+                if st.meta is None:
+                    verdict, problem = ("empty", None) if st.problem == "empty" else ("bad", st.problem)
+                    by_slot[st.slot] = SlotCheck(gen, st.slot, None, None, verdict, problem, None)
+                    continue
+                try:
+                    r = load_slot(image, st.slot, fd=f.fileno())
+                    by_slot[st.slot] = SlotCheck(gen, st.slot, r.step, r.counter, "ok", None, len(r.state))
+                except CorruptCheckpointError as exc:
+                    by_slot[st.slot] = SlotCheck(gen, st.slot, st.meta["step"], st.meta["counter"], "bad",
+                                                 str(exc), None)
+        checks.extend(by_slot[s] for s in sorted(by_slot))
+        if latest is None:
+            latest, latest_problem = _latest_of(image, by_slot)
+        if newest_valid is None:
+            valid = [c for c in by_slot.values() if c.verdict == "ok"]
+            if valid:
+                # The one recovery would load: CHECK_ADDR's if it is valid, else the newest counter.
+                order = candidate_order(image)
+                newest_valid = next((by_slot[s] for s in order if by_slot[s].verdict == "ok"), None)
+    if latest is not None and latest_problem is None:
+        newest_valid = latest
+    return VerifyReport(directory, tuple(checks), latest, latest_problem, newest_valid, tuple(gen_problems))
+
+
+def _latest_of(image: StoreImage, by_slot: dict[int, SlotCheck]) -> tuple[SlotCheck | None, str | None]:
+    """The latest checkpoint of one generation and what is wrong with it; (None, None) if it has none."""
+    word = image.check_word
+    if word:
+        slot, counter = _native.word_slot(word), _native.word_counter(word)
+        c = by_slot.get(slot)
+        if c is None:
+            return (SlotCheck(image.generation, slot, None, counter, "bad", "slot out of range", None),
+                    f"CHECK_ADDR names slot {slot}, beyond the {len(image.slots)} slots of generation "
+                    f"{image.generation}")
+        if c.counter != counter:
+            return (SlotCheck(image.generation, slot, None, counter, "bad", "meta record does not match", None),
+                    f"CHECK_ADDR names slot {slot} with counter {counter}, which its meta record does not "
+                    f"confirm ({c.problem or f'it holds counter {c.counter}'})")
+        return c, (None if c.verdict == "ok" else c.problem)
+    metas = [s.slot for s in image.slots if s.meta]
+    if not metas:
+        return None, None  # never committed: look at the next older generation
+    c = by_slot[max(metas, key=lambda s: image.slots[s].meta["counter"])]
+    return c, (None if c.verdict == "ok" else c.problem)
+
+
+def _search(path: str | os.PathLike[str] | None, step: int | None,
+            attempt: Callable[[StoreImage, int, int], T]) -> T:
+    """Recovery's order (generations newest first, CHECK_ADDR's slot, then newest counter),
+    restricted to ``step`` if given: the first slot for which ``attempt(image, slot, fd)`` does not
+    raise CorruptCheckpointError. Raises NoCheckpointError saying what exists."""
+    directory = resolve_directory(path)
+    problems: list[str] = []
+    steps: set[int] = set()
+    for _, file in _generations(directory):
+        try:
+            image = read_store(file)
+        except (CorruptCheckpointError, OSError) as exc:
+            problems.append(_why(exc))
+            continue
+        with open(file, "rb", buffering=0) as f:
+            for slot in candidate_order(image):
+                meta = image.slots[slot].meta
+                assert meta is not None  # candidate_order only yields slots with a meta record
+                if step is not None and meta["step"] != step:
+                    steps.add(meta["step"])
+                    continue
+                try:
+                    return attempt(image, slot, f.fileno())
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+    what = "no valid checkpoint" if step is None else f"no valid checkpoint of step {step}"
+    hint = f"; steps on disk: {', '.join(map(str, sorted(steps)))}" if steps else ""
+    detail = f" ({'; '.join(problems)})" if problems else ""
+    raise NoCheckpointError(f"{directory}: {what}{hint}{detail}")
+
+
+def locate(path: str | os.PathLike[str] | None = None, step: int | None = None, *, verify: bool = False) -> Located:
+    """Finds the latest checkpoint, or the newest one of ``step``, whose manifest validates (with
+    ``verify``, whose array checksums too), in the order recovery uses."""
+    def attempt(image: StoreImage, slot: int, fd: int) -> Located:
+        man = read_manifest(image, slot, fd)
+        if verify:
+            load_slot(image, slot, fd=fd)
+        return Located(image, slot, man)
+
+    return _search(path, step, attempt)
+
+
+def load(path: str | os.PathLike[str] | None = None, step: int | None = None) -> Restored:
+    """Loads the latest checkpoint, or the newest valid one of ``step``, fully validated (the arrays
+    as stored; no PyTorch reassembly)."""
+    return _search(path, step, lambda image, slot, fd: load_slot(image, slot, fd=fd))
