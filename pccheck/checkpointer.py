@@ -22,7 +22,8 @@ import numpy as np
 
 from .errors import ConfigError, PCCheckError, StorageError
 from .orchestrator.copy_engine import CopyEngine, select_copy_engine
-from .orchestrator.orchestrator import Orchestrator
+from .distributed import EPOCH_KEY, GroupCoordinator, detect_group, rank_dir
+from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .persist.layout import plan
 from .persist.recovery import default_path
 from .persist.store import STORAGE_CHOICES, SlotStore
@@ -89,6 +90,10 @@ class Checkpointer:
         capture_rng: (PyTorch) save and restore the Python, numpy, torch and CUDA RNG states.
         eager: (PyTorch) state_dict names to copy before maybe_checkpoint returns, besides the
             module buffers (which forward itself changes, e.g. BatchNorm running stats).
+        distributed: in an initialised torch.distributed group of > 1 ranks (detected), each rank
+            writes ``path/rank-<r>/`` and the ranks agree on globally committed steps
+            (pccheck.distributed). Every rank must construct its Checkpointer at the same point.
+        replicated: "rank0" for data-parallel replicas: only rank 0 writes (to ``path``).
         metadata: JSON-serialisable dict stored with every checkpoint.
         keep_every: if set, every k-th committed checkpoint is also copied, in the background, to
             ``PATH/history/step-XXXXXX.safetensors`` (+ a JSON sidecar) for debugging history.
@@ -101,7 +106,8 @@ class Checkpointer:
                  chunk_size: int = 64 << 20, storage: str = "auto", on_error: OnError = "raise",
                  metadata: Mapping[str, Any] | None = None, soft_cow: bool | None = None,
                  capture_rng: bool = True, eager: Iterable[str] = (), keep_every: int | None = None,
-                 max_history: int | None = None, copy_engine: CopyEngine | None = None) -> None:
+                 max_history: int | None = None, distributed: bool = True, replicated: str | None = None,
+                 copy_engine: CopyEngine | None = None) -> None:
         if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
             if path is not None:
                 raise ConfigError("path given twice (positionally and as path=)")
@@ -142,31 +148,56 @@ class Checkpointer:
         self._errors: list[PCCheckError] = []
         self._err_lock = threading.Lock()
         self._hook: Any = None
+        self._orch: Orchestrator | None = None
 
         snap = self._source.snapshot()  # validates names, dtypes and values before touching the disk
         layout = plan(snap.arrays)
+        group = detect_group() if distributed else None
+        if replicated not in (None, "rank0"):
+            raise ConfigError(f"replicated must be None or 'rank0', got {replicated!r}")
+        # Data-parallel replicas hold the same state: with replicated="rank0" only rank 0 writes
+        # (a plain store at `path`), and every rank loads from it.
+        self._passive = group is not None and replicated == "rank0" and group.rank != 0
+        self._coord: GroupCoordinator | None = None
+        if group is not None and replicated is None:
+            self._coord = GroupCoordinator(self.path, group)
         self._history = None
-        if keep_every is not None:
+        if keep_every is not None and not self._passive:
             from .history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, keep_every, max_history)
-        self._store = SlotStore(self.path, storage)
+        if self._passive:
+            self._store = self._orch = None
+            return
+        store_dir = self.path
+        if self._coord is not None:
+            store_dir = rank_dir(self.path, group.rank)
+            protect = self._coord.prepare(store_dir)  # collective: every rank constructs together
+        self._store = SlotStore(store_dir, storage, group.world_size if self._coord else 1,
+                                group.rank if self._coord else 0)
+        if self._coord is not None:
+            self._store.hold_replaced, self._store.protect, self._store.retire_on_global = True, protect, True
         try:
             self._orch = Orchestrator(self._store, layout, max_concurrent=max_concurrent,
                                       writer_threads=writer_threads, chunk_size=chunk_size,
                                       dram_budget=dram_budget,
                                       copy_engine=copy_engine or select_copy_engine(snap.arrays),
-                                      on_error=self._background_error, on_commit=self._history)
+                                      on_error=self._background_error, on_commit=self._on_commit,
+                                      extra_slots=1 if self._coord else 0)
             if not self._source.may_grow():
-                self._store.open(max_concurrent + 1, self._orch.slot_bytes(layout, self._meta(snap, None)))
+                self._store.open(self._orch.num_slots, self._orch.slot_bytes(layout, self._meta(snap, None)))
             # else: the store is sized at the first checkpoint, once the optimizer has its state
             # (Adam creates it lazily, at its first step), instead of a generation that is
             # replaced at once.
+            if self._coord is not None:
+                self._coord.start(self._store)
         except BaseException:
-            if hasattr(self, "_orch"):
+            if self._orch is not None:
                 self._orch.close()
             if self._history is not None:
                 self._history.close()
+            if self._coord is not None:
+                self._coord.close()
             self._store.close()
             raise
         if self.soft_cow:
@@ -193,6 +224,8 @@ class Checkpointer:
         """Checkpoints now, regardless of the interval. False if skipped (``when_busy="skip"``)."""
         self._raise_pending()
         _check_step(step)
+        if self._passive:
+            return False
         snap = self._source.snapshot()
         meta = self._meta(snap, _check_metadata(metadata))
         try:
@@ -211,52 +244,69 @@ class Checkpointer:
     def wait_copied(self) -> None:
         """Returns once no checkpoint in flight still reads live tensors (soft copy-on-write).
         Call it before mutating parameters or optimizer state outside ``optimizer.step()``."""
-        self._orch.ensure_copied()
+        if self._orch is not None:
+            self._orch.ensure_copied()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._orch.ensure_copied()
 
     def _meta(self, snap: Snapshot, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         meta = {**self.metadata, **(extra or {})}
-        if TREE_KEY in meta:
-            raise ConfigError(f"metadata key {TREE_KEY!r} is reserved")
+        for key in (TREE_KEY, EPOCH_KEY):
+            if key in meta:
+                raise ConfigError(f"metadata key {key!r} is reserved")
         if snap.tree:
             meta[TREE_KEY] = snap.tree
+        if self._coord is not None:
+            meta[EPOCH_KEY] = self._coord.epoch
         return meta
+
+    def _on_commit(self, info: CommitInfo) -> None:
+        if self._coord is not None:
+            self._coord.on_commit(info.step, info.slot)
+        if self._history is not None:
+            self._history(info)
 
     def wait(self) -> None:
         """Blocks until every checkpoint in flight has committed; raises a pending error."""
-        self._orch.wait()
+        if self._orch is not None:
+            self._orch.wait()
         self._raise_pending()
 
     @property
     def last_durable_step(self) -> int | None:
         """The step of the newest checkpoint known durable, or None."""
-        return self._orch.last_durable_step
+        return self._orch.last_durable_step if self._orch is not None else None
 
     def stats(self) -> StatsReport:
         """Per-checkpoint stall, copy and persist times, bytes and bandwidth, the skip counter and
         the age of the latest durable checkpoint (``.as_dict()``, ``.to_json()``)."""
         o = self._orch
+        if o is None:
+            return StatsReport((), 0, None, None)
         return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time)
 
     @property
     def storage(self) -> str:
         """The write mode in use: "odirect", "mmap" or "pmem"."""
-        return self._store.native.mode if self._store.native else "closed"
+        return self._store.native.mode if self._store is not None and self._store.native else "closed"
 
     @property
     def generation(self) -> int:
-        return self._store.generation
+        return self._store.generation if self._store is not None else 0
 
     def close(self) -> None:
         """Waits for checkpoints in flight, stops the writers and releases the store lock."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._orch is None:
+            return
         try:
             self._orch.close()
         finally:
+            if self._coord is not None:
+                self._coord.close()
             if self._history is not None:
                 self._history.close()  # finishes copies of committed checkpoints first
             self._store.close()

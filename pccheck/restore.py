@@ -11,7 +11,10 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from pathlib import Path
+
+from .distributed import EPOCH_KEY, Group, agree_and_load, detect_group, rank_dir
+from .errors import ConfigError, PCCheckError
 from .persist import recovery
 from .persist.recovery import Restored
 from .torch_state import TREE_KEY, TorchState, rebuild, unwrap_extra
@@ -21,17 +24,27 @@ __all__ = ["load_latest"]
 
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
                 extra_state: Mapping[str, Any] | None = None, map_location: Any = None,
-                zero_copy: bool = False, verify: bool = True) -> Restored:
+                zero_copy: bool = False, verify: bool = True, distributed: bool = True) -> Restored:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
     NoCheckpointError when there is none. See :func:`pccheck.persist.recovery.load_latest` for
-    how the checkpoint is picked and validated.
+    how the checkpoint is picked and validated. In a torch.distributed group (every rank calls
+    this at the same point) the ranks agree on the newest step all of them hold valid and each
+    loads its own part (pccheck.distributed); every rank returns the same ``step``.
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
-    r = recovery.load_latest(path, zero_copy=zero_copy and model is None, verify=verify)
+    directory = Path(path) if path is not None else recovery.default_path()
+    group = detect_group() if distributed else None
+    if group is not None and rank_dir(directory, group.rank).is_dir():
+        r = agree_and_load(directory, group, verify=verify)
+    else:
+        r = recovery.load_latest(directory, zero_copy=zero_copy and model is None, verify=verify)
+        if group is not None:  # replicated="rank0": everyone read rank 0's store; same step?
+            _check_same_step(group, r.step)
     metadata = dict(r.metadata)
+    metadata.pop(EPOCH_KEY, None)
     tree = metadata.pop(TREE_KEY, None)
     if tree is None:
         if model is not None:
@@ -54,3 +67,13 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         state = unwrap_extra(rebuild({"d": tree}, r.state, as_tensor))
     state["step"] = r.step
     return dataclasses.replace(r, state=state, metadata=metadata)
+
+
+def _check_same_step(group: Group, step: int) -> None:
+    import torch.distributed as dist
+
+    steps: list[Any] = [None] * group.world_size
+    dist.all_gather_object(steps, step, group=group.pg)
+    if len(set(steps)) != 1:
+        raise PCCheckError(f"ranks loaded different steps {steps} from the shared store; load while no "
+                           "Checkpointer is writing to it")

@@ -137,14 +137,17 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("mode", [](const Store& s) { return std::string(mode_name(s.mode())); })
       .def_property_readonly("is_pmem", &Store::is_pmem)
       .def_property_readonly("check_word", &Store::check_word)
-      .def("init", [](Store& s, uint64_t word, uint64_t next_counter) {
+      .def("init", [](Store& s, uint64_t word, uint64_t next_counter, std::vector<uint32_t> protect) {
              int rc;
              {
                py::gil_scoped_release nogil;
-               rc = s.init(word, next_counter);
+               rc = s.init(word, next_counter, protect);
              }
              if (rc) throw_rc(rc, "cannot persist the recovered CHECK_ADDR");
-           })
+           },
+           py::arg("word"), py::arg("next_counter"), py::arg("protect") = std::vector<uint32_t>{})
+      .def("set_hold_replaced", &Store::set_hold_replaced)
+      .def("take_held", &Store::take_held)
       .def("next_counter", &Store::next_counter)
       .def("acquire_slot", [](Store& s, double timeout) -> py::object {
              int rc;

@@ -124,16 +124,45 @@ void Store::close() {
   }
 }
 
-int Store::init(uint64_t word, uint64_t next_counter) {
+int Store::init(uint64_t word, uint64_t next_counter, const std::vector<uint32_t>& protect) {
   counter_.store(next_counter);
   if (word_->load() != word) {
     word_->store(word);
     if (int rc = barrier_word()) return rc;
   }
   bool has_latest = word != 0;
-  for (uint32_t s = 0; s < header_.num_slots; s++)
-    if (!has_latest || s != word_slot(word)) free_.push(s);
+  std::lock_guard<std::mutex> lk(pending_mu_);
+  for (uint32_t s = 0; s < header_.num_slots; s++) {
+    if (has_latest && s == word_slot(word)) continue;
+    bool held = false;
+    for (uint32_t p : protect) held |= p == s;
+    if (held) held_.push_back(s);
+    else free_.push(s);
+  }
   return 0;
+}
+
+void Store::set_hold_replaced(bool hold) {
+  std::lock_guard<std::mutex> lk(pending_mu_);
+  hold_replaced_ = hold;
+}
+
+std::vector<uint32_t> Store::take_held() {
+  std::lock_guard<std::mutex> lk(pending_mu_);
+  std::vector<uint32_t> out;
+  out.swap(held_);
+  return out;
+}
+
+void Store::settle_pending_locked() {
+  // Called after a successful word barrier: the durable word names a newer slot than any pending
+  // one, so they are free to reuse - unless the caller holds replaced slots (distributed mode:
+  // one may be the globally committed checkpoint), in which case the caller decides.
+  for (uint32_t s : pending_) {
+    if (hold_replaced_) held_.push_back(s);
+    else free_.push(s);
+  }
+  pending_.clear();
 }
 
 int Store::acquire_slot(double timeout_s) {
@@ -222,8 +251,7 @@ int Store::barrier_word() {
 
 void Store::release_pending() {
   std::lock_guard<std::mutex> lk(pending_mu_);
-  for (uint32_t s : pending_) free_.push(s);
-  pending_.clear();
+  settle_pending_locked();
 }
 
 int Store::commit(uint32_t slot, uint64_t counter, int64_t step, const std::string& manifest,
@@ -277,8 +305,7 @@ int Store::commit(uint32_t slot, uint64_t counter, int64_t step, const std::stri
       if (rc != 0) return rc;  // old slot stays pending: the durable word may still name it
       // Invariant: the slot CHECK_ADDR names is never freed. `cur` was replaced by `mine` and
       // `mine` is durable, so every pending slot is now safe to reuse.
-      for (uint32_t s : pending_) free_.push(s);
-      pending_.clear();
+      settle_pending_locked();
       return 1;
     }
     // CAS failed: `cur` now holds the current word; loop re-checks whether it is newer.

@@ -50,7 +50,15 @@ class Store {
   // latest, which the caller validated; 0 for none) and persists it if it changed, then fills
   // the free queue with every other slot. Invariant established here and kept by commit():
   // the slot CHECK_ADDR names is never in the free queue.
-  int init(uint64_t word, uint64_t next_counter);
+  // Slots in `protect` are neither free nor latest: they go to the held list (see take_held).
+  int init(uint64_t word, uint64_t next_counter, const std::vector<uint32_t>& protect = {});
+
+  // Distributed mode: a slot replaced in CHECK_ADDR is not freed but held, because it may hold
+  // the globally committed checkpoint that every rank must keep (docs/FORMAT.md §8). The caller
+  // collects held slots with take_held() and frees them with release_slot() once a newer
+  // global step is recorded.
+  void set_hold_replaced(bool hold);
+  std::vector<uint32_t> take_held();
 
   // Listing 1 step 1: a fresh counter (atomic add).
   uint64_t next_counter() { return counter_.fetch_add(1); }
@@ -83,6 +91,7 @@ class Store {
   int sync_records();        // makes data + manifest + meta durable (before the CAS)
   int barrier_word();        // makes the CHECK_ADDR word durable (after the CAS)
   void release_pending();    // after a successful barrier_word
+  void settle_pending_locked();  // pending_ -> free_ (or held_); pending_mu_ held
 
   std::string path_;
   Mode mode_;
@@ -98,6 +107,8 @@ class Store {
   // Slots replaced in CHECK_ADDR whose replacement is not yet known durable (its barrier failed):
   // the durable word may still name them, so they are freed only after a later barrier succeeds.
   std::vector<uint32_t> pending_;
+  bool hold_replaced_ = false;  // guarded by pending_mu_
+  std::vector<uint32_t> held_;  // replaced slots kept for the caller (hold_replaced_)
 };
 
 }  // namespace pcc

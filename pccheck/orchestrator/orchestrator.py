@@ -112,9 +112,11 @@ class Orchestrator:
     def __init__(self, store: SlotStore, layout: Layout, *, max_concurrent: int, writer_threads: int,
                  chunk_size: int, dram_budget: int | None, copy_engine: CopyEngine,
                  on_error: Callable[[PCCheckError], None],
-                 on_commit: Callable[[CommitInfo], None] | None = None) -> None:
+                 on_commit: Callable[[CommitInfo], None] | None = None, extra_slots: int = 0) -> None:
         self.store = store
         self.max_concurrent = max_concurrent
+        # N+1 slots: N in flight plus the latest (+1 in distributed mode: the global latest).
+        self.num_slots = max_concurrent + 1 + extra_slots
         self.copy_engine = copy_engine
         self._on_error = on_error
         self._on_commit = on_commit
@@ -184,10 +186,10 @@ class Orchestrator:
         try:
             need = self.slot_bytes(layout, metadata)
             if self.store.native is None:  # opened lazily: see Checkpointer (optimizer state)
-                self.store.open(self.max_concurrent + 1, need)
-            elif not self.store.fits(self.max_concurrent + 1, need):
+                self.store.open(self.num_slots, need)
+            elif not self.store.fits(self.num_slots, need):
                 self._drain()  # every slot of the old generation must be settled first
-                self.store.new_generation(self.max_concurrent + 1, need)
+                self.store.new_generation(self.num_slots, need)
             if self._dram_budget is None and layout.data_len > self._pool_state_bytes:
                 # The default budget follows the state (2x): it grew, e.g. Adam's lazy state.
                 self._drain()
@@ -244,7 +246,11 @@ class Orchestrator:
         for fl in pending:
             if not fl.copied.is_set():
                 w0 = time.perf_counter()
-                self.copy_engine.copy(fl.job, fl.src)
+                try:
+                    self.copy_engine.copy(fl.job, fl.src)
+                except Exception:  # e.g. a device copy failed: the checkpoint fails, training goes on
+                    log.exception("pccheck: copying the checkpoint of step %d failed", fl.step)
+                    abandon(fl.job, errno.EIO)
                 fl.job.wait_copied()
                 fl.copied.wait()  # includes the version check
                 fl.cow_wait += time.perf_counter() - w0
@@ -312,7 +318,7 @@ class Orchestrator:
                 with self._lock:
                     if self._durable is None or fl.counter > self._durable[0]:
                         self._durable = (fl.counter, step, time.time())
-                    if self.store.retire_pending:
+                    if self.store.retire_pending and not self.store.retire_on_global:
                         self.store.retire_older_generations()
         except PCCheckError as exc:
             self._on_error(exc)

@@ -60,6 +60,12 @@ class SlotStore:
         # Set when a new generation was created beside older ones: they are deleted after the
         # new generation's first durable commit (retire_older_generations), not before.
         self.retire_pending = False
+        # Distributed mode (pccheck.distributed): replaced slots are held, not freed; `protect`
+        # lists slots of the generation about to be opened that hold the global checkpoint; old
+        # generations are retired by the coordinator once a global step lives in the new one.
+        self.hold_replaced = False
+        self.protect: list[int] = []
+        self.retire_on_global = False
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -140,7 +146,9 @@ class SlotStore:
         self.file = file
         word = self._recover_word(image)
         try:
-            self.native.init(word, self._next_counter)
+            self.native.init(word, self._next_counter, self.protect)
+            self.native.set_hold_replaced(self.hold_replaced)
+            self.protect = []  # only for the generation it was computed for
         except OSError as exc:
             raise storage_error_from_oserror(exc, f"opening {file}") from None
         log.info("pccheck: writing to %s (mode %s, %d slots of %d bytes, next counter %d)", file,

@@ -1,0 +1,285 @@
+"""Globally consistent checkpoints across the ranks of a torch.distributed job (paper §3.1, §4.1).
+
+Each rank writes its own store under ``PATH/rank-<r>/``. A step is *globally committed* once
+every rank has committed it locally (durably, CHECK_ADDR moved). The protocol runs beside
+training, on the checkpoint threads, through the process group's key-value store (TCPStore or
+FileStore), never through the training collectives:
+
+1. After a local commit of step s, a rank adds 1 to ``e<epoch>/n/<s>``. The rank that brings it
+   to the world size appends s to the completion log ``e<epoch>/c/<i>``.
+2. Rank 0 follows the completion log; for each completed step newer than the last global one it
+   records ``PATH/GLOBAL`` durably (write temp, fsync, rename, fsync the directory) and appends
+   it to the global log ``e<epoch>/g/<j>``.
+3. Every rank follows the global log. Invariant: a rank never frees the slot holding the newest
+   global step it knows, nor any slot with a newer step (it may still become global); its native
+   store holds replaced slots instead of freeing them, and this module frees the ones older than
+   the global step. Storage: N+2 slots of m bytes per rank (N in flight, the latest, the global).
+
+Every incarnation of the job gets a new *epoch* (one more than any found on disk), stored in each
+manifest, so a step left behind by an earlier incarnation never pairs with a new one.
+
+Recovery (:func:`agree_and_load`) does not trust GLOBAL alone: the ranks exchange the set of
+(epoch, step) checkpoints each holds *valid* and take the newest one all hold, so a rank whose
+newest slot is damaged makes the group fall back together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .persist.recovery import Restored, load_slot, read_manifest, read_store, store_files
+
+__all__ = ["Group", "detect_group", "rank_dir", "GroupCoordinator", "agree_and_load", "EPOCH_KEY",
+           "read_global"]
+
+log = logging.getLogger("pccheck")
+
+EPOCH_KEY = "pccheck.epoch"  # manifest metadata key: the job incarnation that wrote it
+_POLL = timedelta(milliseconds=200)
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the job, plus a gloo group and a key-value store of its own."""
+
+    rank: int
+    world_size: int
+    pg: Any     # a gloo process group for pccheck's own collectives
+    store: Any  # a PrefixStore over the default group's store
+
+
+def detect_group() -> Group | None:
+    """The torch.distributed group, if one is initialised with more than one rank (never imports
+    torch itself: a process that did not import it is not distributed)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    dist = torch.distributed
+    if dist.get_world_size() < 2:
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = dist.new_group(backend="gloo")  # collective: every rank creates it at the same point
+    store = dist.PrefixStore("pccheck/", c10d._get_default_store())
+    return Group(dist.get_rank(), dist.get_world_size(), pg, store)
+
+
+def rank_dir(path: Path, rank: int) -> Path:
+    return path / f"rank-{rank}"
+
+
+def _valid_checkpoints(directory: Path, full: bool, world_size: int) -> dict[tuple[int, int], tuple[Path, int]]:
+    """(epoch, step) -> (store file, slot) of every checkpoint in a rank's store that validates
+    (meta + manifest; with ``full`` also every array's crc32c)."""
+    found: dict[tuple[int, int], tuple[Path, int]] = {}
+    for _, file in store_files(directory):
+        try:
+            image = read_store(file)
+        except (CorruptCheckpointError, OSError) as exc:
+            log.warning("pccheck: %s: %s", file, exc)
+            continue
+        if image.header["world_size"] != world_size:
+            raise ConfigError(f"{file} was written by a job of {image.header['world_size']} ranks, this one "
+                              f"has {world_size}; resharding on load is not supported yet")
+        with open(file, "rb", buffering=0) as f:
+            for st in image.slots:
+                if st.meta is None:
+                    continue
+                try:
+                    man = (load_slot(image, st.slot, fd=f.fileno()) if full
+                           else read_manifest(image, st.slot, f.fileno()))
+                except CorruptCheckpointError as exc:
+                    log.warning("pccheck: %s slot %d: %s", file, st.slot, exc)
+                    continue
+                epoch = int(man.metadata.get(EPOCH_KEY, 0)) if isinstance(man.metadata.get(EPOCH_KEY, 0), int) else 0
+                key = (epoch, man.step)
+                if key not in found or found[key][0] < file:
+                    found[key] = (file, st.slot)
+    return found
+
+
+def _agree(group: Group, mine: dict[tuple[int, int], Any]) -> tuple[tuple[int, int] | None, int]:
+    """The newest (epoch, step) every rank holds, and the highest epoch any rank has seen."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * group.world_size
+    dist.all_gather_object(everyone, sorted(mine), group=group.pg)
+    common = set(map(tuple, everyone[0]))
+    for keys in everyone[1:]:
+        common &= set(map(tuple, keys))
+    top_epoch = max([k[0] for keys in everyone for k in keys] + [0])
+    best = max(common, key=lambda k: (k[1], k[0])) if common else None
+    return best, top_epoch
+
+
+def agree_and_load(path: Path, group: Group, *, verify: bool = True) -> Restored:
+    """Every rank loads its part of the newest checkpoint that every rank holds valid."""
+    directory = rank_dir(path, group.rank)
+    mine = _valid_checkpoints(directory, full=verify, world_size=group.world_size) if directory.is_dir() else {}
+    best, _ = _agree(group, mine)
+    if best is None:
+        raise NoCheckpointError(f"no checkpoint under {path} is valid on all {group.world_size} ranks")
+    newest = max(mine, key=lambda k: (k[1], k[0]))
+    if newest != best:
+        log.warning("pccheck: rank %d: newest local checkpoint is step %d but the group agreed on step %d",
+                    group.rank, newest[1], best[1])
+    file, slot = mine[best]
+    image = read_store(file)
+    with open(file, "rb", buffering=0) as f:
+        return load_slot(image, slot, fd=f.fileno(), verify=verify)
+
+
+def read_global(path: Path) -> dict[str, Any] | None:
+    """The last globally committed step recorded in PATH/GLOBAL, or None."""
+    try:
+        doc = json.loads((path / "GLOBAL").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
+
+
+class GroupCoordinator:
+    """The per-rank side of the protocol. Call order: :meth:`prepare` (collective, before the
+    store opens) → :meth:`start` → :meth:`on_commit` per local commit → :meth:`close`."""
+
+    def __init__(self, path: Path, group: Group) -> None:
+        self.path = path
+        self.group = group
+        self.epoch = 0
+        self.global_step: int | None = None
+        self._slot_step: dict[int, int] = {}  # what each slot of the open generation holds
+        self._held: set[int] = set()          # replaced slots this rank keeps (see the invariant)
+        self._gen = 0                         # the store generation _slot_step and _held refer to
+        self._recorded: int | None = None     # rank 0: the newest step written to GLOBAL
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.store: Any = None  # the SlotStore
+
+    def prepare(self, directory: Path) -> list[int]:
+        """Agrees on this incarnation's epoch and the global step to keep; returns the slots of
+        this rank's newest store file that hold it (to protect). Collective."""
+        mine = _valid_checkpoints(directory, full=False, world_size=self.group.world_size) \
+            if directory.is_dir() else {}
+        best, top_epoch = _agree(self.group, mine)
+        self.epoch = top_epoch + 1
+        files = store_files(directory)
+        self._gen = files[0][0] if files else 1  # the generation the store will open (or create)
+        protect = []
+        if best is not None:
+            self.global_step = best[1]
+            file, slot = mine[best]
+            if files and file == files[0][1]:
+                protect.append(slot)
+                self._slot_step[slot] = best[1]
+        return protect
+
+    def start(self, store: Any) -> None:
+        """Starts the log followers. The store holds replaced slots for us (``hold_replaced``)."""
+        self.store = store
+        followers = [self._follow_globals] + ([self._follow_completions] if self.group.rank == 0 else [])
+        for fn in followers:
+            t = threading.Thread(target=fn, name=f"pccheck-{fn.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    # -- local commits --------------------------------------------------------------------------
+
+    def on_commit(self, step: int, slot: int) -> None:
+        """After this rank's commit of ``step`` into ``slot`` became durable (commit thread)."""
+        with self._lock:
+            self._sync_generation_locked()
+            self._slot_step[slot] = step
+            self._settle_locked()
+        st = self.group.store
+        if st.add(f"e{self.epoch}/n/{step}", 1) == self.group.world_size:
+            i = st.add(f"e{self.epoch}/c", 1)
+            st.set(f"e{self.epoch}/c/{i}", str(step))
+
+    def _sync_generation_locked(self) -> None:
+        if self.store.generation != self._gen:  # a new generation: slot numbers start over
+            self._gen, self._held, self._slot_step = self.store.generation, set(), {}
+
+    def _settle_locked(self) -> None:
+        """Frees held slots that can no longer be the global latest (older than it)."""
+        native = self.store.native if self.store is not None else None
+        if native is None:
+            return
+        self._sync_generation_locked()
+        self._held.update(native.take_held())
+        g = self.global_step
+        for s in sorted(self._held):
+            step = self._slot_step.get(s)
+            if step is None or (g is not None and step < g):
+                self._held.discard(s)
+                self._slot_step.pop(s, None)
+                native.release_slot(s)
+
+    # -- the logs -------------------------------------------------------------------------------
+
+    def _wait_key(self, key: str) -> str | None:
+        st = self.group.store
+        while not self._stop.is_set():
+            try:
+                st.wait([key], _POLL)
+                return st.get(key).decode()
+            except Exception:  # timeout (the store raises on it), or a store that went away
+                self._stop.wait(0.01)
+        return None
+
+    def _follow_completions(self) -> None:
+        """Rank 0: records every newly completed step as the global step, durably, then logs it."""
+        i = 1
+        while (v := self._wait_key(f"e{self.epoch}/c/{i}")) is not None:
+            i += 1
+            step = int(v)
+            if self._recorded is None or step > self._recorded:
+                self._write_global(step)
+                self._recorded = step
+                j = self.group.store.add(f"e{self.epoch}/g", 1)
+                self.group.store.set(f"e{self.epoch}/g/{j}", str(step))
+
+    def _follow_globals(self) -> None:
+        j = 1
+        while (v := self._wait_key(f"e{self.epoch}/g/{j}")) is not None:
+            j += 1
+            step = int(v)
+            with self._lock:
+                if self.global_step is None or step > self.global_step:
+                    self.global_step = step
+                    self._settle_locked()
+                    store = self.store
+                    if store is not None and store.retire_pending and step in self._slot_step.values():
+                        store.retire_older_generations()
+
+    def _write_global(self, step: int) -> None:
+        doc = {"step": step, "epoch": self.epoch, "world_size": self.group.world_size, "unix_time": time.time()}
+        tmp = self.path / "GLOBAL.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, json.dumps(doc).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path / "GLOBAL")
+        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
