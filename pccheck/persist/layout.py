@@ -148,6 +148,8 @@ def parse_manifest(raw: bytes, *, step: int, counter: int, data_len_limit: int) 
     if _int(doc, "counter", 1, 2**56 - 1, "manifest") != counter:
         raise CorruptCheckpointError("manifest counter differs from its meta record")
     data_len = _int(doc, "data_len", 0, data_len_limit, "manifest")
+    if data_len % BLOCK:
+        raise CorruptCheckpointError("manifest data_len is not a multiple of 4096")
     items = doc.get("arrays")
     metadata = doc.get("metadata")
     if not isinstance(items, list) or not isinstance(metadata, dict):

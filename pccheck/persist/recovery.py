@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
 from ..native import _native
 from .layout import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .reader import read_region
 
 __all__ = [
     "Restored", "SlotState", "StoreImage", "read_store", "candidate_order", "read_manifest", "load_slot",
@@ -138,15 +139,6 @@ def candidate_order(image: StoreImage) -> list[int]:
     return ([first] if first is not None else []) + [st.slot for st in rest]
 
 
-def _read_into(fd: int, buf: memoryview, off: int) -> None:
-    got = 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], off + got)
-        if n <= 0:
-            raise CorruptCheckpointError(f"short read at offset {off + got}: the file is truncated")
-        got += n
-
-
 def read_manifest(image: StoreImage, slot: int, fd: int) -> Manifest:
     """Reads and validates one slot's manifest against its meta record (not the array data)."""
     meta = image.slots[slot].meta
@@ -175,22 +167,29 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
     man = read_manifest(image, slot, fd)
     base = _slot_base(image, slot)
     state: dict[str, np.ndarray] = {}
-    for entry, crc in zip(man.arrays, man.crcs):
-        off = base + entry.offset
+    copy = not (zero_copy and mm is not None)
+    if copy:  # one parallel O_DIRECT read of the data region, checksummed on the way
+        # Up to the end of the last array, not data_len: never read (or allocate) more than the
+        # manifest's arrays account for.
+        end = max((e.offset + e.nbytes for e in man.arrays), default=0)
+        end = min(man.data_len, (end + BLOCK - 1) // BLOCK * BLOCK)
+        buf, got = read_region(image.path, base, end, [(e.offset, e.nbytes) for e in man.arrays])
+    for i, (entry, crc) in enumerate(zip(man.arrays, man.crcs)):
         try:
-            if zero_copy and mm is not None and entry.nbytes:
-                arr = np.frombuffer(mm, dtype=entry.dtype, count=entry.nbytes // entry.dtype.itemsize,
-                                    offset=off).reshape(entry.shape)
-                raw_bytes = memoryview(mm)[off:off + entry.nbytes]
-            else:
+            if not entry.nbytes:
                 arr = np.empty(entry.shape, dtype=entry.dtype)
-                raw_bytes = memoryview(arr.reshape(-1).view(np.uint8)) if entry.nbytes else memoryview(b"")
+            else:
+                src = buf if copy else mm
+                arr = np.frombuffer(src, dtype=entry.dtype, count=entry.nbytes // entry.dtype.itemsize,
+                                    offset=entry.offset if copy else base + entry.offset).reshape(entry.shape)
         except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # defence in depth
             raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} cannot be built: {exc}") from None
-        if entry.nbytes and not (zero_copy and mm is not None):
-            _read_into(fd, raw_bytes, off)
-        if verify and _native.crc32c(raw_bytes) != crc:
-            raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} checksum mismatch")
+        if verify:
+            have = got[i] if copy else (
+                _native.crc32c(memoryview(mm)[base + entry.offset:base + entry.offset + entry.nbytes])
+                if entry.nbytes else 0)
+            if have != crc:
+                raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} checksum mismatch")
         if zero_copy:
             arr.flags.writeable = False
         state[entry.name] = arr
