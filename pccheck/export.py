@@ -53,6 +53,11 @@ def _little(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
 
 
+def _c_order_little(a: np.ndarray) -> np.ndarray:
+    """C-contiguous and little-endian, same values and shape (0-d stays 0-d); no copy if already so."""
+    return a.astype(_little(a.dtype), order="C", copy=False)
+
+
 def safetensors_dtype(dtype: np.dtype, torch_dtype: str | None = None) -> str | None:
     """The safetensors name for an array's bytes once made little-endian, or None if it has none."""
     if torch_dtype is not None:
@@ -152,7 +157,7 @@ def _export_safetensors(r: Restored, out: Path, skip_unsupported: bool) -> list[
     tdt = getattr(r, "torch_dtypes", {}) or {}
     keep, skipped = _selected(r, "safetensors", skip_unsupported,
                               lambda n, a: safetensors_dtype(a.dtype, tdt.get(n)) is not None)
-    arrays = {n: np.ascontiguousarray(r.state[n], dtype=_little(r.state[n].dtype)) for n in keep}
+    arrays = {n: _c_order_little(r.state[n]) for n in keep}
     header, order = safetensors_header(
         (SafetensorsEntry(n, safetensors_dtype(r.state[n].dtype, tdt.get(n)) or "", a.shape, a.nbytes)
          for n, a in arrays.items()), _checkpoint_metadata(r, skipped))
@@ -190,7 +195,7 @@ def _export_torch(r: Restored, out: Path, skip_unsupported: bool) -> list[str]:
     keep, skipped = _selected(r, "a torch state dict", skip_unsupported, convertible)
     tensors = {}
     for name in keep:
-        t = torch.from_numpy(np.ascontiguousarray(r.state[name], dtype=_little(r.state[name].dtype)))
+        t = torch.from_numpy(_c_order_little(r.state[name]))
         tensors[name] = t.view(torch_dtype(tdt[name])) if name in tdt else t
     write_durably(out, lambda f: torch.save(tensors, f))
     return skipped

@@ -9,6 +9,9 @@ latest is copied to::
                                            in its ``__metadata__``
     PATH/history/step-XXXXXX.json          sidecar: step, counter, metadata, every array's dtype
 
+``history/`` sits beside the store file the checkpoint was committed to, so each rank of a
+distributed run (``PATH/rank-<r>/``) keeps its own history and never prunes another's.
+
 Arrays whose dtype safetensors cannot hold as stored (big-endian, structured, strings, ...) are
 stored as raw bytes (``U8``); the sidecar's ``dtypes`` gives their real dtype and shape.
 
@@ -44,7 +47,7 @@ from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
-from .errors import CorruptCheckpointError
+from .errors import ConfigError, CorruptCheckpointError
 from .export import SafetensorsEntry, fsync_dir, safetensors_dtype, safetensors_header, write_durably
 from .native import _native
 from .persist.recovery import read_manifest, read_store
@@ -99,7 +102,8 @@ class HistoryKeeper:
         keeper.close()    # on Checkpointer.close: finishes pending copies, joins the thread
 
     Args:
-        path: the store directory; history goes to ``path/history`` (created on first copy).
+        path: the store directory; history goes to ``path/history`` (created on first copy), or
+            rather beside the store file each commit names (``CommitInfo.store_file``).
         keep_every: copy the k-th, 2k-th, ... committed checkpoint (counted by this keeper).
         max_history: keep at most this many history files (oldest deleted); None keeps all.
         max_pending: copies queued at most; beyond it the oldest queued one is dropped.
@@ -107,7 +111,8 @@ class HistoryKeeper:
 
     def __init__(self, path: Path, keep_every: int, max_history: int | None, *, max_pending: int = 8) -> None:
         if keep_every < 1 or (max_history is not None and max_history < 1) or max_pending < 1:
-            raise ValueError("keep_every, max_history and max_pending must be >= 1")
+            raise ConfigError(f"keep_every, max_history and max_pending must be >= 1; got {keep_every}, "
+                              f"{max_history}, {max_pending}")
         self.path = Path(path)
         self.directory = self.path / HISTORY_DIR
         self.keep_every = keep_every
@@ -190,6 +195,9 @@ class HistoryKeeper:
             outcome = "failed"
             try:
                 outcome = self._keep(info)
+            except OSError as exc:
+                log.error("pccheck: copying step %d to %s failed (%s); training is not affected. Make sure "
+                          "it is a writable directory with free space.", info.step, self.directory, exc)
             except Exception:
                 log.exception("pccheck: copying step %d to %s failed; training is not affected",
                               getattr(info, "step", -1), self.directory)
@@ -201,8 +209,10 @@ class HistoryKeeper:
 
     def _keep(self, info: Any) -> str:
         """Copies one checkpoint; returns "kept" or "skipped"."""
+        store = Path(info.store_file)
+        self.directory = store.parent / HISTORY_DIR
         try:
-            self._copy(info)
+            self._copy(info, store)
         except (_Overwritten, CorruptCheckpointError, FileNotFoundError) as exc:
             log.warning("pccheck: not keeping step %d in history: %s", info.step, exc)
             return "skipped"
@@ -212,12 +222,11 @@ class HistoryKeeper:
     def _file(self, step: int) -> Path:
         return self.directory / f"step-{step:06d}.safetensors"
 
-    def _copy(self, info: Any) -> None:
+    def _copy(self, info: Any, store: Path) -> None:
         created = not self.directory.is_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         if created:
-            fsync_dir(self.path)  # the new directory's entry is durable
-        store = Path(info.store_file)
+            fsync_dir(self.directory.parent)  # the new directory's entry is durable
         image = read_store(store)
         meta = image.slots[info.slot].meta if info.slot < len(image.slots) else None
         if meta is None or meta["counter"] != info.counter:
@@ -259,7 +268,7 @@ class HistoryKeeper:
     def _prune(self, keep: Path) -> None:
         if self.max_history is None:
             return
-        files = history_files(self.path)
+        files = history_files(self.directory.parent)
         excess = len(files) - self.max_history
         removed = 0
         for _, p in files:  # oldest first; only history files, never a store file

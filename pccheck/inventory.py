@@ -129,7 +129,10 @@ def resolve_directory(path: str | os.PathLike[str] | None) -> Path:
 def _generations(directory: Path) -> list[tuple[int, Path]]:
     files = store_files(directory)
     if not files:
-        raise NoCheckpointError(f"{directory} holds no pccheck store (store-*.pcc); nothing to read")
+        ranks = sorted(p.name for p in directory.glob("rank-*") if p.is_dir())
+        hint = (f"; it holds the stores of a distributed run: pass one rank's directory, e.g. "
+                f"{directory / ranks[0]}" if ranks else "")
+        raise NoCheckpointError(f"{directory} holds no pccheck store (store-*.pcc); nothing to read{hint}")
     return files
 
 

@@ -925,7 +925,8 @@ RUNNER = textwrap.dedent("""
             res = {"kind": "other", "type": type(exc).__name__, "msg": str(exc)[:300]}
         res["secs"] = time.perf_counter() - t0
         out[name] = res
-    out["__maxrss_kib__"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # VmHWM, not ru_maxrss: the latter inherits the parent's peak across fork/exec.
+    out["__maxrss_kib__"] = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")))
     print(json.dumps(out))
 """)
 AS_LIMIT = 1 << 30  # address space for the whole interpreter: far below the sizes the files claim

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError, StoreLockedError,
                       storage_error_from_oserror)
 from ..native import _native
-from .recovery import StoreImage, candidate_order, load_slot, read_manifest, read_store, store_files
+from .recovery import StoreImage, candidate_order, load_slot, read_store, store_files
 
 __all__ = ["SlotStore", "STORAGE_CHOICES", "DEFAULT_SSD_MODE"]
 
@@ -187,8 +187,11 @@ class SlotStore:
         word = image.check_word
         with open(image.path, "rb", buffering=0) as f:
             if word and order and order[0] == _native.word_slot(word):
+                # Full validation (array crcs, as load_latest does): keeping CHECK_ADDR on a slot
+                # whose data is damaged would let the next checkpoint reuse the slot recovery
+                # actually falls back to, the only good one.
                 try:
-                    read_manifest(image, order[0], f.fileno())
+                    load_slot(image, order[0], fd=f.fileno())
                     return word
                 except CorruptCheckpointError as exc:
                     log.warning("pccheck: the latest checkpoint in %s is damaged (%s)", image.path, exc)
