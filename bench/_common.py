@@ -212,7 +212,10 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
         table.add_column(h, justify="right")
     for r in cells:
         table.add_row(*r)
-    Console().print(table)
+    # Off a terminal rich assumes 80 columns and would squeeze wide tables into ellipses.
+    need = sum(max([len(h)] + [len(r[i]) for r in cells]) + 3 for i, h in enumerate(headers)) + 1
+    console = Console()
+    Console(width=max(console.width, need)).print(table)
 
 
 def write_csv(path: str | os.PathLike[str], headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -1,0 +1,427 @@
+"""Recovery time: load one checkpoint from a cold page cache, pccheck against the device limit and peers.
+
+Run::
+
+    python -m bench.recovery [--size 1GiB] [--repeats 3] [--out bench/results] [--dir bench/_scratch] [--quick]
+
+The state is :func:`bench.persist.make_state` (4 float32 arrays, random values). Each system first
+writes it once (untimed, with its own save path), then, ``--repeats`` times and round-robin across
+systems: ``os.sync()`` + ``echo 3 > /proc/sys/vm/drop_caches`` (untimed; where the kernel refuses,
+the run says "warm" in every output instead of "cold"), then the timed load. Each load produces
+fresh memory, as a restarted process has; nothing it returns is reused.
+
+Systems:
+
+``pccheck``           ``pccheck.load_latest(dir)``: picks the slot, validates meta + manifest, reads
+                      every array into a new numpy array and checks its crc32c (``verify=True``, the
+                      default a restart uses).
+``raw_odirect``       the device limit: the *same bytes* (the slot's data region of pccheck's store file)
+                      read with ``O_DIRECT`` by 2 threads in 64 MiB pieces into one page-aligned,
+                      pre-touched buffer.
+``raw_odirect_fresh`` the same into a freshly mapped (untouched) buffer: what a restart pays for memory.
+``torch_load``        ``torch.load(file, mmap=False)`` of a ``torch.save`` of the same tensors.
+``safetensors``       ``safetensors.torch.load_file`` of a ``save_file`` of the same tensors, then one
+                      byte of every page read (load_file maps the file lazily; without this nothing is
+                      read from disk).
+``dcp``               ``torch.distributed.checkpoint.load`` (``no_dist=True``) into freshly allocated
+                      tensors, from a ``dcp.save`` of the same tensors.
+
+Diagnosis components (same cold cache, same bytes, timed alone, ``--repeats`` times; the summary quotes
+the best of them, their intrinsic cost on this noisy machine): ``buffered_read_touched`` (``preadv``
+through the page cache into a pre-touched buffer), ``first_touch`` (writing every page of a fresh
+``np.empty`` of S bytes), ``crc32c`` (pccheck's native crc32c over S bytes already in memory). They
+explain where pccheck's load time goes (see the summary's note). Target: pccheck load >= 0.9x the raw
+O_DIRECT read (ratio = raw seconds / pccheck seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import mmap
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench._common import (
+    format_size,
+    gbps,
+    host_info,
+    machine_label,
+    parse_size,
+    print_table,
+    scratch_dir,
+    summarize,
+    write_csv,
+    write_json,
+)
+from bench.persist import make_state
+
+__all__ = ["SYSTEMS", "COMPONENTS", "TARGET_RATIO", "drop_caches", "run_benchmark", "main"]
+
+_BENCH_DIR = Path(__file__).resolve().parent
+_PIECE = 64 << 20
+_ALIGN = 4096
+SYSTEMS: tuple[str, ...] = ("pccheck", "raw_odirect", "raw_odirect_fresh", "torch_load", "safetensors", "dcp")
+COMPONENTS: tuple[str, ...] = ("buffered_read_touched", "first_touch", "crc32c")
+TARGET_RATIO = 0.9  # pccheck load speed / raw O_DIRECT read speed
+
+
+def drop_caches() -> bool:
+    """``sync`` then drop the page cache, dentries and inodes; False where not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _data_region(store_dir: Path) -> tuple[Path, int, int]:
+    """(store file, first byte, length) of the arrays of the slot pccheck.load_latest would load,
+    widened to O_DIRECT alignment."""
+    from pccheck.persist import recovery as rec
+
+    _, path = rec.store_files(store_dir)[0]
+    image = rec.read_store(path)
+    slot = rec.candidate_order(image)[0]
+    with open(path, "rb", buffering=0) as f:
+        man = rec.read_manifest(image, slot, f.fileno())
+    base = image.header["slots_offset"] + slot * image.header["slot_capacity"]
+    lo = base + min(e.offset for e in man.arrays)
+    hi = base + max(e.offset + e.nbytes for e in man.arrays)
+    lo_al = lo // _ALIGN * _ALIGN
+    return path, lo_al, -(-(hi - lo_al) // _ALIGN) * _ALIGN
+
+
+def _odirect_read(path: Path, off: int, length: int, buf: mmap.mmap, threads: int = 2) -> None:
+    """Read ``length`` bytes at ``off`` into ``buf`` with O_DIRECT, ``threads`` threads, 64 MiB pieces."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    pieces = [(o, min(_PIECE, length - o)) for o in range(0, length, _PIECE)]
+
+    def share(first: int) -> None:
+        with memoryview(buf) as mv:
+            for o, n in pieces[first::threads]:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [mv[o + got:o + n]], off + o + got)
+                    if k <= 0:
+                        raise OSError(f"short O_DIRECT read at {off + o + got}")
+                    got += k
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for fut in [pool.submit(share, i) for i in range(threads)]:
+                fut.result()
+    finally:
+        os.close(fd)
+
+
+class _Loader:
+    """One way to load the checkpoint. ``__init__`` writes it (untimed); ``load()`` is timed."""
+
+    name = "?"
+
+    def load(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _PCCheck(_Loader):
+    name = "pccheck"
+
+    def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
+        import pccheck
+
+        ck = pccheck.Checkpointer(dict(state), path=d, interval=1, max_concurrent=2, writer_threads=2,
+                                  chunk_size=_PIECE)
+        try:
+            ck.checkpoint(1)
+            ck.wait()
+        finally:
+            ck.close()
+        self.dir = d
+
+    def load(self) -> Any:
+        import pccheck
+
+        return pccheck.load_latest(self.dir)
+
+
+class _Raw(_Loader):
+    name = "raw_odirect"
+
+    def __init__(self, store_dir: Path, fresh: bool) -> None:
+        self.path, self.off, self.len = _data_region(store_dir)
+        self.fresh = fresh
+        if fresh:
+            self.name = "raw_odirect_fresh"
+            self.buf = None
+        else:
+            self.buf = mmap.mmap(-1, self.len)
+            np.frombuffer(self.buf, dtype=np.uint8)[:] = 1  # pre-touch every page once
+
+    def load(self) -> Any:
+        buf = mmap.mmap(-1, self.len) if self.fresh else self.buf
+        _odirect_read(self.path, self.off, self.len, buf)
+        return buf
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.close()
+
+
+class _TorchLoad(_Loader):
+    name = "torch_load"
+
+    def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
+        import torch
+
+        d.mkdir(parents=True, exist_ok=True)
+        self.path = d / "ckpt.pt"
+        with open(self.path, "wb") as f:
+            torch.save({k: torch.from_numpy(v) for k, v in state.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self) -> Any:
+        import torch
+
+        return torch.load(self.path, mmap=False, weights_only=True)
+
+
+class _Safetensors(_Loader):
+    name = "safetensors"
+
+    def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        d.mkdir(parents=True, exist_ok=True)
+        self.path = d / "ckpt.safetensors"
+        save_file({k: torch.from_numpy(v) for k, v in state.items()}, self.path)
+        fd = os.open(self.path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def load(self) -> Any:
+        import torch
+        from safetensors.torch import load_file
+
+        out = load_file(self.path)
+        for t in out.values():  # load_file maps the file lazily: read one byte of every page, as use would
+            flat = t.reshape(-1).view(torch.uint8)
+            if flat.numel():
+                flat[::4096].sum()
+        return out
+
+
+class _DCP(_Loader):
+    name = "dcp"
+
+    def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        self.dir = d
+        self.shapes = {k: (v.shape, v.dtype) for k, v in state.items()}
+        dcp.save({k: torch.from_numpy(v) for k, v in state.items()},
+                 storage_writer=dcp.FileSystemWriter(d, sync_files=True), no_dist=True)
+
+    def load(self) -> Any:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        sd = {k: torch.from_numpy(np.empty(shape, dtype=dt)) for k, (shape, dt) in self.shapes.items()}
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(self.dir), no_dist=True)
+        return sd
+
+
+def _components(store_dir: Path, nbytes: int, repeats: int) -> dict[str, list[float]]:
+    """Timed pieces of pccheck's load path, each alone (see the module docstring)."""
+    from pccheck.native import _native
+
+    path, off, length = _data_region(store_dir)
+    out: dict[str, list[float]] = {k: [] for k in COMPONENTS}
+    touched = np.ones(length, dtype=np.uint8)
+    for _ in range(repeats):
+        drop_caches()
+        fd = os.open(path, os.O_RDONLY)
+        t0 = time.perf_counter()
+        mv, got = memoryview(touched), 0
+        while got < length:
+            k = os.preadv(fd, [mv[got:]], off + got)
+            if k <= 0:
+                break
+            got += k
+        out["buffered_read_touched"].append(time.perf_counter() - t0)
+        os.close(fd)
+        t0 = time.perf_counter()
+        fresh = np.empty(nbytes, dtype=np.uint8)
+        fresh[::4096] = 1  # one write per page: the page faults alone, no bulk copy
+        out["first_touch"].append(time.perf_counter() - t0)
+        del fresh
+        t0 = time.perf_counter()
+        _native.crc32c(memoryview(touched)[:nbytes])
+        out["crc32c"].append(time.perf_counter() - t0)
+    return out
+
+
+def run_benchmark(nbytes: int, repeats: int, base_dir: Path, systems: Sequence[str] = SYSTEMS,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Write the checkpoint with every system, then time cold loads round-robin."""
+    progress = progress or (lambda label: None)
+    with scratch_dir(base_dir) as work:
+        host = host_info(work)
+        state = make_state(nbytes)
+        real = sum(a.nbytes for a in state.values())
+        loaders: dict[str, _Loader] = {}
+        try:
+            for name in systems:
+                progress(f"recovery: writing {name}")
+                if name == "pccheck" or (name.startswith("raw") and "pccheck" not in loaders):
+                    loaders.setdefault("pccheck", _PCCheck(state, work / "pccheck"))
+                if name.startswith("raw"):
+                    loaders[name] = _Raw(work / "pccheck", fresh=name.endswith("fresh"))
+                elif name != "pccheck":
+                    cls = {"torch_load": _TorchLoad, "safetensors": _Safetensors, "dcp": _DCP}[name]
+                    loaders[name] = cls(state, work / name)
+            del state
+            gc.collect()
+            order = [n for n in systems if n in loaders]
+            samples: dict[str, list[float]] = {n: [] for n in order}
+            cold = True
+            for rep in range(repeats):
+                for name in order:
+                    progress(f"recovery: {name} load {rep + 1}/{repeats}")
+                    gc.collect()
+                    cold = drop_caches() and cold
+                    t0 = time.perf_counter()
+                    obj = loaders[name].load()
+                    samples[name].append(time.perf_counter() - t0)
+                    del obj
+            progress("recovery: components")
+            comps = _components(work / "pccheck", real, repeats) if "pccheck" in loaders else {}
+        finally:
+            for ld in loaders.values():
+                with contextlib.suppress(Exception):
+                    ld.close()
+    rows = {}
+    for name, xs in list(samples.items()) + list(comps.items()):
+        s = summarize(xs)
+        rows[name] = {"median_s": s["median"], "min_s": s["min"], "max_s": s["max"], "n": len(xs),
+                      "gbps": gbps(real, s["median"]), "runs_s": xs}
+    ratio = None
+    if "pccheck" in rows and "raw_odirect" in rows:
+        ratio = rows["raw_odirect"]["median_s"] / rows["pccheck"]["median_s"]
+    return {
+        "benchmark": "bench.recovery",
+        "machine": machine_label(host),
+        "host": host,
+        "size_bytes": real,
+        "size": format_size(real),
+        "cache": "cold (page cache dropped before every load)" if cold else
+                 "WARM: /proc/sys/vm/drop_caches is not writable here, so loads may hit the page cache",
+        "cold": cold,
+        "repeats": repeats,
+        "results": rows,
+        "target": {"what": "pccheck load >= 0.9x raw O_DIRECT read (raw s / pccheck s)", "limit": TARGET_RATIO,
+                   "value": ratio, "met": None if ratio is None else ratio >= TARGET_RATIO},
+    }
+
+
+def report(result: Mapping[str, Any], out: Path, stem: str = "recovery") -> list[Path]:
+    """Print the table; write CSV, JSON and PNG under ``out``; return the paths written."""
+    rows = result["results"]
+    base = rows.get("raw_odirect", {}).get("median_s")
+    table, csv_rows = [], []
+    for name, r in rows.items():
+        rel = base / r["median_s"] if base else None
+        kind = "component" if name in COMPONENTS else "system"
+        table.append([name, kind, f"{r['median_s']:.3f}", f"{r['gbps']:.2f}", f"{r['min_s']:.3f}-{r['max_s']:.3f}",
+                      "-" if rel is None else f"{rel:.2f}x"])
+        csv_rows.append([result["size_bytes"], name, kind, r["median_s"], r["gbps"], r["min_s"], r["max_s"], r["n"],
+                         "" if rel is None else rel, int(result["cold"])])
+    print_table(f"recovery: load {result['size']} ({result['cache']}; {result['machine']})",
+                ["what", "kind", "median s", "GB/s", "min-max s", "speed vs raw O_DIRECT"], table)
+    t = result["target"]
+    if t["value"] is not None:
+        print(f"target: {t['what']}: {t['value']:.2f}x  {'MET' if t['met'] else 'MISSED'} "
+              f"by {abs(t['value'] - t['limit']):.2f}x")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    write_json(paths[0], result)
+    write_csv(paths[1], ["size_bytes", "what", "kind", "median_s", "gbps", "min_s", "max_s", "n",
+                         "speed_vs_raw_odirect", "cold"], csv_rows)
+    if _plot(out / f"{stem}.png", result):
+        paths.append(out / f"{stem}.png")
+    return paths
+
+
+def _plot(path: Path, result: Mapping[str, Any]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["results"]
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = ["#A7B972" if n == "pccheck" else "#888888" if n in COMPONENTS else "#4392B8" for n in names]
+    bars = ax.barh(names, [rows[n]["median_s"] for n in names], color=colors)
+    ax.bar_label(bars, labels=[f"{rows[n]['median_s']:.2f} s ({rows[n]['gbps']:.2f} GB/s)" for n in names],
+                 fontsize=7, padding=2)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (median), lower is better")
+    ax.set_title(f"Recovery: load one {result['size']} checkpoint, {result['cache'].split(' (')[0]} cache\n"
+                 f"state: 4 float32 arrays (no training; load path only). Grey: pieces of pccheck's load path\n"
+                 f"{result['machine']}", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default=None, help="checkpoint size (default 1GiB; 16MiB with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="cold loads per system (default 3; 1 with --quick)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results")
+    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    a.size = parse_size(a.size or ("16MiB" if a.quick else "1GiB"))
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.systems = [s for s in a.systems.split(",") if s]
+    if set(a.systems) - set(SYSTEMS):
+        p.error(f"unknown systems; choose from {','.join(SYSTEMS)}")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parse_args(argv)
+    res = run_benchmark(a.size, a.repeats, a.dir, a.systems)
+    paths = report(res, a.out, "recovery-quick" if a.quick else "recovery")
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The benchmark code: the goodput simulator against PCcheck §5.2.3, and every bench module in --quick mode.
+
+These tests check structure and sanity only, never speed: the numbers of a quick run on a shared
+2-core machine mean nothing. The quick run of ``python -m bench all`` exercises bench.recovery,
+bench.fig11 (over bench.persist), bench.fig8 (over bench.overhead, bench.policies and pccheck.tuner),
+bench.fig12 and bench.goodput in one go.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is not installed: import it from the checkout, after site-packages
+    sys.path.append(str(ROOT))  # (so pccheck itself still comes from the installed package, as conftest says)
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+from bench import goodput as gp
+
+# -- the simulator against §5.2.3 ----------------------------------------------------------------------
+
+
+def test_paper_example_text_arithmetic():
+    """6137 vs 3404 iterations, redo 550 and 257 -> 5587 vs 3147, 1.77x (Figure 9d, interval 10)."""
+    ex = gp.paper_example()
+    pc, cf = ex["pccheck_text"], ex["checkfreq_text"]
+    assert pc.iterations_failure_free == pytest.approx(6137, abs=1e-6)
+    assert cf.iterations_failure_free == pytest.approx(3404, abs=1e-6)
+    assert pc.redo_iterations == pytest.approx(550, abs=1e-6)
+    assert cf.redo_iterations == pytest.approx(257, abs=1e-6)
+    assert pc.useful_iterations == pytest.approx(5587, abs=1e-6)
+    assert cf.useful_iterations == pytest.approx(3147, abs=1e-6)
+    assert pc.goodput / cf.goodput == pytest.approx(1.77, abs=0.01)
+    assert pc.throughput == pytest.approx(0.5)
+    # the text's "0.256 iters/sec" for CheckFreq is its goodput over the same T (see PAPER_EXAMPLE)
+    assert cf.goodput == pytest.approx(0.256, abs=0.001)
+
+
+def test_paper_example_from_the_recovery_model():
+    """§4.2's lost work with the artifact's inputs (l = 12.6 s, N = 2, r = 26) lands within 1% of the
+    text's effective iterations and ratio; CheckFreq's redo count within 10% (see PAPER_EXAMPLE)."""
+    ex = gp.paper_example()
+    pc, cf = ex["pccheck_model"], ex["checkfreq_model"]
+    assert pc.redo_iterations == pytest.approx(550, rel=0.01)
+    assert cf.redo_iterations == pytest.approx(257, rel=0.10)
+    assert pc.useful_iterations == pytest.approx(5587, rel=0.01)
+    assert cf.useful_iterations == pytest.approx(3147, rel=0.01)
+    assert pc.goodput / cf.goodput == pytest.approx(1.77, rel=0.01)
+
+
+# -- the simulator's own invariants --------------------------------------------------------------------
+
+
+def _model(policy="concurrent", **kw):
+    base = dict(name=policy, policy=policy, iter_s=0.5, interval=10, load_s=3.0, tw_s=2.0, max_concurrent=2)
+    base.update(kw)
+    return gp.SystemModel(**base)
+
+
+def test_no_failures_goodput_is_throughput():
+    tr = gp.Trace(1000.0, ())
+    for pol in gp.POLICIES:
+        m = _model(pol)
+        assert gp.replay(m, tr).goodput == pytest.approx(1 / m.iter_s, rel=1e-3)
+        assert gp.closed_form(m, tr.duration_s, 0).goodput == pytest.approx(1 / m.iter_s)
+
+
+def test_replay_by_hand():
+    # iter 1 s, interval 10, durable 5 s after each call, load 2 s. Event at t=37: done 37 iterations;
+    # checkpoints at 10, 20, 30 called at 10, 20, 30 s; durable at 15, 25, 35 -> back to 30 (7 lost).
+    # Resume at 39 s from 30; trace ends at 100 s: 61 more iterations -> 91 useful.
+    m = gp.SystemModel("x", "concurrent", 1.0, 10, 2.0, tw_s=5.0, max_concurrent=4)
+    out = gp.replay(m, gp.Trace(100.0, (gp.Event(37.0),)))
+    assert out.lost_iterations == 7
+    assert out.useful_iterations == 91
+    assert out.recovering_s == pytest.approx(2.0)
+    # the same event 4 s after a call: checkpoint 30 (durable at 35) is not durable yet -> back to 20
+    out = gp.replay(m, gp.Trace(100.0, (gp.Event(34.0),)))
+    assert out.lost_iterations == 14
+
+
+def test_replay_orders_the_policies():
+    """Same throughput: the more in flight (the staler the newest durable checkpoint), the more lost."""
+    tr = gp.synthetic_trace("thorpe", seed=3)
+    ideal = gp.replay(_model("ideal"), tr).goodput
+    one = gp.replay(_model("one_in_flight", tw_s=4.0), tr).goodput
+    conc = gp.replay(_model("concurrent", tw_s=8.0, max_concurrent=2), tr).goodput
+    assert ideal > one > conc > 0
+    assert gp.durable_lag_s(_model("one_in_flight", tw_s=100.0)) == pytest.approx(5.0)  # capped at f t
+    assert gp.durable_lag_s(_model("concurrent", tw_s=100.0)) == pytest.approx(10.0)  # capped at N f t
+
+
+def test_replay_agrees_with_the_exact_expectation():
+    """Many random events: lost work per failure -> f t / 2 + lag, less the half iteration in progress
+    (a partly done iteration is lost time but not a lost iteration)."""
+    m = _model("concurrent", iter_s=0.1, interval=10, load_s=0.0, tw_s=0.5)
+    rng = random.Random(1)
+    tr = gp.Trace(200_000.0, tuple(gp.Event(t) for t in sorted(rng.uniform(0, 200_000.0) for _ in range(2000))))
+    out = gp.replay(m, tr)
+    per_failure = out.lost_iterations / tr.failures * m.iter_s
+    assert per_failure == pytest.approx(m.interval * m.iter_s / 2 + 0.5 - m.iter_s / 2, rel=0.03)
+
+
+def test_recovery_longer_than_the_gap_makes_no_progress():
+    m = _model("ideal", iter_s=1.0, load_s=50.0)
+    tr = gp.Trace(100.0, (gp.Event(10.0), gp.Event(20.0), gp.Event(30.0)))
+    out = gp.replay(m, tr)
+    assert out.useful_iterations == 30  # 10 before the first event (durable at 10), 20 from 80 s on
+    assert out.recovering_s == pytest.approx(10 + 10 + 50)
+
+
+def test_synthetic_traces_have_the_published_rates():
+    a = gp.synthetic_trace("andre")
+    assert a.failures == 26 and a.duration_s == pytest.approx(3.5 * 3600)
+    t = gp.synthetic_trace("thorpe")
+    assert t.failures == 127 and t.duration_s == pytest.approx(24 * 3600)
+    assert gp.synthetic_trace("andre", duration_s=7 * 3600).failures == 52
+    assert gp.synthetic_trace("andre", seed=1) != gp.synthetic_trace("andre", seed=2)
+    assert gp.synthetic_trace("andre", seed=1) == gp.synthetic_trace("andre", seed=1)
+    r = gp.synthetic_trace("andre", with_recoveries=True)
+    assert r.failures > 26 and {e.kind for e in r.events} == {"preempt", "recover"}
+    with pytest.raises(ValueError):
+        gp.synthetic_trace("nope")
+
+
+def test_trace_csv_round_trip_and_resource_format(tmp_path):
+    tr = gp.synthetic_trace("andre", seed=5)
+    p = tmp_path / "t.csv"
+    gp.write_trace_csv(tr, p)
+    back = gp.read_trace_csv(p)
+    assert back.failures == tr.failures
+    assert back.duration_s == pytest.approx(tr.duration_s, abs=1e-3)
+    res = tmp_path / "gpus.csv"
+    res.write_text(",Time,GPUs\n0,1000.0,56\n1,1063.0,56\n2,1126.0,36\n3,1189.0,31\n4,1252.0,31\n5,1315.0,40\n")
+    r = gp.read_trace_csv(res)
+    assert r.duration_s == pytest.approx(315.0)
+    assert [(e.time_s, e.kind) for e in r.events] == [(126.0, "preempt"), (189.0, "preempt"), (315.0, "recover")]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError):
+        gp.read_trace_csv(bad)
+
+
+def test_invalid_models_are_rejected():
+    with pytest.raises(ValueError):
+        _model("bogus")
+    with pytest.raises(ValueError):
+        _model(iter_s=0.0)
+    with pytest.raises(ValueError):
+        gp.Trace(10.0, (gp.Event(20.0),))
+
+
+# -- every bench module, --quick --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """``python -m bench all --quick`` once, in-process, into a temporary results directory."""
+    from bench.__main__ import main
+
+    out = tmp_path_factory.mktemp("results")
+    scratch = tmp_path_factory.mktemp("scratch")
+    assert main(["all", "--quick", "--out", str(out), "--dir", str(scratch)]) == 0
+    return out
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_quick_run_writes_every_figure(quick_run):
+    for stem in ("recovery-quick", "fig11-quick", "fig8-quick", "fig12-quick", "fig9-quick-goodput"):
+        png = quick_run / f"{stem}.png"
+        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG", stem
+        assert _csv(quick_run / f"{stem}.csv"), stem
+    assert (quick_run / "fig9-quick-inputs.json").exists()
+    assert (quick_run / "fig9-quick-trace-andre.csv").exists()
+
+
+def test_quick_summary_has_every_target(quick_run):
+    text = (quick_run / "summary-quick.md").read_text(encoding="utf-8")
+    for needle in ("persist 1 GiB", "slowdown at interval 10", "goodput / CheckFreq", "pccheck speed / raw O_DIRECT read",
+                   "GPU EMULATED", "REAL CPU training"):
+        assert needle in text, needle
+    doc = json.loads((quick_run / "summary-quick.json").read_text(encoding="utf-8"))
+    assert set(doc["targets"]) == {"persist", "slowdown", "goodput", "load"}
+    assert doc["runtime_s"] > 0
+
+
+def test_quick_fig8_cells_are_sane(quick_run):
+    rows = _csv(quick_run / "fig8-quick.csv")
+    systems = {r["system"] for r in rows if r["workload"] == "emulated"}
+    assert {"none", "torch_save", "dcp_async", "checkfreq", "gpm", "pccheck_N1", "pccheck_N2"} <= systems
+    assert any(r["workload"] == "real" for r in rows)
+    for r in rows:
+        assert float(r["it_per_s"]) > 0 and math.isfinite(float(r["slowdown"]))
+        if r["system"] != "none":
+            assert int(r["checkpoints"]) >= 1
+        if r["system"] in ("checkfreq", "dcp_async") or r["system"].startswith("pccheck"):
+            assert float(r["tw_s"]) > 0, r  # call-to-durable was recorded
+    doc = json.loads((quick_run / "fig8-quick.json").read_text(encoding="utf-8"))
+    assert "tuner" in doc and ("reason" in doc["tuner"] or doc["tuner"]["max_concurrent"] >= 1)
+
+
+def test_quick_fig11_and_recovery_are_sane(quick_run):
+    rows = _csv(quick_run / "fig11-quick.csv")
+    assert {r["system"] for r in rows} == {"pccheck", "raw_odirect", "torch_save", "safetensors", "dcp_async"}
+    assert all(float(r["median_s"]) > 0 for r in rows)
+    rec = {r["what"]: r for r in _csv(quick_run / "recovery-quick.csv")}
+    assert {"pccheck", "raw_odirect", "raw_odirect_fresh", "torch_load", "safetensors", "dcp", "crc32c"} <= set(rec)
+    assert all(float(r["median_s"]) > 0 for r in rec.values())
+
+
+def test_quick_fig12_and_goodput_are_sane(quick_run):
+    rows = _csv(quick_run / "fig12-quick.csv")
+    assert {r["panel"] for r in rows} == {"a_N", "b_threads", "c_memory"}
+    assert {r["writer_threads"] for r in rows if r["panel"] == "b_threads" and r["writer_threads"]} == {"1", "2"}
+    g = _csv(quick_run / "fig9-quick-goodput.csv")
+    assert {r["trace"] for r in g} == {"andre", "thorpe"}
+    for r in g:
+        assert 0 < float(r["goodput_replay"]) <= float(r["throughput"]) * (1 + 1e-9)
+
+
+def test_goodput_module_replays_an_external_trace(quick_run, tmp_path):
+    trace = tmp_path / "mine.csv"
+    trace.write_text("time_s,kind\n100,preempt\n400,recover\n900,end\n")
+    out = tmp_path / "out"
+    assert gp.main(["--trace", str(trace), "--inputs", str(quick_run / "fig9-quick-inputs.json"),
+                    "--out", str(out)]) == 0
+    rows = _csv(out / "fig9-goodput.csv")
+    assert {r["trace"] for r in rows} == {"mine"} and all(r["failures"] == "2" for r in rows)
