@@ -236,7 +236,8 @@ def _why_load(rec: Mapping[str, Any]) -> str:
             f"by array: a buffered preadv through the page cache (best {_fmt(br, '.2f')} s alone for these bytes, "
             f"into touched memory), the first touch of a fresh np.empty per array (best {_fmt(ft, '.2f')} s for "
             f"{rec['size']}), and crc32c after each read (best {_fmt(crc, '.2f')} s). The buffered read alone "
-            f"is {100 * (br or 0) / pc:.0f}% of pccheck's time: the page-cache copy, not the device, bounds it. The "
+            f"is {100 * (br or 0) / pc:.0f}% of pccheck's time: the buffered path (readahead-sized requests plus a copy out "
+            "of the page cache), not the device, bounds it. The "
             "raw read skips the page cache and the touch. See the proposal below.")
 
 
@@ -337,8 +338,11 @@ def _details(run: Mapping[str, Any]) -> list[str]:
             row = []
             for i in ivs:
                 c = _cell(cells, s, i)
-                row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)")
+                row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)"
+                           + (" *" if fig8.disturbed(c) else ""))
             L.append(f"| {s} | " + " | ".join(row) + " |")
+        L.append(f"\n`*`: disturbed cell (other processes used > {fig8.NOISY_CPUS} CPUs during its window even "
+                 "after re-measuring; hollow marker in the plot).")
         tn = r8.get("tuner", {})
         L.append("")
         if tn.get("available"):
@@ -358,7 +362,8 @@ def _details(run: Mapping[str, Any]) -> list[str]:
             row = []
             for i in rivs:
                 c = _cell(rc, s, i)
-                row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)")
+                row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)"
+                           + (" *" if fig8.disturbed(c) else ""))
             L.append(f"| {s} | " + " | ".join(row) + " |")
         L.append("")
     if "fig11" in run:

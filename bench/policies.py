@@ -46,6 +46,7 @@ _MIB = 1 << 20
 _PAGE = mmap.PAGESIZE
 _PCCHECK_RE = re.compile(r"^pccheck_N(\d+)(?:_p(\d+))?(?:_c(\d+))?(?:_b(\d+(?:\.\d+)?)m)?$")
 _tuned: dict[str, int] | None = None
+RETRY_WAIT_S = 20.0  # before re-measuring a disturbed cell, wait up to this long for quiet
 
 
 def set_tuned(max_concurrent: int, writer_threads: int, chunk_size: int) -> None:
@@ -265,7 +266,10 @@ def _retrying(orig: Callable[..., Any], retries: int, threshold: float) -> Calla
             if load is None or load <= threshold or attempt == retries:
                 break
             print(f"  [{wl.name}] interval {interval:>3} {name}: other processes used {load:.2f} CPUs "
-                  f"(> {threshold}) during the window; measuring again", flush=True)
+                  f"(> {threshold}) during the window; measuring again once they are quiet", flush=True)
+            wait_quiet = getattr(ov, "_wait_quiet", None)
+            if wait_quiet is not None:  # up to RETRY_WAIT_S for the other processes to go quiet first
+                wait_quiet(RETRY_WAIT_S, threshold)
         best = min(attempts, key=lambda r: r.get("foreign_cpu_util") or 0.0)
         best["attempts"] = len(attempts)
         best["foreign_cpu_util_attempts"] = [r.get("foreign_cpu_util") for r in attempts]

@@ -3,7 +3,7 @@
 Run::
 
     python -m bench.tuner [--size 512MiB] [--iter-time 0.05] [--max-overhead 1.03] [--ns 1,2,3]
-                          [--threads 1,2] [--intervals 1,4,8,16,24,32,48]
+                          [--threads 1,2] [--intervals 1,4,8,12,16,24,32,48]
                           [--json bench/results/tuner.json] [--dir bench/_scratch] [--quick]
 
 **The GPU is emulated** (this machine has none): the workload is ``bench.overhead``'s emulated
@@ -12,7 +12,7 @@ of the ``--size`` bytes of float32 parameters in place), checkpointed by
 ``pccheck.Checkpointer(model, optimizer)`` with soft copy-on-write, as in ``bench.overhead``.
 
 1. **Tuner.** t is measured as a user would (the mean iteration time of the workload without
-   checkpointing, 30 iterations after 5 of warm-up), then ``run_profile`` + ``choose`` (what
+   checkpointing, 20 iterations after 3 of warm-up), then ``run_profile`` + ``choose`` (what
    ``pccheck-tune --size m --iter-time t --max-overhead q`` runs) pick N*, p*, b and f*. Its wall
    time (measuring t included) is the profiling time.
 2. **Grid.** For every (N, p) with 64 MiB chunks (pccheck's default): one Checkpointer, warmed
@@ -232,12 +232,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         _settle()
         with _Load() as load_tune:
             t_tune = time.perf_counter()
-            for _ in range(5):
+            for _ in range(3):
                 wl.step()
             t0 = time.perf_counter()
-            for _ in range(30):
+            for _ in range(20):
                 wl.step()
-            t = (time.perf_counter() - t0) / 30
+            t = (time.perf_counter() - t0) / 20
             spec = ProfileSpec(path=workdir / "tune", state_bytes=m, iter_time=t, dram_budget=2 * m,
                                storage_budget=(max(args.ns) + 1) * m, n_cap=max(args.ns),
                                max_overhead=args.max_overhead)
@@ -443,7 +443,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.size = parse_size(a.size or ("128MiB" if a.quick else "512MiB"))
     a.ns = _ints(a.ns or ("1,2" if a.quick else "1,2,3"))
     a.threads = _ints(a.threads or ("2" if a.quick else "1,2"))
-    a.intervals = _ints(a.intervals or ("1,4,8,16,32" if a.quick else "1,4,8,16,24,32,48"))
+    a.intervals = _ints(a.intervals or ("1,4,8,16,32" if a.quick else "1,4,8,12,16,24,32,48"))
     a.k = a.k or (2 if a.quick else 3)
     if a.max_overhead < 1 or min(a.ns) < 1 or min(a.threads) < 1 or min(a.intervals) < 1 or a.k < 1:
         p.error("need --max-overhead >= 1 and positive --ns, --threads, --intervals and --k")

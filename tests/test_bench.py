@@ -239,3 +239,12 @@ def test_goodput_module_replays_an_external_trace(quick_run, tmp_path):
                     "--out", str(out)]) == 0
     rows = _csv(out / "fig9-goodput.csv")
     assert {r["trace"] for r in rows} == {"mine"} and all(r["failures"] == "2" for r in rows)
+
+
+def test_summary_command_rebuilds_from_saved_results(quick_run):
+    from bench.__main__ import main
+
+    md = quick_run / "summary-quick.md"
+    md.unlink()
+    assert main(["summary", "--quick", "--out", str(quick_run)]) == 0
+    assert "goodput / CheckFreq" in md.read_text(encoding="utf-8")

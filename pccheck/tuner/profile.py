@@ -640,7 +640,7 @@ def run_profile(spec: ProfileSpec, progress: ProgressFn | None = None, tol: floa
                         # same Checkpointer: its pool is allocated and touched once)
                         f_probe = max(2, math.ceil(1.25 * w.tw_s / spec.iter_time))
                         progress(f"B: a checkpoint every {f_probe} iterations", done, total)
-                        blocked = _blocked_time_on(ck, state, spec.iter_time, f_probe, 6, update_s, warm=False)
+                        blocked = _blocked_time_on(ck, state, spec.iter_time, f_probe, 5, update_s, warm=False)
                         log.info("pccheck-tune: B %.3f s per checkpoint at interval %d (cycles %s)",
                                  blocked.blocked_s, f_probe, ", ".join(f"{x:.3f}" for x in blocked.cycles))
                 if spec.exhaustive:
