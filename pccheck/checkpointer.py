@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -28,7 +29,10 @@ from .persist.layout import plan
 from .persist.recovery import default_path
 from .persist.store import STORAGE_CHOICES, SlotStore
 from .stats import StatsReport
+from .tune import report_from_checkpointer
 from .torch_state import TREE_KEY, Snapshot, TorchState
+from .tuner.config import AUTO, resolve_auto
+from .tuner.online import IntervalChange, OnlineTuner
 
 __all__ = ["Checkpointer", "OnError"]
 
@@ -69,13 +73,21 @@ class Checkpointer:
         path: store directory; default ``$PCCHECK_DIR`` or ``./checkpoints``.
         extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (LR scheduler,
             GradScaler, a sampler) or a plain JSON-able value.
-        interval: ``maybe_checkpoint(step)`` checkpoints when ``step % interval == 0``.
+        interval: ``maybe_checkpoint(step)`` checkpoints when ``step % interval == 0``. "auto":
+            start from the interval in ``PATH/pccheck-tune.json`` (``pccheck-tune --write-config``;
+            10 without one) and adapt it online: each ``maybe_checkpoint`` call marks the end of
+            one iteration, the measured iteration time t and write time T_w re-derive the interval
+            (eq. (3) under the tuned overhead bound q) when they drift by more than 20%, every
+            change is logged and kept in :attr:`interval_changes`, and a checkpoint is taken once
+            ``interval`` steps have passed since the previous one. In a torch.distributed group the
+            tuned interval is used as is (the ranks must checkpoint the same steps).
         max_concurrent: N, checkpoints in flight at once. The store holds N+1 slots, so storage
-            use is (N+1) x the state size.
+            use is (N+1) x the state size. "auto" (default): the tuned N, else 2.
         when_busy: when N are in flight: "block" (wait, recorded as stall) or "skip" (count it).
-        writer_threads: threads persisting chunks (2 saturates a 2-core machine).
+        writer_threads: threads persisting chunks. "auto" (default): the tuned p, else 2.
         dram_budget: bytes of DRAM staging chunks, allocated and touched once (default 2x state).
-        chunk_size: bytes per chunk (pipelining unit; a multiple of 4096).
+        chunk_size: bytes per chunk (pipelining unit; a multiple of 4096). "auto" (default): the
+            tuned b, else 64 MiB.
         storage: "auto" (PMEM if libpmem says the file is on PMEM, else "ssd"), "ssd" (O_DIRECT,
             or mmap+msync where O_DIRECT is unsupported), "odirect", "mmap" or "pmem".
         on_error: what happens when a background checkpoint fails: "raise" (default: the next
@@ -101,9 +113,9 @@ class Checkpointer:
     """
 
     def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
-                 extra_state: Mapping[str, Any] | None = None, interval: int = 10, max_concurrent: int = 2,
-                 when_busy: str = "block", writer_threads: int = 2, dram_budget: int | None = None,
-                 chunk_size: int = 64 << 20, storage: str = "auto", on_error: OnError = "raise",
+                 extra_state: Mapping[str, Any] | None = None, interval: int | str = 10,
+                 max_concurrent: int | str = AUTO, when_busy: str = "block", writer_threads: int | str = AUTO,
+                 dram_budget: int | None = None, chunk_size: int | str = AUTO, storage: str = "auto", on_error: OnError = "raise",
                  metadata: Mapping[str, Any] | None = None, soft_cow: bool | None = None,
                  capture_rng: bool = True, eager: Iterable[str] = (), keep_every: int | None = None,
                  max_history: int | None = None, distributed: bool = True, replicated: str | None = None,
@@ -112,10 +124,14 @@ class Checkpointer:
             if path is not None:
                 raise ConfigError("path given twice (positionally and as path=)")
             optimizer, path = None, optimizer
-        _check_int("interval", interval, 1)
-        _check_int("max_concurrent", max_concurrent, 1, 254)
-        _check_int("writer_threads", writer_threads, 1, 256)
-        _check_int("chunk_size", chunk_size, 4096)
+        tunable = {"interval": (interval, 1, None), "max_concurrent": (max_concurrent, 1, 254),
+                   "writer_threads": (writer_threads, 1, 256), "chunk_size": (chunk_size, 4096, None)}
+        for name, (value, lo, hi) in tunable.items():
+            if isinstance(value, str):
+                if value != AUTO:
+                    raise ConfigError(f'{name} must be an integer or "auto", got {value!r}')
+            else:
+                _check_int(name, value, lo, hi)
         if dram_budget is not None:
             _check_int("dram_budget", dram_budget, 4096)
         if keep_every is not None:
@@ -140,7 +156,6 @@ class Checkpointer:
             self.soft_cow = False
         self.state = state
         self.optimizer = optimizer
-        self.interval = interval
         self.when_busy = when_busy
         self.metadata = _check_metadata(metadata)
         self.path = Path(path) if path is not None else default_path()
@@ -152,9 +167,32 @@ class Checkpointer:
 
         snap = self._source.snapshot()  # validates names, dtypes and values before touching the disk
         layout = plan(snap.arrays)
+        self._initial_bytes = layout.data_len
         group = detect_group() if distributed else None
         if replicated not in (None, "rank0"):
             raise ConfigError(f"replicated must be None or 'rank0', got {replicated!r}")
+        # "auto": the choice `pccheck-tune --write-config` stored in PATH/pccheck-tune.json, or the
+        # defaults. The optimizer's state may not exist yet (Adam's appears at its first step), so
+        # the size check against the tuned size is left out then.
+        self.settings: dict[str, Any] = resolve_auto(
+            self.path, interval, max_concurrent, writer_threads, chunk_size,
+            state_bytes=None if self._source.may_grow() else layout.data_len)
+        max_concurrent = self.settings["max_concurrent"]
+        writer_threads = self.settings["writer_threads"]
+        chunk_size = self.settings["chunk_size"]
+        self.interval: int = self.settings["interval"]
+        # Online mode: the tuner re-derives the interval from what it measures while training runs.
+        # Ranks of a group must checkpoint the same steps, so they keep the tuned interval.
+        self._tuner: OnlineTuner | None = None
+        self._last_taken: int | None = None  # step of the newest checkpoint maybe_checkpoint took
+        if interval == AUTO:
+            if group is not None:
+                log.info("pccheck: interval=\"auto\" in a group of %d ranks: the tuned interval %d is used "
+                         "without online adaptation (every rank must checkpoint the same steps)",
+                         group.world_size, self.interval)
+            else:
+                self._tuner = OnlineTuner(self.interval, self.settings["max_overhead"], max_concurrent,
+                                          iter_time=self.settings["iter_time_s"], tw=self.settings["tw_s"])
         # Data-parallel replicas hold the same state: with replicated="rank0" only rank 0 writes
         # (a plain store at `path`), and every rank loads from it.
         self._passive = group is not None and replicated == "rank0" and group.rank != 0
@@ -183,7 +221,8 @@ class Checkpointer:
                                       dram_budget=dram_budget,
                                       copy_engine=copy_engine or select_copy_engine(snap.arrays),
                                       on_error=self._background_error, on_commit=self._on_commit,
-                                      extra_slots=1 if self._coord else 0)
+                                      extra_slots=1 if self._coord else 0,
+                                      on_finished=self._tuner.on_checkpoint if self._tuner else None)
             if not self._source.may_grow():
                 self._store.open(self._orch.num_slots, self._orch.slot_bytes(layout, self._meta(snap, None)))
             # else: the store is sized at the first checkpoint, once the optimizer has its state
@@ -206,7 +245,10 @@ class Checkpointer:
     # -- the training loop's API -----------------------------------------------------------------
 
     def maybe_checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
-        """Checkpoints if ``step % interval == 0``; returns whether it did.
+        """Checkpoints if ``step % interval == 0``; returns whether it did. With
+        ``interval="auto"``, call it once per training iteration: the call times the iteration,
+        and a checkpoint is due once ``interval`` steps have passed since the previous one (the
+        first when ``step % interval == 0``).
 
         Returns as soon as the state may change again: for arrays, once their bytes are in DRAM
         chunks; for a model with soft copy-on-write, at once (buffers and RNG states copied),
@@ -216,9 +258,25 @@ class Checkpointer:
         """
         self._raise_pending()
         _check_step(step)
-        if step % self.interval != 0:
+        # `pccheck-tune -- python train.py` times the iterations here when the script does not
+        # report them itself (a no-op otherwise: one environment lookup).
+        report_from_checkpointer(self._orch.stats[-1].nbytes if self._orch is not None and self._orch.stats
+                                 else self._initial_bytes)
+        if self._tuner is None:
+            if step % self.interval != 0:
+                return False
+            return self.checkpoint(step, metadata)
+        self._tuner.on_iteration(time.perf_counter())  # the iteration ends here, before any blocking
+        self.interval = self._tuner.interval
+        last = self._last_taken
+        if last is None or step <= last:  # the first call, or the steps restarted (a new loop)
+            due = step % self.interval == 0
+        else:
+            due = step - last >= self.interval
+        if not due or not self.checkpoint(step, metadata):
             return False
-        return self.checkpoint(step, metadata)
+        self._last_taken = step
+        return True
 
     def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
         """Checkpoints now, regardless of the interval. False if skipped (``when_busy="skip"``)."""
@@ -272,6 +330,11 @@ class Checkpointer:
         if self._orch is not None:
             self._orch.wait()
         self._raise_pending()
+
+    @property
+    def interval_changes(self) -> list[IntervalChange]:
+        """Every change the online tuner made to the interval (``interval="auto"``), oldest first."""
+        return list(self._tuner.changes) if self._tuner is not None else []
 
     @property
     def last_durable_step(self) -> int | None:

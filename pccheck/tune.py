@@ -9,6 +9,11 @@
 one line ``<time.monotonic()> <state_bytes or -1>`` to it, from which the tuner measures the
 iteration time t (and the checkpoint size m, when given). Without the variable, the call returns
 at once (one dictionary lookup): it is safe to leave in a training script.
+
+A script that does not call it is timed by its Checkpointer instead: each ``maybe_checkpoint`` call
+reports one iteration with the checkpoint size (:func:`report_from_checkpointer`), unless the
+script reports for itself. Its checkpoints go on as usual; the tuner takes the median iteration
+time, which the few iterations that checkpoint do not move.
 """
 
 from __future__ import annotations
@@ -18,22 +23,38 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["ENV_VAR", "report_iteration", "state_bytes"]
+__all__ = ["ENV_VAR", "report_iteration", "report_from_checkpointer", "state_bytes"]
 
 ENV_VAR = "PCCHECK_TUNE_REPORT"
 
 _lock = threading.Lock()
 _fd: int = -1
 _fd_path: str | None = None
+_script_reports = False  # the script called report_iteration: the Checkpointer leaves it to it
 
 
 def report_iteration(state_bytes: int | None = None) -> None:
     """Reports the end of one training iteration to ``pccheck-tune`` (no-op without
     ``$PCCHECK_TUNE_REPORT``). ``state_bytes``: the checkpoint size m, if the script knows it."""
-    global _fd, _fd_path
+    global _script_reports
     target = os.environ.get(ENV_VAR)
     if not target:
         return
+    _script_reports = True
+    _append(target, state_bytes)
+
+
+def report_from_checkpointer(state_bytes: int | None) -> None:
+    """What ``Checkpointer.maybe_checkpoint`` calls once per iteration: reports it like
+    :func:`report_iteration` while ``pccheck-tune`` times the script, unless the script reports
+    its iterations itself (then this does nothing, so no iteration counts twice)."""
+    target = os.environ.get(ENV_VAR)
+    if target and not _script_reports:
+        _append(target, state_bytes)
+
+
+def _append(target: str, state_bytes: int | None) -> None:
+    global _fd, _fd_path
     line = f"{time.monotonic():.6f} {int(state_bytes) if state_bytes is not None else -1}\n".encode()
     with _lock:
         if target != _fd_path:

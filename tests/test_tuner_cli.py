@@ -124,6 +124,31 @@ def test_profiles_a_training_script(tmp_path):
     assert "training starts" in r.stderr  # the script's stdout, kept out of the JSON
 
 
+CK_TRAIN = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import pccheck
+    w = np.zeros({nbytes} // 4, np.float32)
+    with pccheck.Checkpointer({{"w": w}}, sys.argv[2], interval=5) as ck:  # no report_iteration()
+        for step in range(1, int(sys.argv[1])):
+            time.sleep(0.01)
+            w[0] += 1
+            ck.maybe_checkpoint(step)
+""")
+
+
+def test_profiles_a_script_through_its_checkpointer(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(CK_TRAIN.format(nbytes=4 * MiB))
+    r = _tune("--path", str(tmp_path / "ck"), "--threads", "2", "--chunks", "8MiB", "--max-n", "2",
+              "--iterations", "20", "--warmup-iterations", "3", "--json", "--",
+              sys.executable, str(script), "100000", str(tmp_path / "train-ck"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["inputs"]["state_bytes"] == 4 * MiB  # the Checkpointer's state size
+    assert 0.01 <= doc["inputs"]["iter_time_s"] < 0.05  # the median iteration: sleep(0.01) + a little
+
+
 def test_a_script_that_does_not_report_exits_2(tmp_path):
     script = tmp_path / "silent.py"
     script.write_text("print('no reports')\n")
@@ -171,3 +196,16 @@ def test_parse_size():
         with pytest.raises(ValueError):
             parse_size(bad)
 
+
+
+def test_the_checkpointer_reports_only_for_a_silent_script(tmp_path, monkeypatch):
+    target = tmp_path / "reports"
+    monkeypatch.setattr(pccheck.tune, "_script_reports", False)
+    monkeypatch.delenv(pccheck.tune.ENV_VAR, raising=False)
+    pccheck.tune.report_from_checkpointer(4096)  # no-op without the variable
+    monkeypatch.setenv(pccheck.tune.ENV_VAR, str(target))
+    pccheck.tune.report_from_checkpointer(4096)
+    pccheck.tune.report_from_checkpointer(8192)
+    pccheck.tune.report_iteration(state_bytes=1)  # the script reports: from now on only it does
+    pccheck.tune.report_from_checkpointer(8192)
+    assert [ln.split()[1] for ln in target.read_text().splitlines()] == ["4096", "8192", "1"]

@@ -112,7 +112,8 @@ class Orchestrator:
     def __init__(self, store: SlotStore, layout: Layout, *, max_concurrent: int, writer_threads: int,
                  chunk_size: int, dram_budget: int | None, copy_engine: CopyEngine,
                  on_error: Callable[[PCCheckError], None],
-                 on_commit: Callable[[CommitInfo], None] | None = None, extra_slots: int = 0) -> None:
+                 on_commit: Callable[[CommitInfo], None] | None = None, extra_slots: int = 0,
+                 on_finished: Callable[[CheckpointStats], None] | None = None) -> None:
         self.store = store
         self.max_concurrent = max_concurrent
         # N+1 slots: N in flight plus the latest (+1 in distributed mode: the global latest).
@@ -120,6 +121,7 @@ class Orchestrator:
         self.copy_engine = copy_engine
         self._on_error = on_error
         self._on_commit = on_commit
+        self._on_finished = on_finished  # sees every checkpoint's stats once (the online tuner)
         self._chunk_size, self._dram_budget, self._writer_threads = chunk_size, dram_budget, writer_threads
         self._make_engine(layout.data_len)
         self._inflight = threading.BoundedSemaphore(max_concurrent)
@@ -327,10 +329,16 @@ class Orchestrator:
             self._on_error(PCCheckError(f"checkpoint of step {step} failed: {exc!r}"))
         finally:
             fl.copied.set()
-            self.stats.append(CheckpointStats(
+            st = CheckpointStats(
                 step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
                 job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
-                time.perf_counter() - fl.t0, outcome))
+                time.perf_counter() - fl.t0, outcome)
+            self.stats.append(st)
+            if self._on_finished is not None:
+                try:
+                    self._on_finished(st)
+                except Exception:
+                    log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
             self._inflight.release()
 
     def _drain(self) -> None:

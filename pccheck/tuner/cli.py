@@ -168,7 +168,7 @@ def _profile_script(command: list[str], iterations: int, warmup: int, timeout: f
     if len(dts) < 3:
         rc = proc.returncode
         raise _BadArgs(f"the script reported {len(stamps)} iteration(s) (exit status {rc}); it must call "
-                       "pccheck.tune.report_iteration() once per training iteration and run at least "
+                       "pccheck.tune.report_iteration() (or a Checkpointer's maybe_checkpoint) once per training iteration and run at least "
                        f"{warmup + 4} iterations (or lower --warmup-iterations)")
     m = next((s for s in reversed(sizes) if s > 0), None)
     return statistics.median(dts), m, len(stamps)
