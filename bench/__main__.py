@@ -230,28 +230,20 @@ def _why_load(rec: Mapping[str, Any]) -> str:
     def best(k: str) -> float | None:
         return r.get(k, {}).get("min_s")
 
-    br, ft, crc = best("buffered_read_touched"), best("first_touch"), best("crc32c")
+    ft, crc = best("first_touch"), best("crc32c")
+    ft_range = (r.get("first_touch", {}).get("min_s"), r.get("first_touch", {}).get("max_s"))
     return (f"pccheck {pc:.2f} s vs raw O_DIRECT {raw:.2f} s into pre-touched memory ({_fmt(fresh, '.2f')} s into "
-            f"fresh memory, which is what a restarted process has). pccheck's load runs three costs in series, array "
-            f"by array: a buffered preadv through the page cache (best {_fmt(br, '.2f')} s alone for these bytes, "
-            f"into touched memory), the first touch of a fresh np.empty per array (best {_fmt(ft, '.2f')} s for "
-            f"{rec['size']}), and crc32c after each read (best {_fmt(crc, '.2f')} s). The buffered read alone "
-            f"is {100 * (br or 0) / pc:.0f}% of pccheck's time: the buffered path (readahead-sized requests plus a copy out "
-            "of the page cache), not the device, bounds it. The "
-            "raw read skips the page cache and the touch. See the proposal below.")
+            f"fresh memory, which is what a restarted process has). pccheck reads the slot's data region with "
+            f"O_DIRECT (2 threads, 32 MiB pieces) into one fresh huge-page mapping, a third thread faulting the "
+            f"pieces in ahead of the reads, and checksums each piece as it lands (crc32c alone: best "
+            f"{_fmt(crc, '.2f')} s). What is left over the raw read is the first touch of fresh memory, which on "
+            f"this VM varies from {_fmt(ft_range[0], '.2f')} s to {_fmt(ft_range[1], '.2f')} s for {rec['size']} "
+            f"(first_touch in recovery.csv): the reads wait for it whenever it is slower than the device.")
 
 
-_LOAD_PROPOSAL = """\
-**Proposal for `pccheck/persist/recovery.py` (owner: pccheck core; not changed here).** Read the slot's
-data region, which is contiguous, in one pass instead of array by array: (1) one allocation for the
-whole region (`mmap` anonymous, `MADV_HUGEPAGE`, so 2 MiB pages cut the first-touch faults 512x; or
-`MAP_POPULATE` from a helper thread ahead of the reader); (2) `O_DIRECT` reads of 16-64 MiB aligned
-pieces by 2 threads in the native core, without the GIL, skipping the page-cache copy; (3) crc32c of
-piece k while piece k+1 is read (the native writer already pipelines chunk crc32c the same way), with
-per-array crc32c combined from per-piece values (`crc32c_combine` exists); (4) arrays as `np.frombuffer`
-views into that buffer at their manifest offsets (the offsets are already validated against the slot).
-Expected: the raw O_DIRECT read time plus the first touch of fresh memory (`raw_odirect_fresh` in
-recovery.csv), overlapped, instead of read + touch + crc in series."""
+_LOAD_PROPOSAL = """**Next step for the load path.** `load_latest(model=..., optimizer=...)` copies the loaded arrays into
+the model's existing (already touched) tensors. Reading straight into those tensors, where their
+storage is contiguous and page-aligned, would skip the fresh mapping and its first touch entirely."""
 
 
 def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:

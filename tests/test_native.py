@@ -31,6 +31,26 @@ def test_crc32c_large_interleaved_path():
     assert _native.crc32c(data) == reference.crc32c(data.tobytes())
 
 
+def test_prefault_keeps_contents_and_needs_a_writable_buffer():
+    import mmap
+
+    mm = mmap.mmap(-1, (8 << 20) + 4096)
+    view = np.frombuffer(mm, np.uint8)
+    view[::4096] = 7  # half of the pages touched already, the rest fresh
+    view[4096 * 3 + 5] = 9
+    _native.prefault(memoryview(mm)[4096:])  # fresh anonymous pages stay zero, written ones keep their bytes
+    assert view[::4096].tolist() == [7] * len(view[::4096])
+    assert view[4096 * 3 + 5] == 9 and int(view.sum()) == 7 * len(view[::4096]) + 9
+    arr = np.arange(1000, dtype=np.int64)[::3]  # not page-aligned, strided base
+    base = arr.base.copy()
+    _native.prefault(arr.base)
+    assert np.array_equal(arr.base, base)
+    with pytest.raises(BufferError):
+        _native.prefault(b"read-only bytes")
+    del view
+    mm.close()
+
+
 def test_engine_rejects_bad_geometry():
     with pytest.raises(ValueError):
         _native.Engine(1000, 2, 1)  # not a multiple of 4096

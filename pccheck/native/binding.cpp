@@ -80,6 +80,16 @@ PYBIND11_MODULE(_native, m) {
         return crc32c_update(crc, p, n);
       },
       py::arg("data"), py::arg("crc") = 0, "crc32c of a contiguous buffer (continues `crc`).");
+  m.def("prefault", [](const py::buffer& b) {
+        py::buffer_info info = b.request(true);
+        uint8_t* p = static_cast<uint8_t*>(info.ptr);
+        size_t n = static_cast<size_t>(info.size * info.itemsize);
+        py::gil_scoped_release nogil;
+        prefault(p, n);
+      },
+      py::arg("data"),
+      "Faults in every page of a writable buffer (MADV_POPULATE_WRITE, else one write per page), "
+      "so a later O_DIRECT read into it does not pay the first touch.");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("have_libpmem", &have_libpmem);

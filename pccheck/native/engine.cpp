@@ -19,6 +19,21 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+void prefault(uint8_t* p, size_t n) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+  if (n == 0) return;
+  const uintptr_t page = 4096;
+  uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  uintptr_t b = reinterpret_cast<uintptr_t>(p) + n;
+  if (::madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) == 0) return;
+  // Older kernel or not an anonymous/shared mapping: touch. Adding 0 keeps the contents.
+  volatile uint8_t* v = p;
+  for (size_t i = 0; i < n; i += page) v[i] = v[i];
+  v[n - 1] = v[n - 1];
+}
+
 void ArraySource::prepare() {
   const size_t ndim = shape.size();
   uint64_t expected = itemsize;
@@ -74,7 +89,7 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
   pool_ = static_cast<uint8_t*>(p);
   ::madvise(pool_, pool_len_, MADV_HUGEPAGE);  // fewer TLB misses in memcpy; advisory
   // First touch is slow on these machines (GUIDE §4): pay it once, here, not per checkpoint.
-  std::memset(pool_, 0, pool_len_);
+  prefault(pool_, pool_len_);
   for (uint32_t i = 0; i < num_chunks; i++) free_chunks_.push(i);
   for (uint32_t i = 0; i < writer_threads; i++) writers_.emplace_back([this] { writer_loop(); });
 }

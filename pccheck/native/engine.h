@@ -44,6 +44,11 @@ struct ArraySource {
   void copy_range(uint64_t begin, uint64_t end, uint8_t* dst) const;
 };
 
+// Faults in every page of [p, p+n) for writing (MADV_POPULATE_WRITE where the kernel has it,
+// else one write per page; fresh anonymous memory stays zero). First touch is slow on these
+// machines: the chunk pool pays it once, and recovery pays it ahead of its O_DIRECT reads.
+void prefault(uint8_t* p, size_t n);
+
 class Engine;
 
 class Job : public std::enable_shared_from_this<Job> {
