@@ -238,12 +238,24 @@ def _why_load(rec: Mapping[str, Any]) -> str:
             f"pieces in ahead of the reads, and checksums each piece as it lands (crc32c alone: best "
             f"{_fmt(crc, '.2f')} s). What is left over the raw read is the first touch of fresh memory, which on "
             f"this VM varies from {_fmt(ft_range[0], '.2f')} s to {_fmt(ft_range[1], '.2f')} s for {rec['size']} "
-            f"(first_touch in recovery.csv): the reads wait for it whenever it is slower than the device.")
+            f"(first_touch in recovery.csv): the reads wait for it whenever it is slower than the device."
+            + (f" `load_latest(zero_copy=True)` (verified read-only views of the file's page cache, no fresh "
+               f"anonymous memory) takes {zc:.2f} s, {raw / zc:.2f}x the raw read." if (zc := r.get(
+                   "pccheck_zero_copy", {}).get("median_s")) else ""))
 
 
 _LOAD_PROPOSAL = """**Next step for the load path.** `load_latest(model=..., optimizer=...)` copies the loaded arrays into
 the model's existing (already touched) tensors. Reading straight into those tensors, where their
 storage is contiguous and page-aligned, would skip the fresh mapping and its first touch entirely."""
+
+
+def _remeasured(run: Mapping[str, Any]) -> str:
+    """Says which step's JSON comes from a later standalone run (``summary`` rebuilds from the files)."""
+    rc = run.get("recovery") or {}
+    if rc.get("date") and rc["date"] != run["date"]:
+        return (f" The recovery step was measured again alone at {rc['date']} (`python -m bench.recovery "
+                f"--repeats {rc.get('repeats', '?')}`) after a change to the load path.")
+    return ""
 
 
 def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
@@ -252,7 +264,8 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
     q = " (QUICK smoke run: tiny sizes, numbers mean nothing)" if run["quick"] else ""
     L.append(f"# pccheck benchmark summary{q}\n")
     L.append(f"`python -m bench all{' --quick' if run['quick'] else ''}` on {run['machine']}, "
-             f"{run['date']}; total {run['runtime_s'] / 60:.1f} min. All ratios are measured side by side in this run.\n")
+             f"{run['date']}; total {run['runtime_s'] / 60:.1f} min. Every ratio compares systems measured side by "
+             f"side in the same run.{_remeasured(run)}\n")
     L.append("| target | measured | limit | result | workload |")
     L.append("|---|---|---|---|---|")
     notes: list[str] = []
@@ -451,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = time.perf_counter()
             rc = recovery.run_benchmark(QUICK_STATE if a.quick else FULL_STATE, 1 if a.quick else 3, a.dir,
                                         progress=tick)
+            rc["date"] = run["date"]  # part of this run
             recovery.report(rc, out, f"recovery{sfx}")
             run["recovery"] = rc
             timings["recovery"] = time.perf_counter() - s
