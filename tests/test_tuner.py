@@ -425,3 +425,27 @@ def test_emulated_state_mutates_in_place():
     with pytest.raises(pccheck.ConfigError):
         EmulatedState(100)
 
+
+
+def test_thread_sweep_stops_once_more_writers_do_not_help(tmp_path, monkeypatch):
+    # The device saturates at 2 writers: 3 is tried (no faster), 4 is not. The bandwidths are
+    # scripted so the stop rule is what is tested; every other profiler runs for real.
+    from pccheck.tuner import profile as prof
+
+    gbps = {1: 1.0, 2: 2.0, 3: 2.05, 4: 4.0}
+    tried = []
+
+    def scripted(path, state, *, writer_threads, chunk_size, **kw):
+        tried.append((writer_threads, chunk_size))
+        bw = gbps[writer_threads] * 1e9
+        return StorageSample(writer_threads, chunk_size, bw, state.nbytes / bw, (state.nbytes / bw,), "odirect")
+
+    monkeypatch.setattr(prof, "storage_bandwidth", scripted)
+    spec = prof.ProfileSpec(path=tmp_path, state_bytes=4 * MiB, iter_time=0.01, dram_budget=8 * MiB,
+                            storage_budget=12 * MiB, threads=(1, 2, 3, 4), chunks=(1 * MiB, 4 * MiB), n_cap=1)
+    p = prof.run_profile(spec)
+    assert [t for t, _ in tried] == [1, 2, 3, 2]  # then the other chunk size at p* = 2
+    assert {s.writer_threads for s in p.storage} == {1, 2, 3}
+    tried.clear()
+    prof.run_profile(dataclasses.replace(spec, exhaustive=True))
+    assert sorted({t for t, _ in tried}) == [1, 2, 3, 4]

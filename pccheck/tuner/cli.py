@@ -168,7 +168,8 @@ def _profile_script(command: list[str], iterations: int, warmup: int, timeout: f
     if len(dts) < 3:
         rc = proc.returncode
         raise _BadArgs(f"the script reported {len(stamps)} iteration(s) (exit status {rc}); it must call "
-                       "pccheck.tune.report_iteration() (or a Checkpointer's maybe_checkpoint) once per training iteration and run at least "
+                       "pccheck.tune.report_iteration() (or a Checkpointer's maybe_checkpoint) once per "
+                       "training iteration and run at least "
                        f"{warmup + 4} iterations (or lower --warmup-iterations)")
     m = next((s for s in reversed(sizes) if s > 0), None)
     return statistics.median(dts), m, len(stamps)
@@ -252,7 +253,8 @@ def _render(console: Console, profile: Profile, choice: Choice, c: Constraints, 
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 def tune(
     command: Annotated[Optional[list[str]], typer.Argument(
-        help="after --: a training script to run and time (it calls pccheck.tune.report_iteration())",
+        help="after --: a training script to run and time (it calls pccheck.tune.report_iteration(), "
+             "or uses a Checkpointer)",
         show_default=False)] = None,
     path: Annotated[Optional[Path], typer.Option("--path", help="the store directory to profile (default: "
                                                  "$PCCHECK_DIR or ./checkpoints)", show_default=False)] = None,

@@ -545,8 +545,10 @@ def run_profile(spec: ProfileSpec, progress: ProgressFn | None = None, tol: floa
     """Runs every profiler for ``spec`` on a scratch subdirectory of ``spec.path``; returns all
     measurements (the choice is :func:`pccheck.tuner.search.choose`'s job).
 
-    T_S: the thread counts at 64 MiB chunks (or the one chunk size given), then the chunk sizes at
-    the best thread count (a coordinate search; ``exhaustive`` for the full grid). T_w: N = 1,
+    T_S: the thread counts at 64 MiB chunks (or the one chunk size given) in increasing order until
+    one does not beat the best so far by more than ``tol`` (more writers cannot help a saturated
+    device), then the chunk sizes at the best thread count (a coordinate search; ``exhaustive``
+    for the full grid). T_w: N = 1,
     2, ... up to :meth:`ProfileSpec.n_max`, stopping early (unless ``exhaustive``) once T_w/N stops
     improving by more than ``tol``, or after N = 1 when N > 1 cannot give a smaller interval: the
     iteration time alone covers T_w, or the time a checkpoint blocks training already needs an
@@ -600,11 +602,19 @@ def run_profile(spec: ProfileSpec, progress: ProgressFn | None = None, tol: floa
                 progress(f"T_S: {p} writer thread(s), {c / MiB:g} MiB chunks", done, total)
                 # The first probe writes every slot once (untimed), so no timed write pays for
                 # converting the unwritten extents of a freshly allocated file.
+                best = max((x.bytes_per_s for x in storage), default=None)
                 storage.append(storage_bandwidth(sub, state, writer_threads=p, chunk_size=c,
                                                  dram_budget=spec.dram_budget, max_concurrent=n_max,
                                                  repeats=spec.storage_repeats, warmup=n_max + 1 if first else 1))
                 first = False
                 done += 1
+                if not spec.exhaustive and best is not None and storage[-1].bytes_per_s <= best * (1.0 + tol):
+                    skipped = [q for q, _ in storage_plan if q > p]
+                    if skipped:
+                        log.info("pccheck-tune: %d writer threads are no faster than fewer (%.2f vs %.2f GB/s): "
+                                 "not trying %s", p, storage[-1].bytes_per_s / 1e9, best / 1e9, skipped)
+                        done += len(skipped)
+                    break
             if not spec.exhaustive:
                 p_star = _pick_threads(storage, tol)
                 for c in chunks:
