@@ -28,7 +28,7 @@ void prefault(uint8_t* p, size_t n) {
   uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
   uintptr_t b = reinterpret_cast<uintptr_t>(p) + n;
   if (::madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) == 0) return;
-  // Older kernel or not an anonymous/shared mapping: touch. Adding 0 keeps the contents.
+  // Older kernel, or a mapping madvise refuses: touch. Rewriting a byte keeps the contents.
   volatile uint8_t* v = p;
   for (size_t i = 0; i < n; i += page) v[i] = v[i];
   v[n - 1] = v[n - 1];

@@ -8,8 +8,8 @@ used instead.
 
 Fresh memory must be faulted in (zeroed by the kernel) before a read can land in it, and on these
 machines that costs about as much as the read itself (GUIDE §4). A prefault thread therefore
-populates the pieces in file order, one ahead of the readers, so the faults of piece k+1 overlap
-the I/O of piece k instead of adding to it.
+populates the pieces in file order, ahead of the readers (each reader waits until its piece is
+populated), so the faults of later pieces overlap the I/O of earlier ones instead of adding to it.
 """
 
 from __future__ import annotations
