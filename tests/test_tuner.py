@@ -449,3 +449,12 @@ def test_thread_sweep_stops_once_more_writers_do_not_help(tmp_path, monkeypatch)
     tried.clear()
     prof.run_profile(dataclasses.replace(spec, exhaustive=True))
     assert sorted({t for t, _ in tried}) == [1, 2, 3, 4]
+
+
+def test_probe_pool_is_never_larger_than_one_checkpoint():
+    from pccheck.tuner.profile import _probe_budget
+
+    assert _probe_budget(512 * MiB, 256 * MiB, 2, None) == 512 * MiB  # 2 chunks hold the whole state
+    assert _probe_budget(512 * MiB, 64 * MiB, 2, None) == 4 * 64 * MiB  # threads + 2 chunks
+    assert _probe_budget(512 * MiB, 64 * MiB, 2, 100 * MiB) == 100 * MiB  # the user's budget caps it
+    assert _probe_budget(10 * MiB, 64 * MiB, 4, None) == 10 * MiB  # one chunk of the whole state

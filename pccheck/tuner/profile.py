@@ -355,10 +355,11 @@ def _checkpointer(path: Path, state: EmulatedState, **kw: Any) -> Any:
 
 def _probe_budget(state_bytes: int, chunk_size: int, writer_threads: int, dram_budget: int | None) -> int:
     """DRAM for a bandwidth probe: enough chunks to keep every writer busy while the copy runs
-    ahead (threads + 2), never more than the user's budget. Smaller than the real pool, because
-    each probe allocates and touches its pool afresh and first touch is slow."""
+    ahead (threads + 2), never more than one checkpoint's chunks (a probe has one in flight) nor
+    the user's budget. Smaller than the real pool, because each probe allocates and touches its
+    pool afresh and first touch is slow."""
     chunk = max(BLOCK, min(chunk_size, state_bytes) // BLOCK * BLOCK)
-    want = (writer_threads + 2) * chunk
+    want = min(writer_threads + 2, -(-state_bytes // chunk)) * chunk
     if dram_budget is not None:
         want = min(want, dram_budget)
     return max(want, chunk)
