@@ -392,6 +392,15 @@ def test_copy_bandwidth_is_positive(small_state):
     assert s.bytes_per_s > 0 and s.seconds > 0 and math.isfinite(s.bytes_per_s) and s.device == "cpu"
 
 
+def test_copy_bandwidth_really_copies_into_the_shared_buffer(small_state):
+    from pccheck.tuner.profile import host_chunks
+
+    buf = host_chunks(8 * MiB)
+    copy_bandwidth(small_state, 4 * MiB, repeats=1, scratch=buf)  # 2 chunks: chunk k lands in half k
+    assert np.array_equal(buf, small_state.host_bytes())
+    copy_bandwidth(small_state, 16 * MiB, repeats=1, scratch=buf)  # too small for 2 chunks: its own buffer
+
+
 def test_storage_bandwidth_is_positive(small_state, tmp_path):
     s = storage_bandwidth(tmp_path, small_state, writer_threads=2, chunk_size=4 * MiB, max_concurrent=2)
     assert s.bytes_per_s > 0 and s.persist_s > 0 and len(s.samples) == 2
