@@ -33,6 +33,7 @@ __all__ = [
     "machine_label",
     "scratch_dir",
     "print_table",
+    "save_figure",
     "write_csv",
     "write_json",
     "bar_chart",
@@ -261,6 +262,13 @@ def bar_chart(
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Lay out, save as PNG (120 dpi; the parent directory is created) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import persist
-from bench._common import format_size, write_csv, write_json
+from bench._common import format_size, save_figure, write_csv, write_json
 
 __all__ = ["SYSTEMS", "plan", "run", "targets", "main"]
 
@@ -146,10 +146,7 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
                  f"memory (no GPU){note}\n{res['machine']}", fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

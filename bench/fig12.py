@@ -33,7 +33,7 @@ from typing import Any
 
 from bench import overhead as ov
 from bench import policies
-from bench._common import format_size, host_info, machine_label, scratch_dir, write_csv, write_json
+from bench._common import format_size, host_info, machine_label, save_figure, scratch_dir, write_csv, write_json
 
 __all__ = ["Config", "plan", "run", "main"]
 
@@ -184,10 +184,7 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
     wl = res["workload"]
     fig.suptitle(f"pccheck sensitivity. GPU EMULATED: {wl['describe'].split(': ', 1)[-1]} "
                  f"(state {format_size(wl['state_bytes'])}); {res['machine']}", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

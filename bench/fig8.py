@@ -43,7 +43,7 @@ from typing import Any
 
 from bench import overhead as ov
 from bench import policies
-from bench._common import format_size, host_info, machine_label, scratch_dir, write_csv, write_json
+from bench._common import format_size, host_info, machine_label, save_figure, scratch_dir, write_csv, write_json
 
 __all__ = ["COLORS", "NOISY_CPUS", "Config", "disturbed", "config", "plan", "run", "targets", "main", "headline_system"]
 
@@ -298,10 +298,7 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
     fig.suptitle(f"Training throughput while checkpointing (Figure 8 analog); {res['machine']}\n"
                  f"hollow marker: other processes used > {NOISY_CPUS} CPUs during that cell, even after "
                  "re-measuring (a disturbed point)", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._common import save_figure, write_csv
+
 __all__ = [
     "Event", "Trace", "SystemModel", "Outcome", "PUBLISHED_RATES", "POLICIES",
     "synthetic_trace", "read_trace_csv", "write_trace_csv", "durable_lag_s", "expected_lost_s",
@@ -416,10 +418,7 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], traces: Mapping[str, Tra
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Goodput under preemption, replayed (Figure 9 analog)\n{workload}\n{label}", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -467,8 +466,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = [SystemModel(**m) for m in doc["models"]]
     traces = load_traces(args.trace, args.seed)
     rows = evaluate(models, traces)
-    from bench._common import write_csv
-
     write_csv(args.out / "fig9-goodput.csv", list(rows[0]), [list(r.values()) for r in rows])
     plot(args.out / "fig9-goodput.png", rows, traces, doc.get("machine", ""), doc.get("workload", ""))
     print(f"wrote {args.out / 'fig9-goodput.csv'} and .png")

@@ -82,6 +82,7 @@ from bench._common import (
     machine_label,
     parse_size,
     print_table,
+    save_figure,
     scratch_dir,
     write_csv,
     write_json,
@@ -854,10 +855,7 @@ def _plot(path: Path, panels: Sequence[tuple[str, Sequence[Mapping[str, Any]], S
         ax.legend(fontsize=8)
     fig.suptitle(f"Training throughput while checkpointing (Figure 8 analog)\n{label}; hollow marker: other "
                  f"processes used > {NOISY_OTHER_CPUS} CPUs during a run of that cell", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -61,6 +61,7 @@ from bench._common import (
     machine_label,
     parse_size,
     print_table,
+    save_figure,
     scratch_dir,
     summarize,
     write_csv,
@@ -411,10 +412,7 @@ def _plot(path: Path, result: Mapping[str, Any]) -> bool:
                  f"state: 4 float32 arrays (no training; load path only). Grey: pieces of pccheck's load path\n"
                  f"{result['machine']}", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

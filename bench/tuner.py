@@ -59,6 +59,7 @@ from bench._common import (
     machine_label,
     parse_size,
     print_table,
+    save_figure,
     scratch_dir,
     write_csv,
     write_json,
@@ -412,10 +413,7 @@ def _plot(path: Path, res: Mapping[str, Any], q: float) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"pccheck-tune vs grid search (GPU EMULATED)\n{res['machine']}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _ints(text: str) -> list[int]:
