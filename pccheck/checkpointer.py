@@ -261,8 +261,7 @@ class Checkpointer:
         _check_step(step)
         # `pccheck-tune -- python train.py` times the iterations here when the script does not
         # report them itself (a no-op otherwise: one environment lookup).
-        report_from_checkpointer(self._orch.stats[-1].nbytes if self._orch is not None and self._orch.stats
-                                 else self._initial_bytes)
+        report_from_checkpointer(self._state_bytes)
         if self._tuner is None:
             if step % self.interval != 0:
                 return False
@@ -299,6 +298,11 @@ class Checkpointer:
                 raise
             self._background_error(exc)
             return False
+
+    def _state_bytes(self) -> int:
+        """Bytes of the newest checkpoint, or of the state as first planned (before any)."""
+        stats = self._orch.stats if self._orch is not None else None
+        return stats[-1].nbytes if stats else self._initial_bytes
 
     def wait_copied(self) -> None:
         """Returns once no checkpoint in flight still reads live tensors (soft copy-on-write).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["ENV_VAR", "report_iteration", "report_from_checkpointer", "state_bytes"]
 
@@ -44,13 +44,14 @@ def report_iteration(state_bytes: int | None = None) -> None:
     _append(target, state_bytes)
 
 
-def report_from_checkpointer(state_bytes: int | None) -> None:
+def report_from_checkpointer(state_bytes: Callable[[], int | None]) -> None:
     """What ``Checkpointer.maybe_checkpoint`` calls once per iteration: reports it like
     :func:`report_iteration` while ``pccheck-tune`` times the script, unless the script reports
-    its iterations itself (then this does nothing, so no iteration counts twice)."""
+    its iterations itself (then this does nothing, so no iteration counts twice). ``state_bytes``
+    is only called when the iteration is reported."""
     target = os.environ.get(ENV_VAR)
     if target and not _script_reports:
-        _append(target, state_bytes)
+        _append(target, state_bytes())
 
 
 def _append(target: str, state_bytes: int | None) -> None:

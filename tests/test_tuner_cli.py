@@ -202,10 +202,10 @@ def test_the_checkpointer_reports_only_for_a_silent_script(tmp_path, monkeypatch
     target = tmp_path / "reports"
     monkeypatch.setattr(pccheck.tune, "_script_reports", False)
     monkeypatch.delenv(pccheck.tune.ENV_VAR, raising=False)
-    pccheck.tune.report_from_checkpointer(4096)  # no-op without the variable
+    pccheck.tune.report_from_checkpointer(lambda: 1 // 0)  # no-op without the variable: size not asked
     monkeypatch.setenv(pccheck.tune.ENV_VAR, str(target))
-    pccheck.tune.report_from_checkpointer(4096)
-    pccheck.tune.report_from_checkpointer(8192)
+    pccheck.tune.report_from_checkpointer(lambda: 4096)
+    pccheck.tune.report_from_checkpointer(lambda: 8192)
     pccheck.tune.report_iteration(state_bytes=1)  # the script reports: from now on only it does
-    pccheck.tune.report_from_checkpointer(8192)
+    pccheck.tune.report_from_checkpointer(lambda: 1 // 0)
     assert [ln.split()[1] for ln in target.read_text().splitlines()] == ["4096", "8192", "1"]
