@@ -327,25 +327,28 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
     return path
 
 
+def _fig8_table(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown rows: one per system, it/s (slowdown) per interval, `*` on a disturbed cell."""
+    ivs = sorted({c["interval"] for c in cells})
+    L = ["| system | " + " | ".join(f"interval {i}" for i in ivs) + " |", "|---|" + "---|" * len(ivs)]
+    for s in dict.fromkeys(c["system"] for c in cells):
+        row = []
+        for i in ivs:
+            c = _cell(cells, s, i)
+            row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)"
+                       + (" *" if fig8.disturbed(c) else ""))
+        L.append(f"| {s} | " + " | ".join(row) + " |")
+    return L
+
+
 def _details(run: Mapping[str, Any]) -> list[str]:
     L: list[str] = []
     sfx = "-quick" if run["quick"] else ""
     if "fig8" in run:
         r8 = run["fig8"]
-        cells = r8["emulated"]["cells"]
-        systems = list(dict.fromkeys(c["system"] for c in cells))
-        ivs = sorted({c["interval"] for c in cells})
         L.append(f"## Figure 8 analog: iterations/s (slowdown) [fig8{sfx}.png](fig8{sfx}.png)\n")
         L.append(f"GPU EMULATED: {r8['emulated']['describe'].split(': ', 1)[-1]}.\n")
-        L.append("| system | " + " | ".join(f"interval {i}" for i in ivs) + " |")
-        L.append("|---|" + "---|" * len(ivs))
-        for s in systems:
-            row = []
-            for i in ivs:
-                c = _cell(cells, s, i)
-                row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)"
-                           + (" *" if fig8.disturbed(c) else ""))
-            L.append(f"| {s} | " + " | ".join(row) + " |")
+        L += _fig8_table(r8["emulated"]["cells"])
         L.append(f"\n`*`: disturbed cell (other processes used > {fig8.NOISY_CPUS} CPUs during its window even "
                  "after re-measuring; hollow marker in the plot).")
         tn = r8.get("tuner", {})
@@ -358,18 +361,8 @@ def _details(run: Mapping[str, Any]) -> list[str]:
         else:
             L.append(f"Tuner's pick: not shown ({tn.get('reason', '?')}).\n")
         real = r8["real"]
-        rc = real["cells"]
-        rivs = sorted({c["interval"] for c in rc})
         L.append(f"REAL CPU training: {real['describe'].split(': ', 1)[-1]}, state {format_size(real['state_bytes'])}.\n")
-        L.append("| system | " + " | ".join(f"interval {i}" for i in rivs) + " |")
-        L.append("|---|" + "---|" * len(rivs))
-        for s in dict.fromkeys(c["system"] for c in rc):
-            row = []
-            for i in rivs:
-                c = _cell(rc, s, i)
-                row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)"
-                           + (" *" if fig8.disturbed(c) else ""))
-            L.append(f"| {s} | " + " | ".join(row) + " |")
+        L += _fig8_table(real["cells"])
         L.append("")
     if "fig11" in run:
         r = run["fig11"]

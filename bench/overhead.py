@@ -708,6 +708,12 @@ def _verdict(applies: bool, value: float | None, limit: float, other_cpus: float
     return "MET" if value <= limit else "MISSED"
 
 
+def _judged(t: Mapping[str, Any], unit: str) -> str:
+    """"MET (under by 0.006x)": a target's verdict and its distance from the limit."""
+    v, lim = t["value"], t["limit"]
+    return f"{t['verdict']} ({'under' if v <= lim else 'over'} by {abs(v - lim):.3f}{unit})"
+
+
 def _noisy(t: Mapping[str, Any]) -> str:
     o = t.get("other_cpus_max", 0.0)
     return f"  (NOISY: other processes used up to {o:.2f} CPUs during these runs)" if o > NOISY_OTHER_CPUS else ""
@@ -722,8 +728,7 @@ def _print_targets(targets: Sequence[Mapping[str, Any]], title: str) -> None:
                 print(f"{head}: not applicable ({t['condition']} does not hold); measured {_f(t['value'], '.3f')}x")
                 continue
             v = t["value"]
-            print(f"{head}: {v:.3f}x  {t['verdict']} ({'under' if v <= t['limit'] else 'over'} by "
-                  f"{abs(v - t['limit']):.3f}x)  [{t['condition']}]{_noisy(t)}")
+            print(f"{head}: {v:.3f}x  {_judged(t, 'x')}  [{t['condition']}]{_noisy(t)}")
             print(f"{'':13} training blocked in pccheck {_f(t['blocked_ms_per_iter'], '.1f')} ms/iteration "
                   f"(stall + blocked_copy + cow_wait) alone gives {_f(t['blocked_slowdown_estimate'], '.3f')}x")
         elif t["target"] == "extra_vs_dcp":
@@ -735,8 +740,7 @@ def _print_targets(targets: Sequence[Mapping[str, Any]], title: str) -> None:
             if not t["applies"]:
                 print(f"{head}: not applicable (Tw/N > 10 t); measured {t['value']:.3f} {detail}")
                 continue
-            print(f"{head}: {t['value']:.3f} {detail}  {t['verdict']} ({'under' if t['value'] <= t['limit'] else 'over'} "
-                  f"by {abs(t['value'] - t['limit']):.3f}){_noisy(t)}")
+            print(f"{head}: {t['value']:.3f} {detail}  {_judged(t, '')}{_noisy(t)}")
         elif t["target"] == "peak_rss":
             head = f"  {t['system']:<11} interval {t['interval']:>3}: peak RSS growth <= dram_budget + 64 MiB"
             if t["value"] is None:
