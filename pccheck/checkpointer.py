@@ -110,6 +110,15 @@ class Checkpointer:
         keep_every: if set, every k-th committed checkpoint is also copied, in the background, to
             ``PATH/history/step-XXXXXX.safetensors`` (+ a JSON sidecar) for debugging history.
         max_history: keep at most this many history files (oldest deleted first; never a slot).
+        device_reserve: (PyTorch, soft copy-on-write) bytes of spare device memory, allocated once,
+            into which the optimizer step pre-hook clones the parts of an in-flight snapshot not
+            yet copied to the host (device to device, ordered before the update on the training
+            stream), so the step waits only for what does not fit; the copy to the host goes on
+            from the clone. "auto": up to the state size, within a quarter of the free device
+            memory and an eighth of the card (none on the CPU). None (default): no reserve.
+            ``stats()`` records the bytes staged per checkpoint (``reserve_bytes``).
+        copy_engine: the engine that copies the state into DRAM chunks (default: chosen by where
+            the tensors live: CUDA, cupy or the CPU).
     """
 
     def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
@@ -120,7 +129,7 @@ class Checkpointer:
                  metadata: Mapping[str, Any] | None = None, soft_cow: bool | None = None,
                  capture_rng: bool = True, eager: Iterable[str] = (), keep_every: int | None = None,
                  max_history: int | None = None, distributed: bool = True, replicated: str | None = None,
-                 copy_engine: CopyEngine | None = None) -> None:
+                 device_reserve: int | str | None = None, copy_engine: CopyEngine | None = None) -> None:
         if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
             if path is not None:
                 raise ConfigError("path given twice (positionally and as path=)")
@@ -139,6 +148,11 @@ class Checkpointer:
             _check_int("keep_every", keep_every, 1)
         if max_history is not None:
             _check_int("max_history", max_history, 1)
+        if isinstance(device_reserve, str):
+            if device_reserve != AUTO:
+                raise ConfigError(f'device_reserve must be a number of bytes, "auto" or None, got {device_reserve!r}')
+        elif device_reserve is not None:
+            _check_int("device_reserve", device_reserve, 0)
         if when_busy not in ("block", "skip"):
             raise ConfigError(f"when_busy must be 'block' or 'skip', got {when_busy!r}")
         if storage not in STORAGE_CHOICES:
@@ -155,6 +169,9 @@ class Checkpointer:
                 raise ConfigError("optimizer and extra_state go with a torch.nn.Module state")
             self._source = _ArraysState(state)
             self.soft_cow = False
+        if device_reserve and not self.soft_cow:
+            raise ConfigError("device_reserve works with soft copy-on-write: pass a model with its optimizer "
+                              "(soft_cow on); a mapping of arrays is copied before maybe_checkpoint returns")
         self.state = state
         self.optimizer = optimizer
         self.when_busy = when_busy
@@ -223,7 +240,8 @@ class Checkpointer:
                                       copy_engine=copy_engine or select_copy_engine(snap.arrays),
                                       on_error=self._background_error, on_commit=self._on_commit,
                                       extra_slots=1 if self._coord else 0,
-                                      on_finished=self._tuner.on_checkpoint if self._tuner else None)
+                                      on_finished=self._tuner.on_checkpoint if self._tuner else None,
+                                      device_reserve=device_reserve)
             if not self._source.may_grow():
                 self._store.open(self._orch.num_slots, self._orch.slot_bytes(layout, self._meta(snap, None)))
             # else: the store is sized at the first checkpoint, once the optimizer has its state
@@ -358,6 +376,11 @@ class Checkpointer:
     def storage(self) -> str:
         """The write mode in use: "odirect", "mmap" or "pmem"."""
         return self._store.native.mode if self._store is not None and self._store.native else "closed"
+
+    @property
+    def copy_engine(self) -> CopyEngine | None:
+        """The engine copying the state into DRAM chunks (``name``; GPU engines: ``pinned``)."""
+        return self._orch.copy_engine if self._orch is not None else None
 
     @property
     def generation(self) -> int:

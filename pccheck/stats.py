@@ -43,6 +43,7 @@ class StatsReport:
                 "median_persist_s": med([c.persist_s for c in done]),
                 "median_gbps": med([c.gbps for c in done]),
                 "bytes": sum(c.nbytes for c in done),
+                "reserve_bytes": sum(c.reserve_bytes for c in done),
                 "last_durable_step": self.last_durable_step,
                 "last_durable_age_s": self.last_durable_age_s,
             },

@@ -201,6 +201,12 @@ PYBIND11_MODULE(_native, m) {
            py::call_guard<py::gil_scoped_release>(), "A free chunk id (waits: back-pressure); -1 on timeout.")
       .def("fill", &Job::fill, py::arg("k"), py::arg("chunk"), py::call_guard<py::gil_scoped_release>(),
            "Fill chunk k from host-memory sources (memcpy).")
+      .def("fill_to", [](const Job& j, uint64_t k, uintptr_t address, uint64_t capacity) {
+             j.fill_to(k, reinterpret_cast<uint8_t*>(address), capacity);
+           }, py::arg("k"), py::arg("address"), py::arg("capacity"), py::call_guard<py::gil_scoped_release>(),
+           "Fill chunk k's bytes into host memory at `address` (>= chunk_len(k) bytes) instead of a "
+           "pool chunk: the CPU engine's stand-in for a device reserve.")
+      .def("chunk_len", &Job::chunk_len, py::arg("k"), "Bytes of the stream in chunk k.")
       .def("submit", &Job::submit, py::arg("k"), py::arg("chunk"), "Hand filled chunk k to the writers.")
       .def("skip", &Job::skip, py::arg("k"), py::arg("err"), "Give up chunk k, failing the job with -err.")
       .def_property_readonly("error", &Job::error)

@@ -200,6 +200,16 @@ void Job::fill(uint64_t k, uint32_t chunk) {
   copy_ns_ += static_cast<int64_t>(seconds_since(t0) * 1e9);
 }
 
+uint64_t Job::chunk_len(uint64_t k) const {
+  if (k >= nchunks_) throw std::out_of_range("chunk index out of range");
+  return std::min(chunk_size_, stream_len_ - k * chunk_size_);
+}
+
+void Job::fill_to(uint64_t k, uint8_t* dst, uint64_t capacity) const {
+  if (capacity < chunk_len(k)) throw std::length_error("fill_to: destination smaller than the chunk");
+  fill_into(k, dst);
+}
+
 void Job::submit(uint64_t k, uint32_t chunk) {
   // Hand the chunk to the writers at once: persisting chunk k overlaps copying chunk k+1.
   engine_->tasks_.push(Engine::Task{shared_from_this(), k, chunk});

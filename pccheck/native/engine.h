@@ -65,6 +65,10 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t claim();
   int64_t acquire_chunk(double timeout_s);  // a free chunk id, -1 on timeout (back-pressure)
   void fill(uint64_t k, uint32_t chunk);    // native memcpy of chunk k from host sources
+  // Copies chunk k's bytes (gaps zeroed) from host sources to dst instead of a pool chunk: the
+  // CPU engine's stand-in for a device reserve. dst must hold chunk_len(k) bytes.
+  void fill_to(uint64_t k, uint8_t* dst, uint64_t capacity) const;
+  uint64_t chunk_len(uint64_t k) const;     // bytes of the stream in chunk k (the last is short)
   void submit(uint64_t k, uint32_t chunk);  // hands a filled chunk to the writers
   void skip(uint64_t k, int err);           // gives up chunk k (e.g. a device copy failed)
   int error() const { return err_.load(); }  // 0 or a negative errno

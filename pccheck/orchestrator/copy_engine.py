@@ -15,16 +15,28 @@ Chunks go to the writer threads as soon as each is filled, so persisting overlap
 (the paper's pipelining, §4.1). Engines claim chunks from the job one at a time, so the training
 thread can help a background copy finish (soft copy-on-write). Implementations must not
 allocate host memory per checkpoint.
+
+Engines that support a reserve (``device_reserve``, see :mod:`.reserve`) also implement::
+
+    buf = engine.alloc_reserve(nbytes)            # once, when the pool is made
+    token = engine.stage(job, src, k, reserve, off)   # training thread: clone claimed chunk k
+    engine.ship(job, k, reserve, off, token)      # copy thread: reserve slot -> host chunk, submit
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
+
 from ..arrays import describe
+from ..errors import ConfigError
+from ..native import _native
 from ..persist.layout import Layout
 
 __all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "select_copy_engine", "abandon"]
@@ -65,6 +77,26 @@ class CopyEngine(ABC):
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:
         """Claims and fills chunks (up to stream byte ``until`` if > 0) and hands them to the writers."""
 
+    # -- the reserve (device-side soft copy-on-write); engines without one refuse it ---------------
+
+    def auto_reserve_bytes(self, state_bytes: int, chunk: int) -> int:
+        """Reserve size for ``device_reserve="auto"``: none unless the engine copies from a device."""
+        return 0
+
+    def alloc_reserve(self, nbytes: int) -> Any:
+        """The reserve's buffer, allocated once."""
+        raise ConfigError(f"the {self.name} copy engine has no device reserve; use device_reserve=None")
+
+    def stage(self, job: Any, src: Sources, k: int, reserve: Any, off: int) -> Any:
+        """Clones the live bytes of claimed chunk ``k`` into ``reserve.buffer[off:]``; returns what
+        :meth:`ship` must wait for."""
+        raise ConfigError(f"the {self.name} copy engine has no device reserve")
+
+    def ship(self, job: Any, k: int, reserve: Any, off: int, token: Any) -> None:
+        """Copies staged chunk ``k`` from the reserve into a host chunk and submits it; returns once
+        the reserve slot may be reused."""
+        raise ConfigError(f"the {self.name} copy engine has no device reserve")
+
 
 class CpuCopyEngine(CopyEngine):
     """Host memory → chunks with memcpy in native code, the GIL released.
@@ -77,6 +109,31 @@ class CpuCopyEngine(CopyEngine):
 
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:
         job.copy(until)
+
+    # The reserve stand-in: host memory plays the device's spare memory, so the staging protocol
+    # runs (and is tested) without a GPU. It only pays off where shipping is slower than staging
+    # (ThrottledCopyEngine, as over PCIe).
+    def alloc_reserve(self, nbytes: int) -> Any:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        _native.prefault(buf)  # first touch now, not while the optimizer step waits
+        return buf
+
+    def stage(self, job: Any, src: Sources, k: int, reserve: Any, off: int) -> Any:
+        job.fill_to(k, reserve.buffer.ctypes.data + off, reserve.chunk)
+        return None
+
+    def ship(self, job: Any, k: int, reserve: Any, off: int, token: Any) -> None:
+        cid = job.acquire_chunk()
+        if cid < 0:  # the engine was closed under us
+            job.skip(k, errno.ECANCELED)
+            return
+        t0, n = time.perf_counter(), job.chunk_len(k)
+        ctypes.memmove(self.native_engine.chunk_address(cid), reserve.buffer.ctypes.data + off, n)
+        self._pace(n, t0)
+        job.submit(k, cid)
+
+    def _pace(self, nbytes: int, t0: float) -> None:
+        """Called after each chunk's copy began at ``t0`` (ThrottledCopyEngine sleeps here)."""
 
 
 class ThrottledCopyEngine(CpuCopyEngine):
@@ -103,10 +160,13 @@ class ThrottledCopyEngine(CpuCopyEngine):
             cid = job.acquire_chunk()
             t0 = time.perf_counter()
             job.fill(k, cid)
-            time.sleep(max(0.0, chunk / self.bytes_per_s - (time.perf_counter() - t0)))
+            self._pace(chunk, t0)
             job.submit(k, cid)
             if last is not None and k + 1 >= last:
                 return
+
+    def _pace(self, nbytes: int, t0: float) -> None:
+        time.sleep(max(0.0, nbytes / self.bytes_per_s - (time.perf_counter() - t0)))
 
 
 def select_copy_engine(arrays: Mapping[str, Any]) -> CopyEngine:

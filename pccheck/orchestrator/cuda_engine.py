@@ -1,9 +1,16 @@
 """GPU copy engines: device memory → pinned DRAM chunks over a dedicated stream (paper §3.3).
 
 The chunk pool is registered once with ``cudaHostRegister`` so device-to-host copies are DMA
-transfers that run asynchronously on the engine's own stream, beside the training stream.
+transfers that run asynchronously on the engine's own stream, beside the training stream. If the
+registration fails (e.g. a locked-memory limit), the engine logs a warning and copies into
+pageable memory (``pinned`` is False; each copy then completes synchronously, more slowly).
 Per chunk: enqueue the copies of every array piece it holds, record an event, wait for it, hand
 the chunk to the writers. Host-resident arrays in the same state are copied by the CPU.
+
+The torch engine also implements the reserve (``device_reserve``, :mod:`.reserve`): a staged chunk
+is cloned device to device on the *training* stream, so the clone reads the bytes before the
+optimizer update that is queued after it, and is shipped to the host from the clone on the
+engine's stream once an event says the clone is done.
 
 These engines run only where a GPU is present (``torch.cuda.is_available()`` /
 ``cupy.cuda.is_available()``); on CPU-only machines the same chunk protocol is exercised by
@@ -13,7 +20,9 @@ These engines run only where a GPU is present (``torch.cuda.is_available()`` /
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Mapping
+import errno
+import logging
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -23,6 +32,8 @@ from .copy_engine import CopyEngine, Sources
 
 __all__ = ["TorchCudaCopyEngine", "CupyCopyEngine"]
 
+log = logging.getLogger("pccheck")
+
 
 def _pool_array(native_engine: Any) -> np.ndarray:
     """The whole chunk pool as a writable uint8 numpy array (no copy)."""
@@ -30,8 +41,18 @@ def _pool_array(native_engine: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+def _pieces(views: list, base: int, chunk: int) -> Iterator[tuple[Any, Any, int, int]]:
+    """(entry, byte view, lo, hi): the stream bytes [lo, hi) of each array inside chunk [base, base+chunk)."""
+    for e, view in views:
+        lo, hi = max(base, e.offset), min(base + chunk, e.offset + e.nbytes)
+        if lo < hi:
+            yield e, view, lo, hi
+
+
 class _DeviceEngine(CopyEngine):
     """Shared chunk loop. Subclasses provide the byte views and the stream operations."""
+
+    pinned: bool = False  # the chunk pool is page-locked (cudaHostRegister succeeded)
 
     def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
         # Byte views of every array for this snapshot; non-contiguous device arrays are made
@@ -53,12 +74,11 @@ class _DeviceEngine(CopyEngine):
                 base = k * chunk
                 dst = self._pool[cid * chunk:(cid + 1) * chunk]
                 filled = 0  # gaps between arrays and the tail are zeros (FORMAT §5)
-                for e, view in views:
-                    lo, hi = max(base, e.offset), min(base + chunk, e.offset + e.nbytes)
-                    if lo < hi:
-                        dst[filled:lo - base] = 0
-                        self._enqueue(dst, lo - base, view, lo - e.offset, hi - lo, ready)
-                        filled = hi - base
+                self._wait(ready)
+                for e, view, lo, hi in _pieces(views, base, chunk):
+                    dst[filled:lo - base] = 0
+                    self._enqueue(dst, lo - base, view, lo - e.offset, hi - lo)
+                    filled = hi - base
                 dst[filled:] = 0
                 self._sync()
             except Exception as exc:
@@ -78,17 +98,23 @@ class TorchCudaCopyEngine(_DeviceEngine):
         if not torch.cuda.is_available():
             raise ConfigError("the state holds CUDA tensors but torch.cuda.is_available() is False")
         self._torch = torch
-        self._stream = torch.cuda.Stream()
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._stream = torch.cuda.Stream(self._device)
 
     def attach(self, native_engine: Any) -> None:
         super().attach(native_engine)
         rc = self._torch.cuda.cudart().cudaHostRegister(native_engine.pool_address, native_engine.pool_bytes, 0)
-        if int(rc) != 0:
-            raise ConfigError(f"cudaHostRegister of the chunk pool failed ({rc}); lower dram_budget")
+        self.pinned = int(rc) == 0
+        if not self.pinned:
+            log.warning("pccheck: cudaHostRegister of the %d-byte chunk pool failed (%s); copying into "
+                        "pageable memory, synchronously and more slowly (raise the locked-memory limit, "
+                        "ulimit -l, or lower dram_budget)", native_engine.pool_bytes, rc)
         self._pool = self._torch.from_numpy(_pool_array(native_engine))
 
     def detach(self) -> None:
-        self._torch.cuda.cudart().cudaHostUnregister(self.native_engine.pool_address)
+        if self.pinned:
+            self._torch.cuda.cudart().cudaHostUnregister(self.native_engine.pool_address)
+            self.pinned = False
 
     def _ready_event(self) -> Any:
         # On the training thread: the copy stream must see everything queued so far (the update).
@@ -102,15 +128,66 @@ class TorchCudaCopyEngine(_DeviceEngine):
             t = t.contiguous()
         return t.reshape(-1).view(self._torch.uint8) if t.numel() else t.new_empty(0, dtype=self._torch.uint8)
 
-    def _enqueue(self, dst: Any, dst_off: int, src: Any, src_off: int, n: int, ready: Any) -> None:
+    def _wait(self, ready: Any) -> None:
+        self._stream.wait_event(ready)
+
+    def _enqueue(self, dst: Any, dst_off: int, src: Any, src_off: int, n: int) -> None:
         with self._torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
             dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n], non_blocking=True)
 
     def _sync(self) -> None:
         ev = self._torch.cuda.Event()
         ev.record(self._stream)
         ev.synchronize()
+
+    # -- the reserve --------------------------------------------------------------------------------
+
+    def auto_reserve_bytes(self, state_bytes: int, chunk: int) -> int:
+        # The whole state rounded up to chunks, within a quarter of the free device memory and an
+        # eighth of the card, so the reserve never crowds out activations.
+        free, total = self._torch.cuda.mem_get_info(self._device)
+        return min(-(-state_bytes // chunk) * chunk, free // 4, total // 8)
+
+    def alloc_reserve(self, nbytes: int) -> Any:
+        try:
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._device)
+        except self._torch.cuda.OutOfMemoryError:
+            raise ConfigError(f"cannot allocate a device reserve of {nbytes} bytes on {self._device}; "
+                              "lower device_reserve") from None
+
+    def stage(self, job: Any, src: Sources, k: int, reserve: Any, off: int) -> Any:
+        # On the training thread, in the optimizer pre-hook: the clone is queued on the current
+        # (training) stream, so it reads the bytes before the update queued after it.
+        views, _ = src.private
+        chunk, n = reserve.chunk, job.chunk_len(k)
+        base = k * chunk
+        buf = reserve.buffer[off:off + n]
+        filled = 0
+        for e, view, lo, hi in _pieces(views, base, chunk):
+            if lo - base > filled:
+                buf[filled:lo - base].zero_()
+            buf[lo - base:hi - base].copy_(view[lo - e.offset:hi - e.offset])
+            filled = hi - base
+        if n > filled:
+            buf[filled:n].zero_()
+        ev = self._torch.cuda.Event()
+        ev.record(self._torch.cuda.current_stream(self._device))
+        return ev
+
+    def ship(self, job: Any, k: int, reserve: Any, off: int, token: Any) -> None:
+        cid = job.acquire_chunk()
+        if cid < 0:  # the engine was closed under us
+            job.skip(k, errno.ECANCELED)
+            return
+        chunk, n = reserve.chunk, job.chunk_len(k)
+        try:
+            self._wait(token)
+            self._enqueue(self._pool[cid * chunk:cid * chunk + n], 0, reserve.buffer, off, n)
+            self._sync()  # the slot may be reused once this returns
+        except Exception as exc:
+            job.skip(k, errno.EIO)  # the checkpoint fails; the previous one stays
+            raise ConfigError(f"device copy from the reserve failed: {exc}") from exc
+        job.submit(k, cid)
 
 
 class CupyCopyEngine(_DeviceEngine):
@@ -126,11 +203,20 @@ class CupyCopyEngine(_DeviceEngine):
 
     def attach(self, native_engine: Any) -> None:
         super().attach(native_engine)
-        self._cupy.cuda.runtime.hostRegister(native_engine.pool_address, native_engine.pool_bytes, 0)
+        try:
+            self._cupy.cuda.runtime.hostRegister(native_engine.pool_address, native_engine.pool_bytes, 0)
+            self.pinned = True
+        except self._cupy.cuda.runtime.CUDARuntimeError as exc:
+            self.pinned = False
+            log.warning("pccheck: cudaHostRegister of the %d-byte chunk pool failed (%s); copying into "
+                        "pageable memory, synchronously and more slowly (raise the locked-memory limit, "
+                        "ulimit -l, or lower dram_budget)", native_engine.pool_bytes, exc)
         self._pool = _pool_array(native_engine)
 
     def detach(self) -> None:
-        self._cupy.cuda.runtime.hostUnregister(self.native_engine.pool_address)
+        if self.pinned:
+            self._cupy.cuda.runtime.hostUnregister(self.native_engine.pool_address)
+            self.pinned = False
 
     def _ready_event(self) -> Any:
         return self._cupy.cuda.get_current_stream().record()
@@ -140,8 +226,10 @@ class CupyCopyEngine(_DeviceEngine):
             return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         return self._cupy.ascontiguousarray(a).reshape(-1).view(self._cupy.uint8)
 
-    def _enqueue(self, dst: np.ndarray, dst_off: int, src: Any, src_off: int, n: int, ready: Any) -> None:
+    def _wait(self, ready: Any) -> None:
         self._stream.wait_event(ready)
+
+    def _enqueue(self, dst: np.ndarray, dst_off: int, src: Any, src_off: int, n: int) -> None:
         if isinstance(src, np.ndarray):
             dst[dst_off:dst_off + n] = src[src_off:src_off + n]
             return

@@ -6,7 +6,9 @@ Life of a checkpoint (paper §3.1, Fig. 5; FORMAT.md §4 for the commit):
 2. It takes a counter and a free slot, and the copy engine copies the arrays into chunks; each
    filled chunk goes to the writer threads at once. When the pool is empty the copy waits for a
    persisted chunk to come back (back-pressure); it never allocates beyond the budget.
-3. ``start`` returns: the live arrays may change again.
+3. ``start`` returns: the live arrays may change again (with soft copy-on-write, once
+   ``ensure_copied`` has returned: it finishes the copy, or stages what is left into the device
+   reserve, see :mod:`.reserve`).
 4. A background thread waits for the writers, builds the manifest with the array checksums and
    runs the native commit (barrier, CAS on CHECK_ADDR, barrier, free the replaced slot).
 """
@@ -30,6 +32,7 @@ from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
 from .copy_engine import CopyEngine, Sources, abandon
+from .reserve import Reserve, resolve_reserve
 
 __all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "chunk_geometry"]
 
@@ -56,6 +59,7 @@ class CheckpointStats:
     backpressure_s: float  # part of copy_s spent waiting for a free chunk
     persist_s: float       # from the start until durable (or failed)
     outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
+    reserve_bytes: int = 0  # bytes staged into the device reserve instead of waited for
 
     @property
     def gbps(self) -> float:
@@ -79,7 +83,25 @@ class _Flight:
     stall: float
     blocked_copy: float = 0.0
     cow_wait: float = 0.0
-    copied: threading.Event = field(default_factory=threading.Event)
+    reserve_bytes: int = 0
+    copied: threading.Event = field(default_factory=threading.Event)  # every chunk is in host memory
+    # Soft copy-on-write: set once the copy thread has claimed its last chunk (all chunks are
+    # claimed by then, and the ones it claimed are copied), so no thread still reads live memory
+    # except the caller of ensure_copied itself.
+    live_done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    staged: list = field(default_factory=list)  # (chunk, reserve offset, token), guarded by lock
+    checked: bool = False  # the version check ran (guarded by lock), with this result:
+    problem: str | None = None
+
+    def check(self) -> str | None:
+        """The snapshot's version check, once, after the last read of live memory and before
+        ensure_copied lets a mutation run (either thread may get here first)."""
+        with self.lock:
+            if not self.checked:
+                self.problem = self.validate() if self.validate is not None else None
+                self.checked = True
+            return self.problem
 
 
 @dataclass(frozen=True)
@@ -113,7 +135,8 @@ class Orchestrator:
                  chunk_size: int, dram_budget: int | None, copy_engine: CopyEngine,
                  on_error: Callable[[PCCheckError], None],
                  on_commit: Callable[[CommitInfo], None] | None = None, extra_slots: int = 0,
-                 on_finished: Callable[[CheckpointStats], None] | None = None) -> None:
+                 on_finished: Callable[[CheckpointStats], None] | None = None,
+                 device_reserve: int | str | None = None) -> None:
         self.store = store
         self.max_concurrent = max_concurrent
         # N+1 slots: N in flight plus the latest (+1 in distributed mode: the global latest).
@@ -123,6 +146,8 @@ class Orchestrator:
         self._on_commit = on_commit
         self._on_finished = on_finished  # sees every checkpoint's stats once (the online tuner)
         self._chunk_size, self._dram_budget, self._writer_threads = chunk_size, dram_budget, writer_threads
+        self._reserve_request = device_reserve
+        self.reserve: Reserve | None = None
         self._make_engine(layout.data_len)
         self._inflight = threading.BoundedSemaphore(max_concurrent)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="pccheck-commit")
@@ -146,6 +171,16 @@ class Orchestrator:
                                f"{exc.strerror}; lower dram_budget") from None
         self._pool_state_bytes = state_bytes
         self.copy_engine.attach(self.engine)
+        # The reserve is carved in chunks of the pool's size, so it follows the pool.
+        self.reserve = None
+        slots = resolve_reserve(self._reserve_request, self.copy_engine, state_bytes, chunk)
+        if slots:
+            try:
+                self.reserve = Reserve(self.copy_engine, slots, chunk)
+            except BaseException:
+                self.copy_engine.detach()
+                self.engine.close()
+                raise
 
     @property
     def last_durable_step(self) -> int | None:
@@ -239,24 +274,49 @@ class Orchestrator:
 
     def ensure_copied(self) -> float:
         """Soft copy-on-write: returns once no checkpoint in flight still reads live memory.
-        Helps copy what is left (this thread claims chunks too). Returns the seconds it waited."""
+        Stages what nobody has claimed yet into the device reserve while it has room, copies the
+        rest itself (this thread claims chunks too), and waits for the copy thread's chunk in
+        progress. Returns the seconds it took."""
         with self._lock:
             pending = list(self._copying)
         if not pending:
             return 0.0
         t0 = time.perf_counter()
         for fl in pending:
-            if not fl.copied.is_set():
-                w0 = time.perf_counter()
-                try:
-                    self.copy_engine.copy(fl.job, fl.src)
-                except Exception:  # e.g. a device copy failed: the checkpoint fails, training goes on
-                    log.exception("pccheck: copying the checkpoint of step %d failed", fl.step)
-                    abandon(fl.job, errno.EIO)
-                fl.job.wait_copied()
-                fl.copied.wait()  # includes the version check
-                fl.cow_wait += time.perf_counter() - w0
+            if fl.copied.is_set():
+                continue
+            w0 = time.perf_counter()
+            try:
+                if self.reserve is not None:
+                    self._stage(fl)
+                self.copy_engine.copy(fl.job, fl.src)  # what did not fit: straight from live memory
+            except Exception:  # e.g. a device copy failed: the checkpoint fails, training goes on
+                log.exception("pccheck: copying the checkpoint of step %d failed", fl.step)
+                abandon(fl.job, errno.EIO)
+            fl.live_done.wait()
+            fl.check()  # the version check, before the update this call lets run
+            fl.cow_wait += time.perf_counter() - w0
         return time.perf_counter() - t0
+
+    def _stage(self, fl: _Flight) -> None:
+        """Claims unclaimed chunks of ``fl`` and clones each into a free reserve slot, until the
+        chunks or the slots run out. Runs under ``fl.lock``: the copy thread takes the staged list
+        under it once every chunk is claimed, so it sees every staged chunk (reserve.py)."""
+        reserve = self.reserve
+        with fl.lock:
+            while (off := reserve.take()) is not None:
+                k = fl.job.claim()
+                if k < 0:
+                    reserve.give(off)
+                    return
+                try:
+                    token = self.copy_engine.stage(fl.job, fl.src, k, reserve, off)
+                except BaseException:
+                    reserve.give(off)
+                    fl.job.skip(k, errno.EIO)
+                    raise
+                fl.staged.append((k, off, token))
+                fl.reserve_bytes += fl.job.chunk_len(k)
 
     def _acquire_slot(self, native: Any) -> int:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
@@ -289,8 +349,10 @@ class Orchestrator:
                 except Exception as exc:
                     abandon(job, errno.EIO)
                     failure = exc
+                fl.live_done.set()  # every chunk is claimed; those this thread claimed are copied
+                failure = self._ship(fl, failure)
                 job.wait_copied()
-                problem = fl.validate() if fl.validate is not None and failure is None else None
+                problem = fl.check() if failure is None else None
                 with self._lock:
                     self._copying.remove(fl)
                 fl.copied.set()
@@ -328,11 +390,12 @@ class Orchestrator:
             log.exception("pccheck: unexpected error in a background checkpoint")
             self._on_error(PCCheckError(f"checkpoint of step {step} failed: {exc!r}"))
         finally:
+            fl.live_done.set()
             fl.copied.set()
             st = CheckpointStats(
                 step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
                 job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
-                time.perf_counter() - fl.t0, outcome)
+                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes)
             self.stats.append(st)
             if self._on_finished is not None:
                 try:
@@ -340,6 +403,24 @@ class Orchestrator:
                 except Exception:
                     log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
             self._inflight.release()
+
+    def _ship(self, fl: _Flight, failure: Exception | None) -> Exception | None:
+        """Copies the chunks ensure_copied staged into the reserve to host chunks, giving each
+        reserve slot back once its bytes are out; after a failure, skips them instead. Returns the
+        first failure."""
+        with fl.lock:  # staging holds it: once taken here, every staged chunk is listed
+            staged, fl.staged = fl.staged, []
+        for k, off, token in staged:
+            try:
+                if failure is None:
+                    self.copy_engine.ship(fl.job, k, self.reserve, off, token)
+                else:
+                    fl.job.skip(k, errno.EIO)
+            except Exception as exc:  # ship skipped the chunk itself
+                failure = exc
+            finally:
+                self.reserve.give(off)
+        return failure
 
     def _drain(self) -> None:
         """Waits for every in-flight checkpoint (callers hold one in-flight permit)."""
@@ -360,5 +441,6 @@ class Orchestrator:
         self._drain()
         self._closed = True
         self._pool.shutdown(wait=True)
+        self.reserve = None  # frees the device memory
         self.copy_engine.detach()
         self.engine.close()
