@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu-check clean
 
 setup: $(VENV)/.deps
 	@# (Re)build and install the package with its native core; the CMake build dir is reused.
@@ -34,6 +34,10 @@ test: setup
 
 bench: setup
 	$(PY) -m bench.persist
+
+gpu-check:
+	@# On a GPU machine with torch preinstalled: build the core, run the gpu tests and bench.gpu.
+	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf build $(VENV) checkpoints

@@ -208,12 +208,16 @@ PYBIND11_MODULE(_native, m) {
            "pool chunk: the CPU engine's stand-in for a device reserve.")
       .def("chunk_len", &Job::chunk_len, py::arg("k"), "Bytes of the stream in chunk k.")
       .def("submit", &Job::submit, py::arg("k"), py::arg("chunk"), "Hand filled chunk k to the writers.")
+      .def("release_chunk", &Job::release_chunk, py::arg("chunk"),
+           "Return an acquired chunk that will not be submitted (a failed device copy) to the pool.")
       .def("skip", &Job::skip, py::arg("k"), py::arg("err"), "Give up chunk k, failing the job with -err.")
       .def_property_readonly("error", &Job::error)
       .def_property_readonly("crcs", &Job::crcs)
       .def_property_readonly("slot", &Job::slot)
       .def_property_readonly("num_chunks", &Job::num_chunks)
       .def_property_readonly("copy_seconds", &Job::copy_seconds)
+      .def("add_copy_seconds", &Job::add_copy_seconds, py::arg("seconds"),
+           "Copy time of a chunk filled by an external (device) engine, for the statistics.")
       .def_property_readonly("backpressure_seconds", &Job::backpressure_seconds);
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")

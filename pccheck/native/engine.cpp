@@ -170,6 +170,9 @@ void Job::fill_into(uint64_t k, uint8_t* chunk) const {
   for (const Piece& p : pieces_[k]) {
     if (p.chunk_off > filled) std::memset(chunk + filled, 0, p.chunk_off - filled);
     const ArraySource& s = srcs_[p.array];
+    // Device engines describe their arrays by geometry only (null pointer) and fill chunks
+    // themselves; reading such an array here is a bug, never a memcpy from address 0.
+    if (s.ptr == nullptr && s.nbytes) throw std::logic_error("this job's arrays are on a device; its engine fills the chunks");
     uint64_t begin = base + p.chunk_off - s.offset;
     s.copy_range(begin, begin + p.len, chunk + p.chunk_off);
     filled = p.chunk_off + p.len;
@@ -215,6 +218,8 @@ void Job::submit(uint64_t k, uint32_t chunk) {
   engine_->tasks_.push(Engine::Task{shared_from_this(), k, chunk});
   filled();
 }
+
+void Job::release_chunk(uint32_t chunk) { engine_->free_chunks_.push(chunk); }
 
 void Job::skip(uint64_t k, int err) {
   (void)k;

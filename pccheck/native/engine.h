@@ -71,9 +71,12 @@ class Job : public std::enable_shared_from_this<Job> {
   uint64_t chunk_len(uint64_t k) const;     // bytes of the stream in chunk k (the last is short)
   void submit(uint64_t k, uint32_t chunk);  // hands a filled chunk to the writers
   void skip(uint64_t k, int err);           // gives up chunk k (e.g. a device copy failed)
+  void release_chunk(uint32_t chunk);       // returns an acquired, unsubmitted chunk to the pool
   int error() const { return err_.load(); }  // 0 or a negative errno
   std::vector<uint32_t> crcs() const;  // valid once finished without error
   double copy_seconds() const { return copy_ns_.load() * 1e-9; }
+  // Engines that fill chunks themselves (device copies) report their copy time here.
+  void add_copy_seconds(double s) { copy_ns_ += static_cast<int64_t>(s * 1e9); }
   double backpressure_seconds() const { return backpressure_ns_.load() * 1e-9; }
   uint32_t slot() const { return slot_; }
   uint64_t num_chunks() const { return nchunks_; }

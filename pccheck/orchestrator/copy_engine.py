@@ -130,6 +130,7 @@ class CpuCopyEngine(CopyEngine):
         t0, n = time.perf_counter(), job.chunk_len(k)
         ctypes.memmove(self.native_engine.chunk_address(cid), reserve.buffer.ctypes.data + off, n)
         self._pace(n, t0)
+        job.add_copy_seconds(time.perf_counter() - t0)
         job.submit(k, cid)
 
     def _pace(self, nbytes: int, t0: float) -> None:

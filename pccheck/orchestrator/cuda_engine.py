@@ -19,9 +19,11 @@ These engines run only where a GPU is present (``torch.cuda.is_available()`` /
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
+import time
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -49,6 +51,36 @@ def _pieces(views: list, base: int, chunk: int) -> Iterator[tuple[Any, Any, int,
             yield e, view, lo, hi
 
 
+@contextlib.contextmanager
+def _filling(job: Any, k: int) -> Iterator[int]:
+    """A pool chunk for claimed chunk ``k``: filled inside the block, then submitted. If the block
+    raises, the chunk goes back to the pool and ``k`` is skipped, failing this checkpoint only
+    (the previous one stays) and never leaving the job waiting for a chunk nobody will submit."""
+    cid = job.acquire_chunk()
+    if cid < 0:  # the engine was closed under us
+        job.skip(k, errno.ECANCELED)
+        raise ConfigError("the chunk pool was closed during a copy")
+    t0 = time.perf_counter()
+    try:
+        yield cid
+    except BaseException as exc:
+        job.release_chunk(cid)
+        job.skip(k, errno.EIO)
+        raise ConfigError(f"device copy failed: {exc}") from exc
+    job.add_copy_seconds(time.perf_counter() - t0)
+    job.submit(k, cid)
+
+
+def _clear_last_error() -> None:
+    """Resets the CUDA runtime's last error after a failed call whose failure is handled here."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
 class _DeviceEngine(CopyEngine):
     """Shared chunk loop. Subclasses provide the byte views and the stream operations."""
 
@@ -59,7 +91,10 @@ class _DeviceEngine(CopyEngine):
         # contiguous on the device (a device allocation, only for such arrays). The native
         # engine never reads these arrays itself.
         views = [(e, self._bytes_of(a)) for a, e in zip(arrays.values(), layout.entries)]
-        return Sources([], (views, self._ready_event()))
+        # The native job still needs each array's place in the stream (its pieces per chunk and
+        # their crc32c); a null pointer says it must never read the array itself.
+        geometry = [(0, e.offset, e.nbytes, 1, (e.nbytes,), (1,)) for e in layout.entries]
+        return Sources(geometry, (views, self._ready_event()))
 
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:
         chunk = self.native_engine.chunk_size
@@ -69,8 +104,7 @@ class _DeviceEngine(CopyEngine):
             k = job.claim()
             if k < 0:
                 return
-            cid = job.acquire_chunk()
-            try:
+            with _filling(job, k) as cid:
                 base = k * chunk
                 dst = self._pool[cid * chunk:(cid + 1) * chunk]
                 filled = 0  # gaps between arrays and the tail are zeros (FORMAT §5)
@@ -81,10 +115,6 @@ class _DeviceEngine(CopyEngine):
                     filled = hi - base
                 dst[filled:] = 0
                 self._sync()
-            except Exception as exc:
-                job.skip(k, 5)  # EIO: the checkpoint fails; the previous one stays
-                raise ConfigError(f"device copy failed: {exc}") from exc
-            job.submit(k, cid)
             if last is not None and k + 1 >= last:
                 return
 
@@ -106,6 +136,7 @@ class TorchCudaCopyEngine(_DeviceEngine):
         rc = self._torch.cuda.cudart().cudaHostRegister(native_engine.pool_address, native_engine.pool_bytes, 0)
         self.pinned = int(rc) == 0
         if not self.pinned:
+            _clear_last_error()  # else torch's next kernel-launch check reports this error
             log.warning("pccheck: cudaHostRegister of the %d-byte chunk pool failed (%s); copying into "
                         "pageable memory, synchronously and more slowly (raise the locked-memory limit, "
                         "ulimit -l, or lower dram_budget)", native_engine.pool_bytes, rc)
@@ -123,6 +154,8 @@ class TorchCudaCopyEngine(_DeviceEngine):
         return ev
 
     def _bytes_of(self, t: Any) -> Any:
+        if isinstance(t, np.ndarray):  # host arrays in a model's state (numpy's RNG state)
+            return self._torch.from_numpy(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -175,19 +208,11 @@ class TorchCudaCopyEngine(_DeviceEngine):
         return ev
 
     def ship(self, job: Any, k: int, reserve: Any, off: int, token: Any) -> None:
-        cid = job.acquire_chunk()
-        if cid < 0:  # the engine was closed under us
-            job.skip(k, errno.ECANCELED)
-            return
-        chunk, n = reserve.chunk, job.chunk_len(k)
-        try:
+        with _filling(job, k) as cid:
+            n = job.chunk_len(k)
             self._wait(token)
-            self._enqueue(self._pool[cid * chunk:cid * chunk + n], 0, reserve.buffer, off, n)
+            self._enqueue(self._pool[cid * reserve.chunk:cid * reserve.chunk + n], 0, reserve.buffer, off, n)
             self._sync()  # the slot may be reused once this returns
-        except Exception as exc:
-            job.skip(k, errno.EIO)  # the checkpoint fails; the previous one stays
-            raise ConfigError(f"device copy from the reserve failed: {exc}") from exc
-        job.submit(k, cid)
 
 
 class CupyCopyEngine(_DeviceEngine):

@@ -1,0 +1,619 @@
+"""pccheck on one real GPU: copy-engine and disk bandwidth, and the slowdown of training a GPT.
+
+``python -m bench.gpu [--out bench/results/gpu] [--state-gib 8.5] [--quick] [--dir bench/_scratch] [--sections
+d2h,persist,train] [--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
+rewritten after each phase; gpu.csv and gpu.png come last. Each section, set-up and window is its own ``try``
+(errors recorded, the rest runs); phases due after --budget-s s are skipped. GB/s decimal. --quick: 1 GiB, half
+windows, to bench/results/gpu-quick.
+
+d2h (S = 4 GiB, 1 GiB quick, 8 CUDA float32 tensors): peak = ``copy_(non_blocking=True)`` into 8 pinned
+``torch.empty`` + ``torch.cuda.synchronize()``, median of 5 after a warm-up; engine = ``Checkpointer(tensors, path,
+interval=1, max_concurrent=1, writer_threads=4, dram_budget=2 S)``, a warm-up, then 5 x ``checkpoint(); wait()``,
+D2H s = ``copy_s - backpressure_s`` (``checkpoint`` returns once the bytes are in host chunks), median. Overlap:
+8192^2 bf16 ``torch.mm`` batches (4 + stream sync) alone and wholly inside one ``checkpoint()`` run by another
+thread on a side stream; that copy's GB/s. persist (S of touched host arrays): ``Checkpointer(arrays, path,
+interval=1, max_concurrent=1, writer_threads=4)``, 2 warm-ups (both slots written), S / median ``persist_s`` of 3;
+raw: 4 threads ``pwrite`` their own 64 MiB pieces from page-aligned mmap buffers into a ``posix_fallocate``-d
+``O_DIRECT`` file, then ``fsync``; median of 3 after one.
+
+train: a GPT (vocab 32768, learned positions, d 1536, 12 heads, L pre-LN blocks of causal SDPA + 4x GELU MLP, lm
+head tied to the embedding), L the least with 12 B/param (fp32 params + AdamW moments) >= --state-gib (8.5: 26
+layers, 789 M params); batch 8 x 1024 random tokens; ``AdamW(lr=1e-4, fused=True)``. Iteration: ``zero_grad``,
+forward + cross-entropy in bf16 autocast, backward, ``step()``, then ``torch.cuda.current_stream().synchronize()``
+(real per-iteration time; ``torch.cuda.synchronize()`` would also wait for the copy streams under test), then the
+checkpoint call (after the sync: DCP's stager does not wait for the training stream).
+
+Systems: ``none`` (timed first and last; t_none = median of both windows' median step time); ``pccheck_N2`` =
+``Checkpointer(model, opt, path, max_concurrent=2, writer_threads=4, chunk_size=64 MiB)``, ``maybe_checkpoint`` each
+step, 3 warm-up checkpoints, one instance for both intervals (``ck.interval`` set per window); ``pccheck_reserve`` =
+the same + ``device_reserve="auto"``; ``dcp_async`` = ``async_save(sd, storage_writer=FileSystemWriter(new dir,
+sync_files=True), no_dist=True, async_stager=DefaultStager(pinned, unshared, async, non-blocking))`` (else DCP's
+default: see ``staging``), the next ``optimizer.step`` waiting for ``staging_completion``, the previous
+``upload_completion`` awaited before a save; ``torch_save`` = ``torch.save(sd, f)`` + flush + ``fsync``. Window per
+(system, interval I in 10, 50): step s0 (a multiple of I) and its checkpoint c0 untimed, ``iters`` steps timed (40 /
+100; torch_save 20 / 50), then a drain. Slowdown = window / (iters x t_none); extra/iter = window / iters - t_none;
+stall per checkpoint, median over c0..c(k-1): pccheck ``stall_s + blocked_copy_s + cow_wait_s``, DCP call + staging
+wait, torch_save the save. Targets (met None if unmeasured): D2H/peak >= 0.9; pccheck_N2 slowdown at 10 <= 1.03, its
+extra/iter / dcp_async's <= 0.3; median stall with reserve / without <= 0.2.
+"""
+
+import argparse
+import contextlib
+import gc
+import mmap
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench._common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
+    write_csv, write_json
+
+__all__ = ["SECTIONS", "SYSTEMS", "INTERVALS", "main"]
+
+_BENCH_DIR = Path(__file__).resolve().parent
+_GIB, _CHUNK, _MM = 1 << 30, 64 << 20, 8192  # _CHUNK: pccheck chunk_size in train, raw O_DIRECT piece
+SECTIONS, INTERVALS = ("d2h", "persist", "train"), (10, 50)
+SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save")
+VOCAB, D_MODEL, N_HEAD, SEQ, BATCH = 32768, 1536, 12, 1024, 8
+ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {10: 40, 50: 100}, {10: 20, 50: 50}, 40  # torch_save: saves take seconds
+TARGETS = {"d2h_vs_peak": (">=", 0.9), "slowdown_pccheck_N2_i10": ("<=", 1.03),
+           "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2)}
+_T0 = time.perf_counter()
+
+def _log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", flush=True)
+
+def _med(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+def _free() -> None:  # between phases: garbage, the CUDA allocator's free blocks, cached pinned host blocks
+    import torch
+    gc.collect()
+    with contextlib.suppress(Exception):  # a broken CUDA context: the phase that broke it recorded why
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+
+def _engine(ck: Any) -> dict[str, Any]:  # the orchestrator's engine where Checkpointer has no copy_engine yet
+    eng = getattr(ck, "copy_engine", None) or getattr(getattr(ck, "_orch", None), "copy_engine", None)
+    return {"name": getattr(eng, "name", None), "pinned": getattr(eng, "pinned", None)}
+
+class _Run:
+    """Arguments, the scratch directory, the result dict; ``guard`` runs one phase and saves the JSON."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        import torch
+        driver = f"{torch.version.cuda} (runtime)"
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True,
+                                    capture_output=True, timeout=30, check=True).stdout.split("\n")[0].strip() or driver
+        self.args, self.work, host = args, work, host_info(work)
+        self.res: dict[str, Any] = {
+            "command": shlex.join(["python", "-m", "bench.gpu", *args.argv]), "device": torch.cuda.get_device_name(),
+            "driver": driver, "torch": torch.__version__, "machine": machine_label(host), "host": host,
+            **dict.fromkeys(("d2h_gbps", "pinned_peak_gbps", "state_bytes")), "d2h": {}, "overlap": {},
+            "persist": {"fs": fs_info(work)}, "model": {}, "train": {}, "systems": {}, "sections": {},
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+    def guard(self, entry: dict[str, Any], fn: Callable[[], Any]) -> bool:
+        """Run ``fn``; record ok (merging a returned dict) or its error in ``entry``; rewrite the JSON."""
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            entry.update(out if isinstance(out, dict) else {}, status="ok")
+            return True
+        except Exception as exc:
+            print(tb := traceback.format_exc(), flush=True)
+            entry.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=tb.strip().splitlines()[-6:])
+            return False
+        finally:
+            entry["elapsed_s"] = time.perf_counter() - t0
+            self.save()
+
+    def save(self) -> None:
+        try:
+            _finalize(self.res)
+        except Exception as exc:  # never lose the measurements to a bug in the arithmetic
+            self.res["finalize_error"] = f"{type(exc).__name__}: {exc}"
+        self.res["elapsed_s"] = time.perf_counter() - _T0
+        write_json(self.args.out / "gpu.json", self.res)
+
+def _section_d2h(run: _Run) -> None:
+    import pccheck
+    import torch
+    n, d2h = run.args.nbytes // 32 * 4, run.res["d2h"]  # n: bytes per tensor
+    srcs = {f"t{i}": torch.rand(n // 4, device="cuda") for i in range(8)}
+    nbytes, dsts, peak_s = 8 * n, [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in srcs], []
+    for _ in range(6):  # the first is the warm-up
+        t0 = time.perf_counter()
+        for dst, src in zip(dsts, srcs.values()):
+            dst.copy_(src.view(torch.uint8), non_blocking=True)
+        torch.cuda.synchronize()
+        peak_s.append(time.perf_counter() - t0)
+    del dsts
+    _free()
+    peak = run.res["pinned_peak_gbps"] = nbytes / statistics.median(peak_s[1:]) / 1e9
+    budget, path = -(-nbytes // (64 << 20)) * (64 << 20) * 2, run.work / "d2h"
+    d2h.update(nbytes=nbytes, peak_s=peak_s[1:], dram_budget=budget, engine=[])
+    _log(f"d2h: pinned copy_ peak {peak:.1f} GB/s ({format_size(nbytes)})")
+    ck = pccheck.Checkpointer(srcs, path=path, interval=1, max_concurrent=1, writer_threads=4, dram_budget=budget)
+    try:
+        d2h["copy_engine"] = _engine(ck)
+        for s in range(6):  # step 0 is the warm-up
+            ck.checkpoint(s)
+            ck.wait()
+            c = ck.stats().checkpoints[-1]  # one at a time: the last finished is this one
+            d2h["engine"] += [{"step": c.step, "copy_s": c.copy_s, "backpressure_s": c.backpressure_s,
+                               "gbps": c.nbytes / (c.copy_s - c.backpressure_s) / 1e9}] if s else []
+        gb = run.res["d2h_gbps"] = statistics.median(x["gbps"] for x in d2h["engine"])
+        d2h["ratio_to_peak"] = gb / peak
+        _log(f"d2h: pccheck engine {gb:.1f} GB/s = {gb / peak:.3f} of peak; {d2h['copy_engine']}")
+        run.guard(run.res["overlap"], lambda: _overlap(ck, gb))
+    finally:
+        ck.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+def _overlap(ck: Any, copy_alone_gbps: float) -> dict[str, Any]:
+    import torch
+    a = torch.randn(_MM, _MM, device="cuda", dtype=torch.bfloat16)
+    b, c, side, span, flops = torch.randn_like(a), torch.empty_like(a), torch.cuda.Stream(), [], 4 * 2 * _MM**3
+    def batch() -> tuple[float, float]:  # 4 matmuls on the default stream, then wait for them
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b, out=c)
+        torch.cuda.current_stream().synchronize()
+        return t0, time.perf_counter()
+    def copy() -> None:  # on a side stream: the copy's ready event must not wait for queued matmuls
+        with torch.cuda.stream(side):
+            span.append(time.perf_counter())
+            ck.checkpoint(100)
+            span.append(time.perf_counter())
+    alone = [batch() for _ in range(26)][1:]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        fut, marks = pool.submit(copy), [batch()]
+        while not fut.done():
+            marks.append(batch())
+        fut.result()
+    ck.wait()
+    st, inside = ck.stats().checkpoints[-1], [m for m in marks if m[0] >= span[0] and m[1] <= span[1]]
+    tf_alone = len(alone) * flops / (alone[-1][1] - alone[0][0]) / 1e12
+    tf = len(inside) * flops / sum(t1 - t0 for t0, t1 in inside) / 1e12 if inside else None
+    gb = st.nbytes / (st.copy_s - st.backpressure_s) / 1e9
+    _log(f"overlap: matmul {tf_alone:.0f} TFLOP/s alone, {tf or float('nan'):.0f} during the copy; "
+         f"copy {copy_alone_gbps:.1f} GB/s alone, {gb:.1f} during matmuls")
+    return {"matmul_tflops_alone": tf_alone, "matmul_tflops_during_copy": tf, "batches_inside_copy": len(inside),
+            "copy_gbps_alone": copy_alone_gbps, "copy_gbps_during_matmul": gb, "copy_wall_s": span[1] - span[0]}
+
+def _section_persist(run: _Run) -> None:
+    import numpy as np
+    import pccheck
+    pe, nbytes = run.res["persist"], run.args.nbytes
+    def pcc() -> dict[str, Any]:
+        arrays = {f"a{i}": np.full(nbytes // 16, 1.0 + i, dtype=np.float32) for i in range(4)}  # touched
+        ck, runs = pccheck.Checkpointer(arrays, path=run.work / "persist", interval=1, max_concurrent=1,
+                                        writer_threads=4), []
+        try:
+            for s in range(5):  # steps 0, 1: warm-up, each of the N+1 = 2 slots written once
+                t0 = time.perf_counter()
+                ck.checkpoint(s)
+                ck.wait()
+                c = ck.stats().checkpoints[-1]
+                runs += [{"wall_s": time.perf_counter() - t0, "persist_s": c.persist_s}] if s > 1 else []
+            return {"runs": runs, "gbps": nbytes / _med([r["persist_s"] for r in runs]) / 1e9, "storage": ck.storage}
+        finally:
+            ck.close()
+            shutil.rmtree(run.work / "persist", ignore_errors=True)
+    def raw(threads: int = 4) -> dict[str, Any]:
+        pieces, path, times = [(o, min(_CHUNK, nbytes - o)) for o in range(0, nbytes, _CHUNK)], run.work / "raw", []
+        bufs = [mmap.mmap(-1, _CHUNK) for _ in range(threads)]  # anonymous mappings are page-aligned
+        for buf in bufs:
+            buf.write(b"\xa5" * _CHUNK)  # touched
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        def share(i: int) -> None:  # thread i writes pieces i, i + threads, ... from its own buffer
+            with memoryview(bufs[i]) as mv:
+                for off, n in pieces[i::threads]:
+                    if (w := os.pwrite(fd, mv[:n], off)) != n:
+                        raise OSError(f"short O_DIRECT write: {w} of {n} bytes at offset {off}")
+
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                for _ in range(4):  # the first pass is the warm-up: every extent written once, as pccheck's
+                    t0 = time.perf_counter()
+                    list(pool.map(share, range(threads)))
+                    os.fsync(fd)
+                    times.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+            for buf in bufs:
+                buf.close()
+            path.unlink(missing_ok=True)
+        return {"threads": threads, "piece_bytes": _CHUNK, "s": times[1:], "gbps": nbytes / _med(times[1:]) / 1e9}
+    run.guard(pe.setdefault("pccheck", {}), pcc)
+    run.guard(pe.setdefault("raw_odirect", {}), raw)
+    p, r = pe["pccheck"].get("gbps"), pe["raw_odirect"].get("gbps")
+    pe.update(nbytes=nbytes, ratio_pccheck_vs_raw=p / r if p and r else None)
+    _log(f"persist ({format_size(nbytes)}): pccheck {p or 0:.2f} GB/s, raw O_DIRECT {r or 0:.2f} GB/s")
+
+class _Trainer:
+    """The GPT, its optimizer, ``train(step)`` (one iteration) and the next step number."""
+
+    def __init__(self, state_gib: float, accum: int = 1) -> None:
+        self.accum = accum
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+        class GPT(nn.Module):
+            def __init__(self, n_layer: int, d: int = D_MODEL) -> None:
+                super().__init__()
+                self.tok, self.pos, self.ln_f = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d), nn.LayerNorm(d)
+                self.blocks = nn.ModuleList(nn.ModuleDict({
+                    "ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d),
+                    "ln2": nn.LayerNorm(d), "fc": nn.Linear(d, 4 * d), "out": nn.Linear(4 * d, d)}) for _ in range(n_layer))
+                nn.init.normal_(self.tok.weight, std=0.02)
+
+            def forward(self, idx: Any) -> Any:  # pre-LN blocks: causal attention, then a 4x GELU MLP
+                b, t = idx.shape
+                x = self.tok(idx) + self.pos.weight[:t]
+                for m in self.blocks:
+                    q, k, v = (z.view(b, t, N_HEAD, -1).transpose(1, 2) for z in m["qkv"](m["ln1"](x)).split(D_MODEL, 2))
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+                    x = x + m["proj"](y)
+                    x = x + m["out"](F.gelu(m["fc"](m["ln2"](x))))
+                return F.linear(self.ln_f(x), self.tok.weight)  # lm head tied to the token embedding
+
+        fixed = VOCAB * D_MODEL + SEQ * D_MODEL + 2 * D_MODEL  # embeddings, final LN; a layer: 12 d^2 + 13 d
+        self.n_layer = max(1, -int(-(state_gib * _GIB / 12 - fixed) // (12 * D_MODEL**2 + 13 * D_MODEL)))
+        with torch.device("cuda"):  # built on the GPU: no multi-second CPU initialisation
+            self.model = GPT(self.n_layer)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        toks = torch.randint(0, VOCAB, (4, BATCH, SEQ + 1), generator=torch.Generator("cuda").manual_seed(0), device="cuda")
+        self.batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+        self.stream, self.step, self._torch, self._F = torch.cuda.current_stream(), 0, torch, F
+
+    def train(self, step: int) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        for j in range(self.accum):  # gradient accumulation: accum micro-batches per optimizer step
+            x, y = self.batches[(step * self.accum + j) % len(self.batches)]
+            with self._torch.autocast("cuda", dtype=self._torch.bfloat16):
+                loss = self._F.cross_entropy(self.model(x).view(-1, VOCAB), y.view(-1))
+            (loss / self.accum).backward()
+        self.opt.step()
+        self.stream.synchronize()  # the training stream only: see the module docstring
+
+    def state_dict(self) -> dict[str, Any]:
+        # Plain dicts and lists: DCP's DefaultStager (torch 2.11) fails on any value it must rebuild
+        # through __reduce_ex__ (KeyError: <class 'type'>): the OrderedDict that state_dict() returns
+        # and AdamW's betas tuple. The bytes saved are the same.
+        osd = self.opt.state_dict()
+        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in osd["param_groups"]]
+        return {"model": dict(self.model.state_dict()), "optim": {"state": osd["state"], "param_groups": groups}}
+
+class _System:
+    """A checkpointing system in the loop (this base: ``none``). Call order: ``warmup(tr)``; per window
+    ``interval`` set, ``call(step)`` after each iteration, ``drain()``, ``details(lo, hi)``; ``close()``.
+    With a ``_save(step)`` it saves every ``interval`` steps; ``stalls[step]``: what that save blocked."""
+
+    name, _save, interval = "none", None, INTERVALS[0]
+
+    def __init__(self) -> None:
+        self.stalls: dict[int, float] = {}
+
+    def warmup(self, tr: _Trainer) -> None:
+        if self._save is not None:
+            tr.train(tr.step)
+            self._save(tr.step)
+            self.drain()
+            tr.step += 1
+
+    def call(self, step: int) -> bool:
+        if self._save is None or step % self.interval:
+            return False
+        self._save(step)
+        return True
+
+    def drain(self) -> None:
+        pass
+
+    def details(self, lo: int, hi: int) -> dict[str, Any]:
+        stalls = [v for s, v in self.stalls.items() if lo <= s < hi]
+        return {} if self._save is None else {"median_stall_s": _med(stalls), "stall_s": stalls}
+
+    close = drain
+
+class _PCCheck(_System):
+    def __init__(self, tr: _Trainer, path: Path, reserve: bool) -> None:
+        import pccheck
+        super().__init__()
+        self.name = "pccheck_reserve" if reserve else "pccheck_N2"
+        self.ck = pccheck.Checkpointer(tr.model, tr.opt, path=path, interval=self.interval, max_concurrent=2,
+                                       writer_threads=4, chunk_size=_CHUNK, **({"device_reserve": "auto"} if reserve else {}))
+
+    def warmup(self, tr: _Trainer) -> None:
+        for _ in range(3):  # N+1 back to back: every slot written once; no timed write meets an unwritten extent
+            tr.train(tr.step)
+            if not self.ck.checkpoint(tr.step):
+                raise RuntimeError(f"{self.name}: warm-up checkpoint of step {tr.step} was skipped")
+            tr.step += 1
+        self.ck.wait()
+
+    def call(self, step: int) -> bool:
+        self.ck.interval = self.interval  # maybe_checkpoint reads it (no online tuner with an int interval)
+        return self.ck.maybe_checkpoint(step)
+
+    def drain(self) -> None:
+        self.ck.wait()
+
+    def details(self, lo: int, hi: int) -> dict[str, Any]:
+        d = self.ck.stats().as_dict()
+        win = [c for c in d["checkpoints"] if lo <= c["step"] < hi and c["outcome"] != "failed"]
+        stalls = [c["stall_s"] + c["blocked_copy_s"] + c["cow_wait_s"] for c in win]
+        return {"median_stall_s": _med(stalls), "stall_s": stalls, "reserve_bytes": [c.get("reserve_bytes") for c in win],
+                **{f"median_{k}": _med([c[k] for c in win]) for k in ("cow_wait_s", "copy_s", "persist_s")},
+                "checkpoints_in_window": win, "summary": d["summary"], "copy_engine": _engine(self.ck)}
+
+    def close(self) -> None:
+        self.ck.close()
+
+class _DCPAsync(_System):
+    name, _upload, _staged = "dcp_async", None, None  # futures of the save in flight
+
+    def __init__(self, tr: _Trainer, path: Path, pinned: bool) -> None:
+        super().__init__()
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP's, even with no_dist
+        self.tr, self.dir, self.stager, self._last, self._dirs = tr, path, None, -1, []
+        self.staging = "DefaultStager(pinned, not shared, async, non-blocking)" if pinned else "DCP's default"
+        if pinned:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=True))
+        self._hook = tr.opt.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._staged is not None:  # the update must not overwrite what is being staged
+            t0 = time.perf_counter()
+            self._staged.result()
+            self._staged = None
+            self.stalls[self._last] = self.stalls.get(self._last, 0.0) + time.perf_counter() - t0
+
+    def _save(self, step: int) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter, async_save
+        t0 = time.perf_counter()
+        self.drain()  # at most one in flight, as users write it
+        self._dirs.append(self.dir / f"step-{step}")
+        resp = async_save(self.tr.state_dict(), storage_writer=FileSystemWriter(self._dirs[-1], sync_files=True),
+                          no_dist=True, **({"async_stager": self.stager} if self.stager is not None else {}))
+        self._upload = getattr(resp, "upload_completion", resp)  # an AsyncSaveResponse with async stagers
+        self._staged, self._last = getattr(resp, "staging_completion", None), step
+        self.stalls[step] = time.perf_counter() - t0
+
+    def drain(self) -> None:
+        for fut in (self._staged, self._upload):
+            if fut is not None:
+                fut.result()
+        self._staged = self._upload = None
+        while len(self._dirs) > 1:  # the newest completed checkpoint stays
+            shutil.rmtree(self._dirs.pop(0), ignore_errors=True)
+
+    def details(self, lo: int, hi: int) -> dict[str, Any]:
+        return {**super().details(lo, hi), "staging": self.staging}
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.drain()
+        if self.stager is not None:
+            self.stager.close()  # drops its cached pinned copy
+
+class _TorchSave(_System):
+    name = "torch_save"
+
+    def __init__(self, tr: _Trainer, path: Path) -> None:
+        super().__init__()
+        self.tr, self.dir, self._prev = tr, path, None
+        path.mkdir(parents=True, exist_ok=True)
+
+    def _save(self, step: int) -> None:
+        import torch
+        t0, path = time.perf_counter(), self.dir / f"ckpt-{step}.pt"
+        with open(path, "wb") as f:
+            torch.save(self.tr.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        if self._prev is not None:  # the newest durable checkpoint stays
+            self._prev.unlink()
+        self._prev, self.stalls[step] = path, time.perf_counter() - t0
+
+def _window(tr: _Trainer, sysm: _System, interval: int, iters: int) -> dict[str, Any]:
+    """c0 untimed at s0 (a multiple of the interval), then ``iters`` timed iterations, then drain."""
+    sysm.interval, s0 = interval, -(-tr.step // interval) * interval
+    tr.train(s0)
+    sysm.call(s0)
+    times, calls, t0 = [], 0, time.perf_counter()
+    for s in range(s0 + 1, s0 + iters + 1):
+        a = time.perf_counter()
+        tr.train(s)
+        calls += sysm.call(s)
+        times.append(time.perf_counter() - a)
+    window = time.perf_counter() - t0
+    sysm.drain()
+    tr.step = s0 + iters + 1
+    rec = {"interval": interval, "iters": iters, "steps": [s0, s0 + iters], "window_s": window, "s_per_iter": window / iters,
+           "median_iter_s": statistics.median(times), "max_iter_s": max(times), "iter_s": times, "checkpoints": calls,
+           "drain_s": time.perf_counter() - t0 - window, **sysm.details(s0, s0 + iters)}
+    stall = rec.get("median_stall_s")
+    _log(f"train/{sysm.name} i{interval}: {iters} it in {window:.2f} s = {window / iters * 1e3:.1f} ms/it (median "
+         f"{rec['median_iter_s'] * 1e3:.1f}), {calls} ckpts" + (f", stall {stall * 1e3:.1f} ms" if stall else ""))
+    return rec
+
+def _run_system(run: _Run, tr: _Trainer, name: str, make: Callable[[], _System], cleanup: Path | None) -> None:
+    """Set-up + warm-up, a window per interval, close; each guarded. ``cleanup`` is removed at the end."""
+    entry, held, budget = run.res["systems"].setdefault(name, {}), [], run.args.budget_s
+    late = lambda: 0 < budget < time.perf_counter() - _T0  # noqa: E731  (--budget-s spent)
+    def setup() -> dict[str, Any]:
+        _log(f"train/{name}: set-up and warm-up")
+        held.append(make())
+        t0 = time.perf_counter()
+        held[0].warmup(tr)
+        return {"warmup_s": time.perf_counter() - t0}
+    try:
+        if late():
+            entry["status"] = "skipped: --budget-s spent"
+        elif run.guard(entry.setdefault("setup", {}), setup):
+            for i in INTERVALS:
+                cell = entry.setdefault(str(i), {"status": "skipped: --budget-s spent"})
+                if not late():
+                    run.guard(cell, lambda i=i: _window(tr, held[0], i, run.args.iters[name][i]))
+    finally:
+        if held:
+            run.guard(entry.setdefault("close", {}), held.pop().close)
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        _free()
+        run.save()
+
+def _section_train(run: _Run) -> None:
+    import torch
+    tr, systems = _Trainer(run.args.state_gib, run.args.accum), run.res["systems"]
+    run.res["tokens_per_iter"] = run.args.accum * BATCH * SEQ
+    for _ in range(3):  # AdamW creates its state at the first step; kernels and autotuning settle
+        tr.train(tr.step)
+        tr.step += 1
+    nparams, mem = sum(p.numel() for p in tr.model.parameters()), torch.cuda.max_memory_allocated()
+    state = run.res["state_bytes"] = nparams * 4 + sum(  # + the optimizer's tensors (exp_avg, exp_avg_sq, step)
+        v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values() if torch.is_tensor(v))
+    run.res["model"] = {"n_layer": tr.n_layer, "params": nparams, "state_bytes": state, "max_memory_allocated": mem}
+    _log(f"train: {tr.n_layer} layers, {nparams / 1e6:.0f} M params, state {state / _GIB:.2f} GiB, GPU {mem / _GIB:.1f} GiB")
+    none = lambda: _window(tr, _System(), 10, run.args.none_iters)  # noqa: E731
+    run.guard(run.res["train"].setdefault("none_first", {}), none)
+    store, dcp, ts = run.work / "pccheck", run.work / "dcp", run.work / "torch_save"
+    # The reserve run reopens pccheck_N2's store, then removes it; the others start on an empty scratch dir.
+    want = set(run.args.systems)
+    if "pccheck_N2" in want:
+        _run_system(run, tr, "pccheck_N2", lambda: _PCCheck(tr, store, reserve=False), None)
+    if "pccheck_reserve" in want:
+        _run_system(run, tr, "pccheck_reserve", lambda: _PCCheck(tr, store, reserve=True), None)
+    shutil.rmtree(store, ignore_errors=True)
+    if "dcp_async" in want:
+        _run_system(run, tr, "dcp_async", lambda: _DCPAsync(tr, dcp, pinned=True), dcp)
+        if systems["dcp_async"].get("setup", {}).get("status") == "error":  # then DCP's default staging
+            systems["dcp_async_pinned_failed"] = systems.pop("dcp_async")
+            _run_system(run, tr, "dcp_async", lambda: _DCPAsync(tr, dcp, pinned=False), dcp)
+    if "torch_save" in want:
+        _run_system(run, tr, "torch_save", lambda: _TorchSave(tr, ts), ts)
+    run.guard(run.res["train"].setdefault("none_last", {}), none)
+
+def _finalize(res: dict[str, Any]) -> None:
+    """Everything derived from the raw records: slowdowns, extra time per iteration, ratios, targets."""
+    tr, systems = res["train"], res["systems"]
+    t_none = res["t_none_s"] = _med([tr[k]["median_iter_s"] for k in ("none_first", "none_last")
+                                     if tr.get(k, {}).get("status") == "ok"])
+    slow: dict[int, dict[str, Any]] = {i: {"none": 1.0 if t_none else None} for i in INTERVALS}
+    extra: dict[str, dict[str, Any]] = {"none": {str(i): 0.0 if t_none else None for i in INTERVALS}}
+    for name in SYSTEMS[1:]:
+        for i in INTERVALS:
+            rec = systems.get(name, {}).get(str(i), {})
+            if rec.get("status") == "ok" and t_none:
+                rec["slowdown"] = rec["window_s"] / (rec["iters"] * t_none)
+                rec["extra_s_per_iter"] = rec["s_per_iter"] - t_none
+            slow[i][name], extra.setdefault(name, {})[str(i)] = rec.get("slowdown"), rec.get("extra_s_per_iter")
+    res["slowdown"], res["slowdown_50"], res["extra_time_per_iter_s"] = slow[10], slow[50], extra
+    pe, de = extra["pccheck_N2"]["10"], extra["dcp_async"]["10"]
+    res["ratio_pccheck_extra_vs_dcp"] = pe / de if pe is not None and de is not None and de > 0 else None
+    sn, sr = (systems.get(s, {}).get("10", {}).get("median_stall_s") for s in ("pccheck_N2", "pccheck_reserve"))
+    res["ratio_stall_reserve_vs_none"] = sr / sn if sr is not None and sn else None
+    d2h, peak = res["d2h_gbps"], res["pinned_peak_gbps"]
+    values = (d2h / peak if d2h and peak else None, slow[10]["pccheck_N2"], res["ratio_pccheck_extra_vs_dcp"],
+              res["ratio_stall_reserve_vs_none"])  # in the order of TARGETS
+    res["targets"] = {k: {"value": v, "target": f"{op} {thr}", "met": None if v is None else (
+        v >= thr if op == ">=" else v <= thr)} for (k, (op, thr)), v in zip(TARGETS.items(), values)}
+
+def _report(res: dict[str, Any], out: Path) -> None:
+    """Print every figure and the target verdicts; write gpu.csv and gpu.png."""
+    ov, pe = res["overlap"], res["persist"]
+    rows: list[tuple[str, str, Any, Any, str]] = [
+        ("d2h_gbps", "pccheck copy engine", "", res["d2h_gbps"], "GB/s"),
+        ("pinned_peak_gbps", "torch copy_ to pinned", "", res["pinned_peak_gbps"], "GB/s"),
+        *[(k, "torch.mm bf16", "", ov.get(k), "TFLOP/s") for k in ("matmul_tflops_alone", "matmul_tflops_during_copy")],
+        ("copy_gbps_during_matmul", "pccheck copy engine", "", ov.get("copy_gbps_during_matmul"), "GB/s"),
+        *[("persist_gbps", k, "", pe.get(k, {}).get("gbps"), "GB/s") for k in ("pccheck", "raw_odirect")],
+        ("t_none", "none", "", res.get("t_none_s"), "s/iter")]
+    for name in SYSTEMS[1:]:
+        for i in INTERVALS:
+            r = res["systems"].get(name, {}).get(str(i), {})
+            rows += [(k, name, i, r.get(k), u) for k, u in (("status", ""), ("iters", ""), ("checkpoints", ""),
+                     ("slowdown", "x"), ("extra_s_per_iter", "s"), ("median_stall_s", "s"))]
+    rows += [("ratio_pccheck_extra_vs_dcp", "pccheck_N2/dcp_async", 10, res["ratio_pccheck_extra_vs_dcp"], "x"),
+             ("ratio_stall_reserve_vs_none", "pccheck_reserve/pccheck_N2", 10, res["ratio_stall_reserve_vs_none"], "x")]
+    rows += [(f"target {k}", t["target"], "", t["value"], f"met={t['met']}") for k, t in res["targets"].items()]
+    write_csv(out / "gpu.csv", ["metric", "system", "interval", "value", "unit"],
+              [[m, s, i, "" if v is None else v, u] for m, s, i, v, u in rows])
+    gib = (res["state_bytes"] or 0) / _GIB
+    print_table(f"bench.gpu on {res['device']} (driver {res['driver']}, torch {res['torch']}; state {gib:.2f} GiB)",
+                ["figure", "system", "interval", "value", "unit"],
+                [[m, s, i, "-" if v is None else f"{v:.4g}" if isinstance(v, float) else v, u] for m, s, i, v, u in rows])
+    series = {s: [(res[k] or {}).get(s) or float("nan") for k in ("slowdown", "slowdown_50")] for s in SYSTEMS}
+    bar_chart(out / "gpu.png", ["interval 10", "interval 50"], series, ylabel="slowdown (lower is better)",
+              title=f"{res['device']}: GPT training slowdown while checkpointing ({gib:.1f} GiB state)")
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="output directory (default: bench/results/gpu; gpu-quick with --quick)")
+    p.add_argument("--state-gib", type=float, help="training state to reach, GiB (default 8.5; 1 with --quick)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    p.add_argument("--accum", type=int, help="micro-batches of 8 x 1024 tokens per iteration (default 4; quick 1)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 GiB sizes, half-length windows (~1-2 min)")
+    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch", help="scratch directory on the local disk")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
+    p.add_argument("--budget-s", type=float, help="skip phases due after this many s (default 360, quick 120; 0: never)")
+    args = p.parse_args(argv)
+    args.argv, args.sections = list(sys.argv[1:] if argv is None else argv), args.sections.split(",")
+    args.systems = args.systems.split(",")
+    if set(args.systems) - set(SYSTEMS):
+        p.error(f"--systems: pick from {','.join(SYSTEMS)}")
+    if set(args.sections) - set(SECTIONS) or (args.state_gib is not None and args.state_gib <= 0):
+        p.error(f"--sections takes a subset of {','.join(SECTIONS)}; --state-gib a positive number")
+    args.state_gib = args.state_gib or (1.0 if args.quick else 8.5)
+    args.accum = args.accum or (1 if args.quick else 4)
+    args.nbytes, args.none_iters = (_GIB, NONE_ITERS // 2) if args.quick else (4 * _GIB, NONE_ITERS)
+    args.budget_s = args.budget_s if args.budget_s is not None else (120.0 if args.quick else 360.0)
+    args.out = args.out or _BENCH_DIR / "results" / ("gpu-quick" if args.quick else "gpu")
+    args.iters = {s: {i: max(i, n // 2 // i * i) if args.quick else n  # windows of whole intervals
+                      for i, n in (TORCH_SAVE_ITERS if s == "torch_save" else ITERS).items()} for s in SYSTEMS[1:]}
+    return args
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    global _T0
+    _T0, args = time.perf_counter(), _parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("bench.gpu needs a CUDA GPU (torch.cuda.is_available()); no CPU stand-in: nothing written", file=sys.stderr)
+        return 2
+    funcs = {"d2h": _section_d2h, "persist": _section_persist, "train": _section_train}
+    with scratch_dir(args.dir) as work:
+        run = _Run(args, work)
+        _log(f"bench.gpu on {run.res['device']} (driver {run.res['driver']}); {run.res['machine']}; scratch {work}")
+        for sec in args.sections:
+            _log(f"== {sec}")
+            run.guard(run.res["sections"].setdefault(sec, {}), lambda f=funcs[sec]: f(run))
+            _free()
+    run.guard(run.res.setdefault("report", {}), lambda: _report(run.res, args.out))
+    _log(f"wrote {args.out}/gpu.json, gpu.csv, gpu.png; total elapsed {time.perf_counter() - _T0:.1f} s")
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
