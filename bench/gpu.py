@@ -1,10 +1,10 @@
 """pccheck on one real GPU: copy-engine and disk bandwidth, and the slowdown of training a GPT.
 
-``python -m bench.gpu [--out bench/results/gpu] [--state-gib 8.5] [--quick] [--dir bench/_scratch] [--sections
-d2h,persist,train] [--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
+``python -m bench.gpu [--out bench/results/gpu] [--state-gib 8.5] [--accum 4] [--quick] [--dir bench/_scratch]
+[--sections d2h,persist,train] [--systems none,pccheck_N2,...] [--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
 rewritten after each phase; gpu.csv and gpu.png come last. Each section, set-up and window is its own ``try``
 (errors recorded, the rest runs); phases due after --budget-s s are skipped. GB/s decimal. --quick: 1 GiB, half
-windows, to bench/results/gpu-quick.
+windows, one micro-batch per iteration, to bench/results/gpu-quick. The GPT and the systems: bench/gpu_train.py.
 
 d2h (S = 4 GiB, 1 GiB quick, 8 CUDA float32 tensors): peak = ``copy_(non_blocking=True)`` into 8 pinned
 ``torch.empty`` + ``torch.cuda.synchronize()``, median of 5 after a warm-up; engine = ``Checkpointer(tensors, path,
@@ -49,12 +49,12 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_train import BATCH, SEQ, DCPAsync, PCCheck, System, TorchSave, Trainer, engine_info
 from bench._common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
     write_csv, write_json
 
@@ -64,7 +64,6 @@ _BENCH_DIR = Path(__file__).resolve().parent
 _GIB, _CHUNK, _MM = 1 << 30, 64 << 20, 8192  # _CHUNK: pccheck chunk_size in train, raw O_DIRECT piece
 SECTIONS, INTERVALS = ("d2h", "persist", "train"), (10, 50)
 SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save")
-VOCAB, D_MODEL, N_HEAD, SEQ, BATCH = 32768, 1536, 12, 1024, 8
 ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {10: 40, 50: 100}, {10: 20, 50: 50}, 40  # torch_save: saves take seconds
 TARGETS = {"d2h_vs_peak": (">=", 0.9), "slowdown_pccheck_N2_i10": ("<=", 1.03),
            "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2)}
@@ -83,10 +82,6 @@ def _free() -> None:  # between phases: garbage, the CUDA allocator's free block
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()
-
-def _engine(ck: Any) -> dict[str, Any]:  # the orchestrator's engine where Checkpointer has no copy_engine yet
-    eng = getattr(ck, "copy_engine", None) or getattr(getattr(ck, "_orch", None), "copy_engine", None)
-    return {"name": getattr(eng, "name", None), "pinned": getattr(eng, "pinned", None)}
 
 class _Run:
     """Arguments, the scratch directory, the result dict; ``guard`` runs one phase and saves the JSON."""
@@ -148,7 +143,7 @@ def _section_d2h(run: _Run) -> None:
     _log(f"d2h: pinned copy_ peak {peak:.1f} GB/s ({format_size(nbytes)})")
     ck = pccheck.Checkpointer(srcs, path=path, interval=1, max_concurrent=1, writer_threads=4, dram_budget=budget)
     try:
-        d2h["copy_engine"] = _engine(ck)
+        d2h["copy_engine"] = engine_info(ck)
         for s in range(6):  # step 0 is the warm-up
             ck.checkpoint(s)
             ck.wait()
@@ -245,196 +240,7 @@ def _section_persist(run: _Run) -> None:
     pe.update(nbytes=nbytes, ratio_pccheck_vs_raw=p / r if p and r else None)
     _log(f"persist ({format_size(nbytes)}): pccheck {p or 0:.2f} GB/s, raw O_DIRECT {r or 0:.2f} GB/s")
 
-class _Trainer:
-    """The GPT, its optimizer, ``train(step)`` (one iteration) and the next step number."""
-
-    def __init__(self, state_gib: float, accum: int = 1) -> None:
-        self.accum = accum
-        import torch
-        import torch.nn.functional as F
-        from torch import nn
-
-        class GPT(nn.Module):
-            def __init__(self, n_layer: int, d: int = D_MODEL) -> None:
-                super().__init__()
-                self.tok, self.pos, self.ln_f = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d), nn.LayerNorm(d)
-                self.blocks = nn.ModuleList(nn.ModuleDict({
-                    "ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d),
-                    "ln2": nn.LayerNorm(d), "fc": nn.Linear(d, 4 * d), "out": nn.Linear(4 * d, d)}) for _ in range(n_layer))
-                nn.init.normal_(self.tok.weight, std=0.02)
-
-            def forward(self, idx: Any) -> Any:  # pre-LN blocks: causal attention, then a 4x GELU MLP
-                b, t = idx.shape
-                x = self.tok(idx) + self.pos.weight[:t]
-                for m in self.blocks:
-                    q, k, v = (z.view(b, t, N_HEAD, -1).transpose(1, 2) for z in m["qkv"](m["ln1"](x)).split(D_MODEL, 2))
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
-                    x = x + m["proj"](y)
-                    x = x + m["out"](F.gelu(m["fc"](m["ln2"](x))))
-                return F.linear(self.ln_f(x), self.tok.weight)  # lm head tied to the token embedding
-
-        fixed = VOCAB * D_MODEL + SEQ * D_MODEL + 2 * D_MODEL  # embeddings, final LN; a layer: 12 d^2 + 13 d
-        self.n_layer = max(1, -int(-(state_gib * _GIB / 12 - fixed) // (12 * D_MODEL**2 + 13 * D_MODEL)))
-        with torch.device("cuda"):  # built on the GPU: no multi-second CPU initialisation
-            self.model = GPT(self.n_layer)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        toks = torch.randint(0, VOCAB, (4, BATCH, SEQ + 1), generator=torch.Generator("cuda").manual_seed(0), device="cuda")
-        self.batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
-        self.stream, self.step, self._torch, self._F = torch.cuda.current_stream(), 0, torch, F
-
-    def train(self, step: int) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        for j in range(self.accum):  # gradient accumulation: accum micro-batches per optimizer step
-            x, y = self.batches[(step * self.accum + j) % len(self.batches)]
-            with self._torch.autocast("cuda", dtype=self._torch.bfloat16):
-                loss = self._F.cross_entropy(self.model(x).view(-1, VOCAB), y.view(-1))
-            (loss / self.accum).backward()
-        self.opt.step()
-        self.stream.synchronize()  # the training stream only: see the module docstring
-
-    def state_dict(self) -> dict[str, Any]:
-        # Plain dicts and lists: DCP's DefaultStager (torch 2.11) fails on any value it must rebuild
-        # through __reduce_ex__ (KeyError: <class 'type'>): the OrderedDict that state_dict() returns
-        # and AdamW's betas tuple. The bytes saved are the same.
-        osd = self.opt.state_dict()
-        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in osd["param_groups"]]
-        return {"model": dict(self.model.state_dict()), "optim": {"state": osd["state"], "param_groups": groups}}
-
-class _System:
-    """A checkpointing system in the loop (this base: ``none``). Call order: ``warmup(tr)``; per window
-    ``interval`` set, ``call(step)`` after each iteration, ``drain()``, ``details(lo, hi)``; ``close()``.
-    With a ``_save(step)`` it saves every ``interval`` steps; ``stalls[step]``: what that save blocked."""
-
-    name, _save, interval = "none", None, INTERVALS[0]
-
-    def __init__(self) -> None:
-        self.stalls: dict[int, float] = {}
-
-    def warmup(self, tr: _Trainer) -> None:
-        if self._save is not None:
-            tr.train(tr.step)
-            self._save(tr.step)
-            self.drain()
-            tr.step += 1
-
-    def call(self, step: int) -> bool:
-        if self._save is None or step % self.interval:
-            return False
-        self._save(step)
-        return True
-
-    def drain(self) -> None:
-        pass
-
-    def details(self, lo: int, hi: int) -> dict[str, Any]:
-        stalls = [v for s, v in self.stalls.items() if lo <= s < hi]
-        return {} if self._save is None else {"median_stall_s": _med(stalls), "stall_s": stalls}
-
-    close = drain
-
-class _PCCheck(_System):
-    def __init__(self, tr: _Trainer, path: Path, reserve: bool) -> None:
-        import pccheck
-        super().__init__()
-        self.name = "pccheck_reserve" if reserve else "pccheck_N2"
-        self.ck = pccheck.Checkpointer(tr.model, tr.opt, path=path, interval=self.interval, max_concurrent=2,
-                                       writer_threads=4, chunk_size=_CHUNK, **({"device_reserve": "auto"} if reserve else {}))
-
-    def warmup(self, tr: _Trainer) -> None:
-        for _ in range(3):  # N+1 back to back: every slot written once; no timed write meets an unwritten extent
-            tr.train(tr.step)
-            if not self.ck.checkpoint(tr.step):
-                raise RuntimeError(f"{self.name}: warm-up checkpoint of step {tr.step} was skipped")
-            tr.step += 1
-        self.ck.wait()
-
-    def call(self, step: int) -> bool:
-        self.ck.interval = self.interval  # maybe_checkpoint reads it (no online tuner with an int interval)
-        return self.ck.maybe_checkpoint(step)
-
-    def drain(self) -> None:
-        self.ck.wait()
-
-    def details(self, lo: int, hi: int) -> dict[str, Any]:
-        d = self.ck.stats().as_dict()
-        win = [c for c in d["checkpoints"] if lo <= c["step"] < hi and c["outcome"] != "failed"]
-        stalls = [c["stall_s"] + c["blocked_copy_s"] + c["cow_wait_s"] for c in win]
-        return {"median_stall_s": _med(stalls), "stall_s": stalls, "reserve_bytes": [c.get("reserve_bytes") for c in win],
-                **{f"median_{k}": _med([c[k] for c in win]) for k in ("cow_wait_s", "copy_s", "persist_s")},
-                "checkpoints_in_window": win, "summary": d["summary"], "copy_engine": _engine(self.ck)}
-
-    def close(self) -> None:
-        self.ck.close()
-
-class _DCPAsync(_System):
-    name, _upload, _staged = "dcp_async", None, None  # futures of the save in flight
-
-    def __init__(self, tr: _Trainer, path: Path, pinned: bool) -> None:
-        super().__init__()
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP's, even with no_dist
-        self.tr, self.dir, self.stager, self._last, self._dirs = tr, path, None, -1, []
-        self.staging = "DefaultStager(pinned, not shared, async, non-blocking)" if pinned else "DCP's default"
-        if pinned:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
-        self._hook = tr.opt.register_step_pre_hook(self._before_step)
-
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._staged is not None:  # the update must not overwrite what is being staged
-            t0 = time.perf_counter()
-            self._staged.result()
-            self._staged = None
-            self.stalls[self._last] = self.stalls.get(self._last, 0.0) + time.perf_counter() - t0
-
-    def _save(self, step: int) -> None:
-        from torch.distributed.checkpoint import FileSystemWriter, async_save
-        t0 = time.perf_counter()
-        self.drain()  # at most one in flight, as users write it
-        self._dirs.append(self.dir / f"step-{step}")
-        resp = async_save(self.tr.state_dict(), storage_writer=FileSystemWriter(self._dirs[-1], sync_files=True),
-                          no_dist=True, **({"async_stager": self.stager} if self.stager is not None else {}))
-        self._upload = getattr(resp, "upload_completion", resp)  # an AsyncSaveResponse with async stagers
-        self._staged, self._last = getattr(resp, "staging_completion", None), step
-        self.stalls[step] = time.perf_counter() - t0
-
-    def drain(self) -> None:
-        for fut in (self._staged, self._upload):
-            if fut is not None:
-                fut.result()
-        self._staged = self._upload = None
-        while len(self._dirs) > 1:  # the newest completed checkpoint stays
-            shutil.rmtree(self._dirs.pop(0), ignore_errors=True)
-
-    def details(self, lo: int, hi: int) -> dict[str, Any]:
-        return {**super().details(lo, hi), "staging": self.staging}
-
-    def close(self) -> None:
-        self._hook.remove()
-        self.drain()
-        if self.stager is not None:
-            self.stager.close()  # drops its cached pinned copy
-
-class _TorchSave(_System):
-    name = "torch_save"
-
-    def __init__(self, tr: _Trainer, path: Path) -> None:
-        super().__init__()
-        self.tr, self.dir, self._prev = tr, path, None
-        path.mkdir(parents=True, exist_ok=True)
-
-    def _save(self, step: int) -> None:
-        import torch
-        t0, path = time.perf_counter(), self.dir / f"ckpt-{step}.pt"
-        with open(path, "wb") as f:
-            torch.save(self.tr.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        if self._prev is not None:  # the newest durable checkpoint stays
-            self._prev.unlink()
-        self._prev, self.stalls[step] = path, time.perf_counter() - t0
-
-def _window(tr: _Trainer, sysm: _System, interval: int, iters: int) -> dict[str, Any]:
+def _window(tr: Trainer, sysm: System, interval: int, iters: int) -> dict[str, Any]:
     """c0 untimed at s0 (a multiple of the interval), then ``iters`` timed iterations, then drain."""
     sysm.interval, s0 = interval, -(-tr.step // interval) * interval
     tr.train(s0)
@@ -456,7 +262,7 @@ def _window(tr: _Trainer, sysm: _System, interval: int, iters: int) -> dict[str,
          f"{rec['median_iter_s'] * 1e3:.1f}), {calls} ckpts" + (f", stall {stall * 1e3:.1f} ms" if stall else ""))
     return rec
 
-def _run_system(run: _Run, tr: _Trainer, name: str, make: Callable[[], _System], cleanup: Path | None) -> None:
+def _run_system(run: _Run, tr: Trainer, name: str, make: Callable[[], System], cleanup: Path | None) -> None:
     """Set-up + warm-up, a window per interval, close; each guarded. ``cleanup`` is removed at the end."""
     entry, held, budget = run.res["systems"].setdefault(name, {}), [], run.args.budget_s
     late = lambda: 0 < budget < time.perf_counter() - _T0  # noqa: E731  (--budget-s spent)
@@ -484,7 +290,7 @@ def _run_system(run: _Run, tr: _Trainer, name: str, make: Callable[[], _System],
 
 def _section_train(run: _Run) -> None:
     import torch
-    tr, systems = _Trainer(run.args.state_gib, run.args.accum), run.res["systems"]
+    tr, systems = Trainer(run.args.state_gib, run.args.accum), run.res["systems"]
     run.res["tokens_per_iter"] = run.args.accum * BATCH * SEQ
     for _ in range(3):  # AdamW creates its state at the first step; kernels and autotuning settle
         tr.train(tr.step)
@@ -494,23 +300,23 @@ def _section_train(run: _Run) -> None:
         v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values() if torch.is_tensor(v))
     run.res["model"] = {"n_layer": tr.n_layer, "params": nparams, "state_bytes": state, "max_memory_allocated": mem}
     _log(f"train: {tr.n_layer} layers, {nparams / 1e6:.0f} M params, state {state / _GIB:.2f} GiB, GPU {mem / _GIB:.1f} GiB")
-    none = lambda: _window(tr, _System(), 10, run.args.none_iters)  # noqa: E731
+    none = lambda: _window(tr, System(), 10, run.args.none_iters)  # noqa: E731
     run.guard(run.res["train"].setdefault("none_first", {}), none)
     store, dcp, ts = run.work / "pccheck", run.work / "dcp", run.work / "torch_save"
     # The reserve run reopens pccheck_N2's store, then removes it; the others start on an empty scratch dir.
     want = set(run.args.systems)
     if "pccheck_N2" in want:
-        _run_system(run, tr, "pccheck_N2", lambda: _PCCheck(tr, store, reserve=False), None)
+        _run_system(run, tr, "pccheck_N2", lambda: PCCheck(tr, store, reserve=False), None)
     if "pccheck_reserve" in want:
-        _run_system(run, tr, "pccheck_reserve", lambda: _PCCheck(tr, store, reserve=True), None)
+        _run_system(run, tr, "pccheck_reserve", lambda: PCCheck(tr, store, reserve=True), None)
     shutil.rmtree(store, ignore_errors=True)
     if "dcp_async" in want:
-        _run_system(run, tr, "dcp_async", lambda: _DCPAsync(tr, dcp, pinned=True), dcp)
+        _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=True), dcp)
         if systems["dcp_async"].get("setup", {}).get("status") == "error":  # then DCP's default staging
             systems["dcp_async_pinned_failed"] = systems.pop("dcp_async")
-            _run_system(run, tr, "dcp_async", lambda: _DCPAsync(tr, dcp, pinned=False), dcp)
+            _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=False), dcp)
     if "torch_save" in want:
-        _run_system(run, tr, "torch_save", lambda: _TorchSave(tr, ts), ts)
+        _run_system(run, tr, "torch_save", lambda: TorchSave(tr, ts), ts)
     run.guard(run.res["train"].setdefault("none_last", {}), none)
 
 def _finalize(res: dict[str, Any]) -> None:
