@@ -5,12 +5,12 @@ unclaimed chunks and runs on; the persisted checkpoint must still equal the stat
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import pccheck
+from conftest import assert_same_tree, clone_tree
 from pccheck.orchestrator.copy_engine import CpuCopyEngine, ThrottledCopyEngine
 
 CHUNK = 64 << 10
@@ -31,25 +31,6 @@ def _step(model, optim, s: int) -> None:
     optim.step()
 
 
-def _deep(sd):
-    return copy.deepcopy({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()})
-
-
-def _assert_same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}/{i}")
-    else:
-        assert a == b, path
-
-
 def _run(tmp_path, reserve, *, rate=8 << 20, max_concurrent=2, checkpoints=(2,), steps=6):
     """Trains ``steps`` steps, checkpointing at ``checkpoints`` with the copy still running when the
     next optimizer step arrives; returns (per-checkpoint stats, references, reserve free slots)."""
@@ -63,7 +44,7 @@ def _run(tmp_path, reserve, *, rate=8 << 20, max_concurrent=2, checkpoints=(2,),
             _step(model, optim, s)  # the pre-hook of this step meets the previous checkpoint's copy
             if s in checkpoints:
                 ck.checkpoint(s)
-                refs[s] = (_deep(model.state_dict()), _deep(optim.state_dict()))
+                refs[s] = (clone_tree(model.state_dict()), clone_tree(optim.state_dict()))
         ck.wait()
         free = ck._orch.reserve.free_slots() if ck._orch.reserve is not None else None
         slots = ck._orch.reserve.slots if ck._orch.reserve is not None else None
@@ -86,8 +67,8 @@ def test_step_runs_on_while_staged_chunks_ship_and_the_checkpoint_is_exact(tmp_p
     assert st.reserve_bytes > st.nbytes // 2, (st.reserve_bytes, st.nbytes)
     assert free == slots  # every slot given back once its chunk shipped
     got_model, got_optim = _load(tmp_path, 2)
-    _assert_same(refs[2][0], got_model, "model")
-    _assert_same(refs[2][1], got_optim, "optimizer")
+    assert_same_tree(refs[2][0], got_model, "model")
+    assert_same_tree(refs[2][1], got_optim, "optimizer")
 
 
 def test_without_reserve_the_step_waits_for_the_copy(tmp_path):
@@ -96,8 +77,8 @@ def test_without_reserve_the_step_waits_for_the_copy(tmp_path):
     assert st.outcome == "committed" and st.reserve_bytes == 0
     assert st.cow_wait_s > 0  # control: the step did meet the copy in flight
     got_model, got_optim = _load(tmp_path, 2)
-    _assert_same(refs[2][0], got_model)
-    _assert_same(refs[2][1], got_optim)
+    assert_same_tree(refs[2][0], got_model)
+    assert_same_tree(refs[2][1], got_optim)
 
 
 def test_a_small_reserve_stages_what_fits_and_the_rest_is_copied_before_the_step(tmp_path):
@@ -106,8 +87,8 @@ def test_a_small_reserve_stages_what_fits_and_the_rest_is_copied_before_the_step
     assert slots == 3 and free == 3
     assert 0 < st.reserve_bytes <= 3 * CHUNK
     got_model, got_optim = _load(tmp_path, 2)
-    _assert_same(refs[2][0], got_model)
-    _assert_same(refs[2][1], got_optim)
+    assert_same_tree(refs[2][0], got_model)
+    assert_same_tree(refs[2][1], got_optim)
 
 
 def test_concurrent_checkpoints_share_the_reserve_and_reuse_its_slots(tmp_path):
@@ -118,8 +99,8 @@ def test_concurrent_checkpoints_share_the_reserve_and_reuse_its_slots(tmp_path):
     assert sum(s.reserve_bytes for s in stats) > 8 * CHUNK  # slots were reused
     assert free == slots
     got_model, got_optim = _load(tmp_path, 5)
-    _assert_same(refs[5][0], got_model)
-    _assert_same(refs[5][1], got_optim)
+    assert_same_tree(refs[5][0], got_model)
+    assert_same_tree(refs[5][1], got_optim)
 
 
 class _FailingStage(ThrottledCopyEngine):
@@ -135,7 +116,7 @@ def test_a_failed_clone_fails_that_checkpoint_only(tmp_path):
         _step(model, optim, 1)
         ck.checkpoint(1)
         ck.wait()
-        want = _deep(model.state_dict())
+        want = clone_tree(model.state_dict())
         ck._orch.copy_engine.__class__ = _FailingStage  # the next clone fails
         ck.checkpoint(2)
         _step(model, optim, 3)  # the pre-hook stages: the clone raises, training goes on
@@ -144,7 +125,7 @@ def test_a_failed_clone_fails_that_checkpoint_only(tmp_path):
         assert ck._orch.reserve.free_slots() == ck._orch.reserve.slots
     assert outcomes == ["committed", "failed"]
     got_model, _ = _load(tmp_path, 1)
-    _assert_same(want, got_model)
+    assert_same_tree(want, got_model)
 
 
 def test_device_reserve_arguments(tmp_path):

@@ -4,39 +4,17 @@ still byte-identical to a deep copy taken at step k."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
 
 import pccheck
+from conftest import assert_same_tree, clone_tree
 from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
 import _torch_train as tt
 
 OPTIMIZERS = ["sgd_momentum", "adam_foreach", "adam_loop", "adamw_fused", "adamw"]
-
-
-def _deep(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    return copy.deepcopy(x)
-
-
-def _assert_same(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), f"{path} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}/{i}")
-    else:
-        assert a == b, path
 
 
 def test_snapshot_is_exact_while_next_update_runs(tmp_path):
@@ -56,8 +34,8 @@ def test_snapshot_is_exact_while_next_update_runs(tmp_path):
         with pccheck.Checkpointer(model, optim, path=path, extra_state={"sched": sched}, interval=10**6,
                                   chunk_size=4096, copy_engine=engine) as ck:
             ck.checkpoint(k)
-            want_model = _deep(model.state_dict())
-            want_optim = _deep(optim.state_dict())
+            want_model = clone_tree(model.state_dict())
+            want_optim = clone_tree(optim.state_dict())
             for s in range(k + 1, k + 3):  # updates race with the copy of step k
                 tt.train_step(model, optim, sched, s)
             ck.wait()
@@ -67,8 +45,8 @@ def test_snapshot_is_exact_while_next_update_runs(tmp_path):
         model2, optim2, sched2 = tt.make(width=width, opt=opt_name)
         r = pccheck.load_latest(path, model=model2, optimizer=optim2, extra_state={"sched": sched2})
         assert r.step == k
-        _assert_same(want_model, model2.state_dict(), f"run {run} {opt_name} model")
-        _assert_same(want_optim, optim2.state_dict(), f"run {run} {opt_name} optimizer")
+        assert_same_tree(want_model, model2.state_dict(), f"run {run} {opt_name} model")
+        assert_same_tree(want_optim, optim2.state_dict(), f"run {run} {opt_name} optimizer")
     # The race really happened: the optimizer pre-hook had to wait for the copy in most runs.
     assert waited >= runs // 2, waited
 
