@@ -25,12 +25,13 @@ Engines that support a reserve (``device_reserve``, see :mod:`.reserve`) also im
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from ..errors import ConfigError
 from ..native import _native
 from ..persist.layout import Layout
 
-__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "select_copy_engine", "abandon"]
+__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "select_copy_engine", "abandon", "filling"]
 
 
 @dataclass
@@ -123,15 +124,10 @@ class CpuCopyEngine(CopyEngine):
         return None
 
     def ship(self, job: Any, k: int, reserve: Any, off: int, token: Any) -> None:
-        cid = job.acquire_chunk()
-        if cid < 0:  # the engine was closed under us
-            job.skip(k, errno.ECANCELED)
-            return
-        t0, n = time.perf_counter(), job.chunk_len(k)
-        ctypes.memmove(self.native_engine.chunk_address(cid), reserve.buffer.ctypes.data + off, n)
-        self._pace(n, t0)
-        job.add_copy_seconds(time.perf_counter() - t0)
-        job.submit(k, cid)
+        with filling(job, k) as cid:
+            t0, n = time.perf_counter(), job.chunk_len(k)
+            ctypes.memmove(self.native_engine.chunk_address(cid), reserve.buffer.ctypes.data + off, n)
+            self._pace(n, t0)
 
     def _pace(self, nbytes: int, t0: float) -> None:
         """Called after each chunk's copy began at ``t0`` (ThrottledCopyEngine sleeps here)."""
@@ -168,6 +164,26 @@ class ThrottledCopyEngine(CpuCopyEngine):
 
     def _pace(self, nbytes: int, t0: float) -> None:
         time.sleep(max(0.0, nbytes / self.bytes_per_s - (time.perf_counter() - t0)))
+
+
+@contextlib.contextmanager
+def filling(job: Any, k: int) -> Iterator[int]:
+    """A pool chunk for claimed chunk ``k``: filled inside the block, then submitted. If the block
+    raises, the chunk goes back to the pool and ``k`` is skipped, failing this checkpoint only
+    (the previous one stays) and never leaving the job waiting for a chunk nobody will submit."""
+    cid = job.acquire_chunk()
+    if cid < 0:  # the engine was closed under us
+        job.skip(k, errno.ECANCELED)
+        raise ConfigError("the chunk pool was closed during a copy")
+    t0 = time.perf_counter()
+    try:
+        yield cid
+    except BaseException as exc:
+        job.release_chunk(cid)
+        job.skip(k, errno.EIO)
+        raise ConfigError(f"copying chunk {k} into host memory failed: {exc}") from exc
+    job.add_copy_seconds(time.perf_counter() - t0)
+    job.submit(k, cid)
 
 
 def select_copy_engine(arrays: Mapping[str, Any]) -> CopyEngine:

@@ -19,18 +19,15 @@ These engines run only where a GPU is present (``torch.cuda.is_available()`` /
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import errno
 import logging
-import time
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..persist.layout import Layout
-from .copy_engine import CopyEngine, Sources
+from .copy_engine import CopyEngine, Sources, filling
 
 __all__ = ["TorchCudaCopyEngine", "CupyCopyEngine"]
 
@@ -49,26 +46,6 @@ def _pieces(views: list, base: int, chunk: int) -> Iterator[tuple[Any, Any, int,
         lo, hi = max(base, e.offset), min(base + chunk, e.offset + e.nbytes)
         if lo < hi:
             yield e, view, lo, hi
-
-
-@contextlib.contextmanager
-def _filling(job: Any, k: int) -> Iterator[int]:
-    """A pool chunk for claimed chunk ``k``: filled inside the block, then submitted. If the block
-    raises, the chunk goes back to the pool and ``k`` is skipped, failing this checkpoint only
-    (the previous one stays) and never leaving the job waiting for a chunk nobody will submit."""
-    cid = job.acquire_chunk()
-    if cid < 0:  # the engine was closed under us
-        job.skip(k, errno.ECANCELED)
-        raise ConfigError("the chunk pool was closed during a copy")
-    t0 = time.perf_counter()
-    try:
-        yield cid
-    except BaseException as exc:
-        job.release_chunk(cid)
-        job.skip(k, errno.EIO)
-        raise ConfigError(f"device copy failed: {exc}") from exc
-    job.add_copy_seconds(time.perf_counter() - t0)
-    job.submit(k, cid)
 
 
 def _clear_last_error() -> None:
@@ -104,7 +81,7 @@ class _DeviceEngine(CopyEngine):
             k = job.claim()
             if k < 0:
                 return
-            with _filling(job, k) as cid:
+            with filling(job, k) as cid:
                 base = k * chunk
                 dst = self._pool[cid * chunk:(cid + 1) * chunk]
                 filled = 0  # gaps between arrays and the tail are zeros (FORMAT §5)
@@ -208,7 +185,7 @@ class TorchCudaCopyEngine(_DeviceEngine):
         return ev
 
     def ship(self, job: Any, k: int, reserve: Any, off: int, token: Any) -> None:
-        with _filling(job, k) as cid:
+        with filling(job, k) as cid:
             n = job.chunk_len(k)
             self._wait(token)
             self._enqueue(self._pool[cid * reserve.chunk:cid * reserve.chunk + n], 0, reserve.buffer, off, n)
