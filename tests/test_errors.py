@@ -1,8 +1,8 @@
 """Bad input gets a specific PCCheckError subclass with a helpful message, and never loses data.
 
-Every error derives from ``pccheck.PCCheckError`` and also from the matching built-in
-(GUIDE house style 7), so each test checks both, checks that the message names what is wrong,
-and, where a checkpoint already exists, that it is still loadable with exactly its bytes.
+Every error derives from ``pccheck.PCCheckError`` and also from the matching built-in, so each
+test checks both, checks that the message names what is wrong, and, where a checkpoint already
+exists, that it is still loadable with exactly its bytes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""I/O fault injection at every call site (SQLite's I/O-error loop, GUIDE §5).
+"""I/O fault injection at every call site (after SQLite's I/O-error loop).
 
 The native core routes every pwrite / fdatasync / msync / posix_fallocate and the PMEM fence through
 ``pcc::io`` (native/io.h), where ``_native.set_fault(mask, n, err, persistent)`` fails the n-th call.

@@ -88,7 +88,7 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
   if (p == MAP_FAILED) throw NativeError(errno, "cannot allocate the DRAM chunk pool");
   pool_ = static_cast<uint8_t*>(p);
   ::madvise(pool_, pool_len_, MADV_HUGEPAGE);  // fewer TLB misses in memcpy; advisory
-  // First touch is slow on these machines (GUIDE §4): pay it once, here, not per checkpoint.
+  // First touch is slow on these machines (0.25-1.3 GB/s for fresh pages): pay it once, here, not per checkpoint.
   prefault(pool_, pool_len_);
   for (uint32_t i = 0; i < num_chunks; i++) free_chunks_.push(i);
   for (uint32_t i = 0; i < writer_threads; i++) writers_.emplace_back([this] { writer_loop(); });
