@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Mapping, Union
 import numpy as np
 
 from .errors import ConfigError, PCCheckError, StorageError
-from .orchestrator.copy_engine import CopyEngine, select_copy_engine
+from .orchestrator.copy_engine import CopyEngine
+from .orchestrator.engine_choice import select_copy_engine
 from .distributed import EPOCH_KEY, GroupCoordinator, detect_group, rank_dir
 from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .persist.layout import plan

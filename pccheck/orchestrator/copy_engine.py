@@ -40,7 +40,7 @@ from ..errors import ConfigError
 from ..native import _native
 from ..persist.layout import Layout
 
-__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "select_copy_engine", "abandon", "filling"]
+__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "abandon", "filling"]
 
 
 @dataclass
@@ -184,20 +184,6 @@ def filling(job: Any, k: int) -> Iterator[int]:
         raise ConfigError(f"copying chunk {k} into host memory failed: {exc}") from exc
     job.add_copy_seconds(time.perf_counter() - t0)
     job.submit(k, cid)
-
-
-def select_copy_engine(arrays: Mapping[str, Any]) -> CopyEngine:
-    """The engine for where the arrays live: CUDA (torch) or cupy device memory, else the CPU."""
-    devices = {describe(name, a).device.split(":")[0] for name, a in arrays.items()}
-    if "cuda" in devices:
-        from .cuda_engine import TorchCudaCopyEngine
-
-        return TorchCudaCopyEngine()
-    if "cupy" in devices:
-        from .cuda_engine import CupyCopyEngine
-
-        return CupyCopyEngine()
-    return CpuCopyEngine()
 
 
 def abandon(job: Any, err: int) -> None:
