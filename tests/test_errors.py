@@ -433,6 +433,11 @@ def test_import_does_not_import_torch_or_cupy(tmp_path):
         assert pccheck.__file__.startswith(sys.prefix), pccheck.__file__  # the installed package
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "cupy"))
         assert not bad, bad
+        # the profiler and the search load only for pccheck-tune (tuner/__init__.py is lazy)
+        loaded = sorted(m for m in ("pccheck.tuner.profile", "pccheck.tuner.search") if m in sys.modules)
+        assert not loaded, loaded
+        from pccheck.tuner import run_profile, choose  # still importable by name
+        assert callable(run_profile) and callable(choose)
         print("OK")
     """, tmp_path)
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stderr

@@ -10,26 +10,28 @@ Modules, one job each: :mod:`.model` (the formulas), :mod:`.profile` (the profil
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .config import CONFIG_NAME, DEFAULT_Q, DEFAULTS, config_path, read_config, resolve_auto, write_config
 from .online import IntervalChange, OnlineTuner
-from .profile import (
-                      CopySample,
-                      EmulatedState,
-                      Profile,
-                      ProfileSpec,
-                      StorageSample,
-                      WriteTimeSample,
-                      copy_bandwidth,
-                      run_profile,
-                      storage_bandwidth,
-                      write_time,
-)
-from .search import Choice, Constraints, choose
+
+# The profilers and the search load only when used: the front-end imports tuner.config and
+# tuner.online, and `import pccheck` must not pull in the profiler (PEP 562 lazy attributes).
+_LAZY = {name: ".profile" for name in ("CopySample", "EmulatedState", "Profile", "ProfileSpec", "StorageSample",
+                                      "WriteTimeSample", "copy_bandwidth", "run_profile", "storage_bandwidth",
+                                      "write_time")}
+_LAZY.update({name: ".search" for name in ("Choice", "Constraints", "choose")})
 
 __all__ = [
     "CONFIG_NAME", "DEFAULT_Q", "DEFAULTS", "config_path", "read_config", "resolve_auto", "write_config",
-    "OnlineTuner", "IntervalChange",
-    "CopySample", "EmulatedState", "Profile", "ProfileSpec", "StorageSample", "WriteTimeSample",
-    "copy_bandwidth", "run_profile", "storage_bandwidth", "write_time",
-    "Choice", "Constraints", "choose",
+    "OnlineTuner", "IntervalChange", *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
