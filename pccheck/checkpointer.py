@@ -24,10 +24,10 @@ import numpy as np
 from .errors import ConfigError, PCCheckError, StorageError
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.engine_choice import select_copy_engine
-from .distributed import EPOCH_KEY, GroupCoordinator, detect_group, rank_dir
+from .distributed import EPOCH_KEY, GroupCoordinator, detect_group
 from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .persist.layout import plan
-from .persist.recovery import default_path
+from .persist.files import default_path, rank_dir
 from .persist.store import STORAGE_CHOICES, SlotStore
 from .stats import StatsReport
 from .tune import report_from_checkpointer

@@ -143,8 +143,10 @@ def _read(proc: subprocess.Popen, kill_at: int | None = None) -> dict:
 def run(directory: Path, steps: int, crash_at: int) -> int:
     import tempfile
 
+    from .persist.files import LOCK, STORE_GLOB
+
     if directory.exists():
-        for f in list(directory.glob("store-*.pcc")) + [directory / "LOCK"]:
+        for f in list(directory.glob(STORE_GLOB)) + [directory / LOCK]:
             f.unlink(missing_ok=True)  # the demo starts from scratch
     print(f"pccheck demo: a tiny GPT trained on CPU for {steps} steps, checkpointing every 10 steps "
           f"into {directory}/ (N=2 concurrent, soft copy-on-write)")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -36,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .persist.files import GLOBAL, rank_dir, write_durably
 from .persist.recovery import Restored, load_slot, read_manifest, read_store, store_files
 
-__all__ = ["Group", "detect_group", "rank_dir", "GroupCoordinator", "agree_and_load", "EPOCH_KEY",
+__all__ = ["Group", "detect_group", "GroupCoordinator", "agree_and_load", "EPOCH_KEY",
            "read_global"]
 
 log = logging.getLogger("pccheck")
@@ -73,10 +73,6 @@ def detect_group() -> Group | None:
     pg = dist.new_group(backend="gloo")  # collective: every rank creates it at the same point
     store = dist.PrefixStore("pccheck/", c10d._get_default_store())
     return Group(dist.get_rank(), dist.get_world_size(), pg, store)
-
-
-def rank_dir(path: Path, rank: int) -> Path:
-    return path / f"rank-{rank}"
 
 
 def _valid_checkpoints(directory: Path, full: bool, world_size: int) -> dict[tuple[int, int], tuple[Path, int]]:
@@ -143,7 +139,7 @@ def agree_and_load(path: Path, group: Group, *, verify: bool = True) -> Restored
 def read_global(path: Path) -> dict[str, Any] | None:
     """The last globally committed step recorded in PATH/GLOBAL, or None."""
     try:
-        doc = json.loads((path / "GLOBAL").read_text())
+        doc = json.loads((path / GLOBAL).read_text())
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
@@ -265,19 +261,7 @@ class GroupCoordinator:
 
     def _write_global(self, step: int) -> None:
         doc = {"step": step, "epoch": self.epoch, "world_size": self.group.world_size, "unix_time": time.time()}
-        tmp = self.path / "GLOBAL.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, json.dumps(doc).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, self.path / "GLOBAL")
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_durably(self.path / GLOBAL, lambda f: f.write(json.dumps(doc).encode()))
 
     def close(self) -> None:
         self._stop.set()

@@ -26,11 +26,12 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping
 import numpy as np
 
 from .errors import ConfigError, UnsupportedDtypeError
+from .persist.files import write_durably
 from .persist.recovery import Restored
 
 __all__ = [
     "FORMATS", "SafetensorsEntry", "safetensors_dtype", "safetensors_header", "export_checkpoint",
-    "write_durably", "fsync_dir",
+    
 ]
 
 FORMATS = ("safetensors", "torch")
@@ -96,34 +97,6 @@ def safetensors_header(entries: Iterable[SafetensorsEntry], metadata: Mapping[st
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw, ordered
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so a rename or unlink in it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Writes ``path`` crash-safely: temporary name, ``write(f)``, fsync, rename, fsync directory.
-
-    On any error the temporary file is removed and ``path`` is left as it was.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are durable before the name points at them
-        os.replace(tmp, path)
-        fsync_dir(path.parent)  # the rename itself is durable
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _unsupported(name: str, dtype: np.dtype, fmt: str) -> UnsupportedDtypeError:

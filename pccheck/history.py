@@ -25,7 +25,7 @@ Invariants (what retention must never do to the store):
 * ``max_history`` deletes the oldest history files only (by modification time), never a store
   file or slot, and never the file just written.
 * Each file is written to a temporary name, fsynced, renamed, and the directory fsynced
-  (:func:`pccheck.export.write_durably`).
+  (:func:`pccheck.persist.files.write_durably`).
 
 The store is read with the recovery readers (:func:`read_store`, :func:`read_manifest`); the
 arrays are streamed through a bounded buffer rather than loaded whole (:func:`load_slot` would
@@ -48,7 +48,8 @@ from typing import Any, BinaryIO, Iterator
 import numpy as np
 
 from .errors import ConfigError, CorruptCheckpointError
-from .export import SafetensorsEntry, fsync_dir, safetensors_dtype, safetensors_header, write_durably
+from .export import SafetensorsEntry, safetensors_dtype, safetensors_header
+from .persist.files import HISTORY_DIR, fsync_dir, write_durably
 from .native import _native
 from .persist.recovery import read_manifest, read_store
 
@@ -56,7 +57,6 @@ __all__ = ["HistoryKeeper", "HistoryCounts", "HISTORY_DIR", "history_files"]
 
 log = logging.getLogger("pccheck")
 
-HISTORY_DIR = "history"
 _FILE_RE = re.compile(r"^step-(-?\d+)\.safetensors$")
 _COPY_BUFFER = 8 << 20
 SIDECAR_FORMAT = 1

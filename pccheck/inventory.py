@@ -26,7 +26,8 @@ from typing import Callable, TypeVar
 from .errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
 from .native import _native
 from .persist.layout import Manifest
-from .persist.recovery import (Restored, StoreImage, candidate_order, default_path, load_slot, read_manifest,
+from .persist.files import default_path
+from .persist.recovery import (Restored, StoreImage, candidate_order, load_slot, read_manifest,
                                read_store, store_files)
 
 __all__ = [

@@ -13,9 +13,10 @@ from typing import Any, Mapping
 
 from pathlib import Path
 
-from .distributed import EPOCH_KEY, Group, agree_and_load, detect_group, rank_dir
+from .distributed import EPOCH_KEY, Group, agree_and_load, detect_group
 from .errors import ConfigError, PCCheckError
 from .persist import recovery
+from .persist.files import default_path, rank_dir
 from .persist.recovery import Restored
 from .torch_state import TREE_KEY, TorchState, rebuild, unwrap_extra
 
@@ -35,7 +36,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
-    directory = Path(path) if path is not None else recovery.default_path()
+    directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
     if group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)

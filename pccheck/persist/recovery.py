@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,33 +19,25 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
 from ..native import _native
+from .files import STORE_GLOB, default_path, store_generation
 from .layout import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .reader import read_region
 
 __all__ = [
     "Restored", "SlotState", "StoreImage", "read_store", "candidate_order", "read_manifest", "load_slot",
-    "load_latest", "store_files", "default_path", "STORE_GLOB",
+    "load_latest", "store_files",
 ]
 
 log = logging.getLogger("pccheck")
 
 BLOCK: int = _native.BLOCK
-STORE_GLOB = "store-*.pcc"
-_STORE_RE = re.compile(r"^store-(\d{6,})\.pcc$")
-
-
-def default_path() -> Path:
-    """``$PCCHECK_DIR``, else ``./checkpoints``: the default for writers and readers alike."""
-    return Path(os.environ.get("PCCHECK_DIR") or "checkpoints")
-
-
 def store_files(directory: Path) -> list[tuple[int, Path]]:
     """The store generations in a directory, newest first, as (generation, path)."""
     out = []
     for p in directory.glob(STORE_GLOB):
-        m = _STORE_RE.match(p.name)
-        if m:
-            out.append((int(m.group(1)), p))
+        gen = store_generation(p.name)
+        if gen is not None:
+            out.append((gen, p))
     return sorted(out, reverse=True)
 
 

@@ -23,6 +23,7 @@ from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError
                       storage_error_from_oserror)
 from ..native import _native
 from .recovery import StoreImage, candidate_order, load_slot, read_store, store_files
+from .files import LOCK, fsync_dir, store_name
 
 __all__ = ["SlotStore", "STORAGE_CHOICES", "DEFAULT_SSD_MODE"]
 
@@ -34,14 +35,6 @@ STORAGE_CHOICES = ("auto", "ssd", "odirect", "mmap", "pmem")
 # "pccheck" vs "pccheck_mmap": 3.2 vs 0.8 GB/s at 1 GiB):
 # O_DIRECT pwrite of aligned chunks beats memcpy into a mapping + msync.
 DEFAULT_SSD_MODE = "odirect"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SlotStore:
@@ -68,7 +61,7 @@ class SlotStore:
         self.retire_on_global = False
         try:
             path.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise PathNotWritableError(
                 f"cannot create or write the checkpoint directory {path} ({exc.strerror or exc}); "
@@ -126,13 +119,13 @@ class SlotStore:
             self._next_counter = max(self._next_counter, _native.word_counter(self.native.check_word) + 1)
             self._close_native()
         gen = self.generation + 1
-        final = self.path / f"store-{gen:06d}.pcc"
+        final = self.path / store_name(gen)
         tmp = final.with_name(final.name + ".tmp")
         capacity = (slot_bytes + BLOCK - 1) // BLOCK * BLOCK
         try:
             _native.create_store(str(tmp), num_slots, capacity, gen, self.world_size, self.rank)
             os.rename(tmp, final)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise storage_error_from_oserror(
@@ -216,7 +209,7 @@ class SlotStore:
                 removed = True
                 log.info("pccheck: retired %s", file)
         if removed:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         self.retire_pending = False
 
     def _close_native(self) -> None:

@@ -347,7 +347,7 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
     if any(c < 4096 or c % 4096 for c in chunk_list):
         raise _BadArgs(f"--chunks must be multiples of 4096 bytes (4KiB), got {chunks!r}")
     if path is None:
-        from ..persist.recovery import default_path
+        from ..persist.files import default_path
 
         path = default_path()
     _check_path(path)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, PathNotWritableError
+from ..persist.files import TUNE_CONFIG, default_path, write_durably
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -41,7 +42,7 @@ __all__ = ["CONFIG_NAME", "FORMAT", "VERSION", "DEFAULTS", "DEFAULT_Q", "AUTO", 
 
 log = logging.getLogger("pccheck")
 
-CONFIG_NAME = "pccheck-tune.json"
+CONFIG_NAME = TUNE_CONFIG
 FORMAT = "pccheck-tune"
 VERSION = 1
 AUTO = "auto"
@@ -54,7 +55,6 @@ _LIMITS = {"interval": (1, None), "max_concurrent": (1, 254), "writer_threads": 
 
 def config_path(path: str | os.PathLike[str] | None) -> Path:
     """``PATH/pccheck-tune.json``; ``path`` None means ``$PCCHECK_DIR`` or ``./checkpoints``."""
-    from ..persist.recovery import default_path
 
     return (Path(path) if path is not None else default_path()) / CONFIG_NAME
 
@@ -104,24 +104,11 @@ def write_config(path: str | os.PathLike[str] | None, doc: Mapping[str, Any]) ->
     """Writes ``doc`` to ``PATH/pccheck-tune.json`` atomically and durably; returns the file."""
     target = config_path(path)
     _validate(dict(doc), target)  # never write what resolve_auto would refuse
-    tmp = target.with_name(target.name + ".tmp")
     data = (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)  # the bytes are durable before the name points at them
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)  # the rename itself is durable
-        finally:
-            os.close(dfd)
+        write_durably(target, lambda f: f.write(data))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise PathNotWritableError(f"cannot write {target} ({exc.strerror or exc}); "
                                    "pass a writable --path") from None
     return target
