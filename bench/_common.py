@@ -37,6 +37,7 @@ __all__ = [
     "write_csv",
     "write_json",
     "bar_chart",
+    "pyplot",
 ]
 
 _UNITS = {
@@ -245,10 +246,9 @@ def bar_chart(
     ylabel: str,
 ) -> None:
     """Save a grouped bar chart (one group per category, one bar per series) as PNG (Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     n = max(len(series), 1)
     width = 0.8 / n
@@ -263,6 +263,20 @@ def bar_chart(
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
+
+
+def pyplot(path: str | os.PathLike[str] | None = None) -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (saying which figure is skipped) when
+    matplotlib is not installed: the benchmarks' numbers never depend on it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed; skipped {path or 'the figure'}")
+        return None
+    return plt
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:

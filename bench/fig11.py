@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import persist
-from bench._common import format_size, save_figure, write_csv, write_json
+from bench._common import format_size, pyplot, save_figure, write_csv, write_json
 
 __all__ = ["SYSTEMS", "plan", "run", "targets", "main"]
 
@@ -119,12 +119,8 @@ def targets(res: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _plot(path: Path, res: Mapping[str, Any]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(path)
+    if plt is None:
         return False
     from bench.fig8 import COLORS
 

@@ -33,7 +33,16 @@ from typing import Any
 
 from bench import overhead as ov
 from bench import policies
-from bench._common import format_size, host_info, machine_label, save_figure, scratch_dir, write_csv, write_json
+from bench._common import (
+    format_size,
+    host_info,
+    machine_label,
+    pyplot,
+    save_figure,
+    scratch_dir,
+    write_csv,
+    write_json,
+)
 
 __all__ = ["Config", "plan", "run", "main"]
 
@@ -133,12 +142,8 @@ def _rows(res: Mapping[str, Any]) -> list[list[Any]]:
 
 
 def _plot(path: Path, res: Mapping[str, Any]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(path)
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]

@@ -43,7 +43,16 @@ from typing import Any
 
 from bench import overhead as ov
 from bench import policies
-from bench._common import format_size, host_info, machine_label, save_figure, scratch_dir, write_csv, write_json
+from bench._common import (
+    format_size,
+    host_info,
+    machine_label,
+    pyplot,
+    save_figure,
+    scratch_dir,
+    write_csv,
+    write_json,
+)
 
 __all__ = ["COLORS", "NOISY_CPUS", "Config", "disturbed", "config", "plan", "run", "targets", "main", "headline_system"]
 
@@ -255,12 +264,8 @@ def _write(res: Mapping[str, Any], out: Path, stem: str) -> None:
 
 
 def _plot(path: Path, res: Mapping[str, Any]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(path)
+    if plt is None:
         return False
     em, real = res["emulated"], res["real"]
     t_none = _none_iter_s(em["cells"]) or em["iter_s_probe"]

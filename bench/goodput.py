@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import save_figure, write_csv
+from bench._common import pyplot, save_figure, write_csv
 
 __all__ = [
     "Event", "Trace", "SystemModel", "Outcome", "PUBLISHED_RATES", "POLICIES",
@@ -391,13 +391,8 @@ def evaluate(models: Iterable[SystemModel], traces: Mapping[str, Trace]) -> list
 
 def plot(path: Path, rows: Sequence[Mapping[str, Any]], traces: Mapping[str, Trace], label: str,
           workload: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed; skipped {path}")
+    plt = pyplot(path)
+    if plt is None:
         return False
     from bench.fig8 import COLORS
 

@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import (
+    pyplot,
     format_size,
     host_info,
     machine_label,
@@ -827,13 +828,8 @@ def _report(records: Sequence[Mapping[str, Any]], systems: Sequence[str], interv
 def _plot(path: Path, panels: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[str], Sequence[int]]],
           label: str) -> bool:
     """Throughput vs checkpoint interval (log x), one line per system, one panel per workload."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed; skipped {path}")
+    plt = pyplot(path)
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import (
+    pyplot,
     format_size,
     gbps,
     host_info,
@@ -392,12 +393,8 @@ def report(result: Mapping[str, Any], out: Path, stem: str = "recovery") -> list
 
 
 def _plot(path: Path, result: Mapping[str, Any]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(path)
+    if plt is None:
         return False
     rows = result["results"]
     names = list(rows)

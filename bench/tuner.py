@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import (
+    pyplot,
     format_size,
     host_info,
     machine_label,
@@ -389,13 +390,8 @@ def _report(res: Mapping[str, Any], q: float) -> list[list[Any]]:
 
 
 def _plot(path: Path, res: Mapping[str, Any], q: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed; skipped {path}")
+    plt = pyplot(path)
+    if plt is None:
         return
     cells = res["grid"]["cells"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
