@@ -88,17 +88,30 @@ def describe(name: str, x: Any) -> ArrayInfo:
                       "tensors and cupy arrays")
 
 
+# torch dtype -> (numpy carrier, itemsize, the name to record or None); filled on first use, so
+# describing a tensor (once per array per checkpoint) costs no string work.
+_TORCH_CARRIERS: dict[Any, tuple[np.dtype, int, str | None]] = {}
+
+
+def _torch_carrier(name: str, dtype: Any) -> tuple[np.dtype, int, str | None]:
+    got = _TORCH_CARRIERS.get(dtype)
+    if got is None:
+        tname = str(dtype).removeprefix("torch.")
+        carrier = TORCH_DTYPES.get(tname)
+        if carrier is None:
+            raise UnsupportedDtypeError(f"tensor {name!r} has dtype {dtype}, which pccheck cannot store")
+        got = _TORCH_CARRIERS[dtype] = (np.dtype(carrier), np.dtype(carrier).itemsize,
+                                        tname if tname in _TORCH_ONLY else None)
+    return got
+
+
 def _describe_torch(name: str, t: Any) -> ArrayInfo:
-    if t.layout != __import__("torch").strided:
+    if t.layout != sys.modules["torch"].strided:
         raise ConfigError(f"tensor {name!r} has layout {t.layout}; convert it with .to_dense() first")
     if t.is_quantized or t.is_conj() or t.is_neg():
         raise ConfigError(f"tensor {name!r} is quantized or a lazy conj/neg view; store a resolved "
                           "tensor (.resolve_conj().resolve_neg(), or dequantize)")
-    tname = str(t.dtype).removeprefix("torch.")
-    carrier = TORCH_DTYPES.get(tname)
-    if carrier is None:
-        raise UnsupportedDtypeError(f"tensor {name!r} has dtype {t.dtype}, which pccheck cannot store")
-    es = t.element_size()
-    dev = "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index or 0}"
-    return ArrayInfo(np.dtype(carrier), tuple(t.shape), tuple(s * es for s in t.stride()), t.data_ptr(), es, dev,
-                     tname if tname in _TORCH_ONLY else None)
+    carrier, es, recorded = _torch_carrier(name, t.dtype)
+    dev = t.device
+    where = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+    return ArrayInfo(carrier, tuple(t.shape), tuple(s * es for s in t.stride()), t.data_ptr(), es, where, recorded)

@@ -169,8 +169,9 @@ class TorchState:
         f = _Flattener()
         # Eager first: buffers (forward changes them) and user-marked tensors, then the RNG states.
         sd = self.model.state_dict()
+        buffers = {name for name, _ in self.model.named_buffers(remove_duplicate=False)}  # one walk
         eager_names = [k for k, v in sd.items()
-                       if isinstance(v, torch.Tensor) and (_is_buffer(self.model, k) or k in self.user_eager)]
+                       if isinstance(v, torch.Tensor) and (k in buffers or k in self.user_eager)]
         for k in eager_names:
             f.tensor(f"model/{k}", sd[k])
         n_eager = len(f.arrays)
@@ -227,15 +228,6 @@ def unwrap_extra(state: dict[str, Any]) -> dict[str, Any]:
 
 def _as_dict(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {"d": dict(tree)}
-
-
-def _is_buffer(model: Any, key: str) -> bool:
-    mod_name, _, leaf = key.rpartition(".")
-    try:
-        mod = model.get_submodule(mod_name) if mod_name else model
-    except AttributeError:
-        return False
-    return leaf in getattr(mod, "_buffers", {})
 
 
 def _rng_state(torch: Any) -> dict[str, Any]:

@@ -68,11 +68,9 @@ class CopyEngine(ABC):
 
     def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
         """Describes the arrays of one snapshot, on the training thread."""
-        out = []
-        for (name, a), e in zip(arrays.items(), layout.entries):
-            info = describe(name, a)
-            out.append((info.ptr, e.offset, e.nbytes, info.itemsize, info.shape, info.strides))
-        return Sources(out)
+        infos = layout.infos or tuple(describe(name, a) for name, a in arrays.items())
+        return Sources([(info.ptr, e.offset, e.nbytes, info.itemsize, info.shape, info.strides)
+                        for info, e in zip(infos, layout.entries)])
 
     @abstractmethod
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:

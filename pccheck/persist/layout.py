@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import TORCH_DTYPES, describe
+from ..arrays import TORCH_DTYPES, ArrayInfo, describe
 from ..errors import ConfigError, CorruptCheckpointError
 from ..native import _native
 
@@ -51,6 +51,10 @@ class Layout:
 
     entries: tuple[ArrayEntry, ...]
     data_len: int  # multiple of BLOCK; the manifest starts here
+    # The planned arrays' byte layouts (pointers included), in entry order, so a copy engine does
+    # not describe every array a second time per checkpoint. Valid for this snapshot only; not
+    # part of the layout's identity.
+    infos: tuple[ArrayInfo, ...] = field(default=(), compare=False, repr=False)
 
     def same_shape_as(self, other: "Layout | None") -> bool:
         return other is not None and self.entries == other.entries
@@ -58,7 +62,7 @@ class Layout:
 
 def plan(arrays: Mapping[str, Any]) -> Layout:
     """Validates the arrays (numpy, torch or cupy) and assigns each an aligned offset, in order."""
-    entries = []
+    entries, infos = [], []
     off = 0
     for name, arr in arrays.items():
         if not isinstance(name, str):
@@ -66,8 +70,9 @@ def plan(arrays: Mapping[str, Any]) -> Layout:
         info = describe(name, arr)
         off = _align(off, ARRAY_ALIGN)
         entries.append(ArrayEntry(name, info.dtype, info.shape, off, info.nbytes, info.torch_dtype))
+        infos.append(info)
         off += info.nbytes
-    return Layout(tuple(entries), _align(off, BLOCK))
+    return Layout(tuple(entries), _align(off, BLOCK), tuple(infos))
 
 
 @dataclass(frozen=True)
