@@ -307,7 +307,7 @@ class Checkpointer:
         meta = self._meta(snap, _check_metadata(metadata))
         try:
             return self._orch.start(int(step), snap.arrays, meta,
-                                    eager=snap.eager if self.soft_cow else None,
+                                    n_eager=snap.n_eager if self.soft_cow else None,
                                     validate=snap.validate if self.soft_cow else None,
                                     when_busy=self.when_busy)
         except StorageError as exc:

@@ -42,7 +42,7 @@ class Snapshot:
     """One checkpoint's content: arrays in layout order (eager ones first) and the tree."""
 
     arrays: dict[str, Any]
-    eager: int                      # the first ``eager`` arrays must be copied synchronously
+    n_eager: int                    # the first ``n_eager`` arrays must be copied synchronously
     tree: dict[str, Any]
     versions: list[tuple[str, Any, int]] = field(default_factory=list)  # (name, tensor, _version)
 

@@ -199,11 +199,11 @@ class Orchestrator:
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
 
     def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
-              eager: int | None = None, validate: Callable[[], str | None] | None = None,
+              n_eager: int | None = None, validate: Callable[[], str | None] | None = None,
               when_busy: str = "block") -> bool:
         """Starts one checkpoint. Returns False if it was skipped (``when_busy="skip"``).
 
-        With ``eager=None`` it returns once every byte is in DRAM chunks. With ``eager=k`` it
+        With ``n_eager=None`` it returns once every byte is in DRAM chunks. With ``n_eager=k`` it
         returns once the first k arrays are copied; the rest is copied in the background, and
         :meth:`ensure_copied` must run before anything mutates them (soft copy-on-write).
         ``validate`` runs after the copy; a message it returns fails the checkpoint.
@@ -249,10 +249,10 @@ class Orchestrator:
         fl = _Flight(job, src, native, layout, step, counter, metadata, validate, t0, stall)
         t1 = time.perf_counter()
         try:
-            if eager is None:
+            if n_eager is None:
                 self.copy_engine.copy(job, src)
-            elif eager > 0:
-                e = layout.entries[eager - 1]
+            elif n_eager > 0:
+                e = layout.entries[n_eager - 1]
                 self.copy_engine.copy(job, src, e.offset + e.nbytes)
         except BaseException:
             abandon(job, errno.EIO)
@@ -261,7 +261,7 @@ class Orchestrator:
             self._inflight.release()
             raise
         fl.blocked_copy = time.perf_counter() - t1
-        if eager is None:
+        if n_eager is None:
             fl.copied.set()
         else:
             with self._lock:
