@@ -1,8 +1,9 @@
 """Writing a checkpoint as an interchange file: safetensors or a torch state dict.
 
-Both writers go through :func:`write_durably`: the file is written under a temporary name in the
-target directory, fsynced, renamed into place, and the directory fsynced, so a crash leaves either
-the old file or the complete new one (never a torn one, unlike a plain rename without fsync).
+Both writers go through :func:`pccheck.persist.files.write_durably`: the file is written under a
+temporary name in the target directory, fsynced, renamed into place, and the directory fsynced, so
+a crash leaves either the old file or the complete new one (never a torn one, unlike a plain
+rename without fsync).
 
 safetensors (https://github.com/huggingface/safetensors, README "Format"): an 8-byte
 little-endian header length N, N bytes of UTF-8 JSON ``{name: {"dtype", "shape", "data_offsets":
@@ -29,10 +30,7 @@ from .errors import ConfigError, UnsupportedDtypeError
 from .persist.files import write_durably
 from .persist.recovery import Restored
 
-__all__ = [
-    "FORMATS", "SafetensorsEntry", "safetensors_dtype", "safetensors_header", "export_checkpoint",
-    
-]
+__all__ = ["FORMATS", "SafetensorsEntry", "safetensors_dtype", "safetensors_header", "export_checkpoint"]
 
 FORMATS = ("safetensors", "torch")
 
