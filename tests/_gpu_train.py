@@ -19,6 +19,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402  (after the cuBLAS setting)
 
+from _torch_train import train_step  # noqa: E402  (one training step for both children)
+
 IN, WIDTH, OUT, BATCH = 64, 512, 64, 256
 
 
@@ -58,17 +60,6 @@ def batch(step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x * 1.5)
 
 
-def train_step(model, optim, sched, step: int, device: str) -> float:
-    model.train()
-    x, y = batch(step, device)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    optim.zero_grad(set_to_none=True)
-    loss.backward()
-    optim.step()
-    sched.step()
-    return loss.item()
-
-
 def _opt(argv: list[str], name: str, default: str | None) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else default
 
@@ -91,7 +82,7 @@ def main(argv: list[str]) -> None:
                               max_concurrent=2, chunk_size=256 << 10)
     print(f"START {start}", flush=True)
     for step in range(start + 1, steps + 1):
-        loss = train_step(model, optim, sched, step, device)
+        loss = train_step(model, optim, sched, step, batch(step, device))
         ck.maybe_checkpoint(step)
         print(f"LOSS {step} {loss.hex()}", flush=True)
         if pause:

@@ -61,9 +61,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x * 1.5)
 
 
-def train_step(model, optim, sched, step: int) -> float:
+def train_step(model, optim, sched, step: int, xy: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+    """One step on ``xy`` (default: this file's batch of ``step``); returns the loss."""
     model.train()
-    x, y = batch(step)
+    x, y = xy if xy is not None else batch(step)
     loss = torch.nn.functional.mse_loss(model(x), y)
     optim.zero_grad(set_to_none=True)
     loss.backward()

@@ -43,10 +43,6 @@ class Reserve:
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()
 
-    @property
-    def nbytes(self) -> int:
-        return self.slots * self.chunk
-
     def take(self) -> int | None:
         """A free slot's byte offset in :attr:`buffer`, or None when every slot holds a chunk."""
         with self._lock:
