@@ -21,8 +21,7 @@ from .orchestrator.orchestrator import CheckpointStats
 from .persist.recovery import Restored
 from .restore import load_latest
 from .stats import StatsReport
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Checkpointer", "CheckpointStats", "StatsReport", "Restored", "load_latest", "SnapshotError",

@@ -30,7 +30,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
+from .version import __version__
 from .errors import PCCheckError
 from .export import export_checkpoint
 from .inventory import GenerationInfo, VerifyReport, load, locate, survey, verify

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, PathNotWritableError
 from ..persist.files import TUNE_CONFIG, default_path, write_durably
+from ..version import __version__
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -62,8 +63,6 @@ def config_path(path: str | os.PathLike[str] | None) -> Path:
 def make_config(constraints: Constraints, profile: Profile, choice: Choice, *,
                 path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The JSON document for a tuning run: inputs, measurements and the choice."""
-    from .. import __version__
-
     c = constraints
     return {
         "format": FORMAT,
