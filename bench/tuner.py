@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -214,12 +215,32 @@ def _grid_optimum(records: Sequence[Mapping[str, Any]], q: float) -> Mapping[str
     return max((r for r in ok if r["interval"] == fmin), key=lambda r: r["it_per_s"])
 
 
+@dataclass
+class _Tuned:
+    """Step 1: what the tuner chose, and what that cost."""
+
+    iter_time: float       # t, measured as a user would
+    profile: Any           # pccheck.tuner.samples.Profile
+    choice: Any            # pccheck.tuner.search.Choice
+    seconds: float         # profiling wall time, measuring t included
+    foreign_cpus: float    # other processes' load meanwhile
+
+
+@dataclass
+class _Measured:
+    """Steps 2 and 3: every grid window, and every attempt at the tuner's cell."""
+
+    grid: list[dict[str, Any]] = field(default_factory=list)
+    grid_s: float = 0.0
+    tuned: list[dict[str, Any]] = field(default_factory=list)
+    tuned_s: float = 0.0
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """The tuner, then the grid with the tuner's cell measured mid-run; returns the result document."""
     import torch
 
     from bench.overhead import make_emulated
-    from pccheck.tuner.profile import ProfileSpec, run_profile
-    from pccheck.tuner.search import Constraints, choose
 
     result: dict[str, Any] = {"benchmark": "bench.tuner"}
     with scratch_dir(args.dir) as workdir:
@@ -229,81 +250,90 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         wl = make_emulated(args.size, args.iter_time)
         m = wl.state_bytes()
         print(f"{wl.describe}; state {format_size(m)}; q = {args.max_overhead}")
-
-        # 1. the tuner, as a user runs it
-        _settle()
-        with _Load() as load_tune:
-            t_tune = time.perf_counter()
-            for _ in range(3):
-                wl.step()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                wl.step()
-            t = (time.perf_counter() - t0) / 20
-            spec = ProfileSpec(path=workdir / "tune", state_bytes=m, iter_time=t, dram_budget=2 * m,
-                               storage_budget=(max(args.ns) + 1) * m, n_cap=max(args.ns),
-                               max_overhead=args.max_overhead)
-            profile = run_profile(spec)
-            choice = choose(profile, Constraints(m, t, args.max_overhead, 2 * m, (max(args.ns) + 1) * m))
-            tune_s = time.perf_counter() - t_tune
-        print(f"\ntuner: t = {t * 1e3:.1f} ms measured; profiled in {tune_s:.1f} s (other load "
-              f"{load_tune.foreign:.2f} CPUs): N*={choice.max_concurrent} p*={choice.writer_threads} "
-              f"b={format_size(choice.chunk_size)} f*={choice.interval} (eq. 3: {choice.interval_eq3}, blocked term "
-              f"{choice.interval_blocked}; T_w {choice.tw_s:.3f} s, B {choice.blocked_s * 1e3:.1f} ms), "
-              f"expected slowdown {choice.expected_slowdown:.3f}")
-        for note in choice.notes:
-            print(f"  note: {note}")
-
-        # 2. the grid, and 3. the tuner's choice, measured the same way
-        step = 1
-        grid: list[dict[str, Any]] = []
-        grid_s = 0.0
-        tuned: list[dict[str, Any]] = []
-        tuned_s = 0.0
-        groups = [(n, p) for n in args.ns for p in args.threads]
-        print(f"\ngrid: N in {list(args.ns)} x p in {list(args.threads)} x f in {list(args.intervals)}, "
-              f"{format_size(_GRID_CHUNK)} chunks; k = {args.k} checkpoints per window (>= {args.min_window} it)")
-        for i, (n, p) in enumerate(groups):
-            recs, step, secs = _run_group(wl, workdir, n=n, p=p, chunk=_GRID_CHUNK, intervals=args.intervals,
-                                          k=args.k, min_window=args.min_window, baseline_iters=args.baseline_iters,
-                                          step=step, label="grid", max_foreign=args.max_foreign)
-            grid += recs
-            grid_s += secs
-            if i == len(groups) // 2:  # the tuner's cell mid-run, so drift hits it like the grid
-                for _attempt in range(3):  # measured again (at most twice) if other processes disturbed it
-                    recs, step, secs = _run_group(wl, workdir, n=choice.max_concurrent, p=choice.writer_threads,
-                                                  chunk=choice.chunk_size, intervals=[choice.interval], k=args.k,
-                                                  min_window=args.min_window, baseline_iters=args.baseline_iters,
-                                                  step=step, label="tuner", max_foreign=args.max_foreign)
-                    tuned += recs
-                    tuned_s += secs
-                    if not recs[0]["contaminated"]:
-                        break
+        tuned = _run_tuner(wl, m, workdir, args)
+        measured = _run_grid(wl, workdir, args, tuned.choice)
         del wl
         gc.collect()
+    result.update(_results(args, m, tuned, measured))
+    return result
 
-    q = args.max_overhead
+
+def _run_tuner(wl: Any, m: int, workdir: Path, args: argparse.Namespace) -> _Tuned:
+    """1. the tuner, as a user runs it: t measured without checkpoints, then profile and choose."""
+    import pccheck
+    from pccheck.tuner.profile import ProfileSpec, run_profile
+    from pccheck.tuner.search import Constraints, choose
+
+    _settle()
+    with _Load() as load_tune:
+        t_tune = time.perf_counter()
+        for _ in range(3):
+            wl.step()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            wl.step()
+        t = (time.perf_counter() - t0) / 20
+        spec = ProfileSpec(path=workdir / "tune", state_bytes=m, iter_time=t, dram_budget=2 * m,
+                           storage_budget=(max(args.ns) + 1) * m, n_cap=max(args.ns),
+                           max_overhead=args.max_overhead)
+        profile = run_profile(spec, pccheck.Checkpointer)
+        choice = choose(profile, Constraints(m, t, args.max_overhead, 2 * m, (max(args.ns) + 1) * m))
+        tune_s = time.perf_counter() - t_tune
+    print(f"\ntuner: t = {t * 1e3:.1f} ms measured; profiled in {tune_s:.1f} s (other load "
+          f"{load_tune.foreign:.2f} CPUs): N*={choice.max_concurrent} p*={choice.writer_threads} "
+          f"b={format_size(choice.chunk_size)} f*={choice.interval} (eq. 3: {choice.interval_eq3}, blocked term "
+          f"{choice.interval_blocked}; T_w {choice.tw_s:.3f} s, B {choice.blocked_s * 1e3:.1f} ms), "
+          f"expected slowdown {choice.expected_slowdown:.3f}")
+    for note in choice.notes:
+        print(f"  note: {note}")
+    return _Tuned(t, profile, choice, tune_s, load_tune.foreign)
+
+
+def _run_grid(wl: Any, workdir: Path, args: argparse.Namespace, choice: Any) -> _Measured:
+    """2. the grid, and 3. the tuner's choice, measured the same way (mid-run, so drift hits it
+    like the grid; again, at most twice, if other processes disturbed it)."""
+    out = _Measured()
+    step = 1
+    groups = [(n, p) for n in args.ns for p in args.threads]
+    window = {"k": args.k, "min_window": args.min_window, "baseline_iters": args.baseline_iters,
+              "max_foreign": args.max_foreign}
+    print(f"\ngrid: N in {list(args.ns)} x p in {list(args.threads)} x f in {list(args.intervals)}, "
+          f"{format_size(_GRID_CHUNK)} chunks; k = {args.k} checkpoints per window (>= {args.min_window} it)")
+    for i, (n, p) in enumerate(groups):
+        recs, step, secs = _run_group(wl, workdir, n=n, p=p, chunk=_GRID_CHUNK, intervals=args.intervals,
+                                      step=step, label="grid", **window)
+        out.grid += recs
+        out.grid_s += secs
+        if i == len(groups) // 2:  # the tuner's cell mid-run, so drift hits it like the grid
+            for _attempt in range(3):  # measured again (at most twice) if other processes disturbed it
+                recs, step, secs = _run_group(wl, workdir, n=choice.max_concurrent, p=choice.writer_threads,
+                                              chunk=choice.chunk_size, intervals=[choice.interval], step=step,
+                                              label="tuner", **window)
+                out.tuned += recs
+                out.tuned_s += secs
+                if not recs[0]["contaminated"]:
+                    break
+    return out
+
+
+def _results(args: argparse.Namespace, m: int, tuned: _Tuned, measured: _Measured) -> dict[str, Any]:
+    """The result document: the configuration, the tuner's and the grid's numbers, the comparison
+    and the targets."""
+    q, choice, profile, grid = args.max_overhead, tuned.choice, tuned.profile, measured.grid
     best = _grid_optimum(grid, q)
-    clean_tuned = [r for r in tuned if not r["contaminated"]]
-    mine = clean_tuned[-1] if clean_tuned else tuned[-1]
+    clean_tuned = [r for r in measured.tuned if not r["contaminated"]]
+    mine = clean_tuned[-1] if clean_tuned else measured.tuned[-1]
     same = [r for r in grid if (r["n"], r["writer_threads"], r["interval"]) ==
             (choice.max_concurrent, choice.writer_threads, choice.interval) and choice.chunk_size == _GRID_CHUNK]
     # throughput relative to the no-checkpoint baseline measured beside it (1 / slowdown): raw it/s
     # of windows minutes apart differ by the machine's drift as much as by the configuration
     ratio = best["slowdown"] / mine["slowdown"] if best else None
     raw_ratio = mine["it_per_s"] / best["it_per_s"] if best else None
-    fraction = tune_s / grid_s
+    fraction = tuned.seconds / measured.grid_s
     fits = {f"N{n}-p{p}": _fitted_blocked([r for r in grid if (r["n"], r["writer_threads"]) == (n, p)])
             for n, p in sorted({(r["n"], r["writer_threads"]) for r in grid})}
     fitted = [v["blocked_s"] for v in fits.values() if v["blocked_s"] is not None]
-    targets = [
-        {"target": "tuner throughput / grid optimum throughput (each relative to its baseline)", "value": ratio,
-         "limit": TARGET_THROUGHPUT_RATIO,
-         "met": None if ratio is None else ratio >= TARGET_THROUGHPUT_RATIO},
-        {"target": "profiling time / grid search time", "value": fraction, "limit": TARGET_PROFILE_FRACTION,
-         "met": fraction < TARGET_PROFILE_FRACTION},
-    ]
-    result.update({
+    return {
         "note": ("GPU EMULATED: the host sleeps iter_time, then SGD(momentum=0) updates all state in place "
                  "(bench.overhead.make_emulated); throughput = it/s over steady-state windows, slowdown vs a "
                  "baseline window of the same group, all measured in one run"),
@@ -312,17 +342,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                    "intervals": list(args.intervals), "k": args.k, "min_window": args.min_window,
                    "baseline_iters": args.baseline_iters, "grid_chunk_size": _GRID_CHUNK,
                    "max_foreign": args.max_foreign},
-        "tuner": {"measured_iter_time_s": t, "profile_s": tune_s, "profile_phases_s": profile.phases,
-                  "foreign_cpus": load_tune.foreign, "choice": choice.as_dict(),
+        "tuner": {"measured_iter_time_s": tuned.iter_time, "profile_s": tuned.seconds,
+                  "profile_phases_s": profile.phases, "foreign_cpus": tuned.foreign_cpus,
+                  "choice": choice.as_dict(),
                   "profile": {"copy": [c.__dict__ for c in profile.copy],
                               "storage": [{**s.__dict__, "samples": list(s.samples)} for s in profile.storage],
                               "write": [w.__dict__ for w in profile.write]},
                   "measured": mine, "grid_cell_same_config": same[0] if same else None},
-        "grid": {"cells": grid, "seconds": grid_s, "optimum": best, "fitted_blocked": fits,
+        "grid": {"cells": grid, "seconds": measured.grid_s, "optimum": best, "fitted_blocked": fits,
                  "fitted_blocked_median_s": statistics.median(fitted) if fitted else None,
                  "smallest_feasible_interval": best["interval"] if best else None},
-        "tuner_cell_seconds": tuned_s,
-        "tuner_cell_attempts": tuned,
+        "tuner_cell_seconds": measured.tuned_s,
+        "tuner_cell_attempts": measured.tuned,
         "disturbed_windows": sum(r["contaminated"] for r in grid),
         "comparison": {"throughput_ratio": ratio, "raw_it_per_s_ratio": raw_ratio, "profile_fraction": fraction,
                        "tuner_blocked_s": choice.blocked_s,
@@ -331,9 +362,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                        "grid_interval": best["interval"] if best else None,
                        "tuner_measured_slowdown": mine["slowdown"],
                        "tuner_expected_slowdown": choice.expected_slowdown},
-        "targets": targets,
-    })
-    return result
+        "targets": _targets(ratio, fraction),
+    }
+
+
+def _targets(ratio: float | None, fraction: float) -> list[dict[str, Any]]:
+    """The two targets: throughput near the grid optimum's, and profiling far cheaper than the grid."""
+    return [
+        {"target": "tuner throughput / grid optimum throughput (each relative to its baseline)", "value": ratio,
+         "limit": TARGET_THROUGHPUT_RATIO,
+         "met": None if ratio is None else ratio >= TARGET_THROUGHPUT_RATIO},
+        {"target": "profiling time / grid search time", "value": fraction, "limit": TARGET_PROFILE_FRACTION,
+         "met": fraction < TARGET_PROFILE_FRACTION},
+    ]
 
 
 def _f(x: float | None, spec: str) -> str:

@@ -402,25 +402,25 @@ def test_copy_bandwidth_really_copies_into_the_shared_buffer(small_state):
 
 
 def test_storage_bandwidth_is_positive(small_state, tmp_path):
-    s = storage_bandwidth(tmp_path, small_state, writer_threads=2, chunk_size=4 * MiB, max_concurrent=2)
+    s = storage_bandwidth(tmp_path, small_state, pccheck.Checkpointer, writer_threads=2, chunk_size=4 * MiB, max_concurrent=2)
     assert s.bytes_per_s > 0 and s.persist_s > 0 and len(s.samples) == 2
     assert s.mode in ("odirect", "mmap", "pmem")
 
 
 def test_write_time_is_sane(small_state, tmp_path):
-    w = write_time(tmp_path, small_state, n=2, iter_time=0.005, writer_threads=2, chunk_size=4 * MiB,
-                   dram_budget=16 * MiB, checkpoints=4)
+    w = write_time(tmp_path, small_state, pccheck.Checkpointer, n=2, iter_time=0.005, writer_threads=2,
+                   chunk_size=4 * MiB, dram_budget=16 * MiB, checkpoints=4)
     assert w.n == 2 and w.checkpoints == 4
     assert w.tw_s > 0 and w.tw_max_s >= w.tw_s and w.blocked_s >= 0 and w.stall_s >= 0
     assert w.period_s >= 0.005  # a checkpoint at most every t seconds
     with pytest.raises(pccheck.ConfigError):
-        write_time(tmp_path, small_state, n=0, iter_time=0.005, writer_threads=1, chunk_size=4 * MiB,
-                   dram_budget=None)
+        write_time(tmp_path, small_state, pccheck.Checkpointer, n=0, iter_time=0.005, writer_threads=1,
+                   chunk_size=4 * MiB, dram_budget=None)
 
 
 def test_blocked_time_is_sane(small_state, tmp_path):
-    b = blocked_time(tmp_path, small_state, iter_time=0.005, interval=3, writer_threads=2, chunk_size=4 * MiB,
-                     dram_budget=16 * MiB, cycles=3)
+    b = blocked_time(tmp_path, small_state, pccheck.Checkpointer, iter_time=0.005, interval=3, writer_threads=2,
+                     chunk_size=4 * MiB, dram_budget=16 * MiB, cycles=3)
     assert b.interval == 3 and len(b.cycles) == 3 and b.base_iter_s >= 0.005 * 0.9
     assert b.blocked_s >= 0 and math.isfinite(b.blocked_s)
 
@@ -444,7 +444,8 @@ def test_thread_sweep_stops_once_more_writers_do_not_help(tmp_path, monkeypatch)
     gbps = {1: 1.0, 2: 2.0, 3: 2.05, 4: 4.0}
     tried = []
 
-    def scripted(path, state, *, writer_threads, chunk_size, **kw):
+    def scripted(path, state, checkpointer, *, writer_threads, chunk_size, **kw):
+        assert checkpointer is pccheck.Checkpointer
         tried.append((writer_threads, chunk_size))
         bw = gbps[writer_threads] * 1e9
         return StorageSample(writer_threads, chunk_size, bw, state.nbytes / bw, (state.nbytes / bw,), "odirect")
@@ -452,11 +453,11 @@ def test_thread_sweep_stops_once_more_writers_do_not_help(tmp_path, monkeypatch)
     monkeypatch.setattr(prof, "storage_bandwidth", scripted)
     spec = prof.ProfileSpec(path=tmp_path, state_bytes=4 * MiB, iter_time=0.01, dram_budget=8 * MiB,
                             storage_budget=12 * MiB, threads=(1, 2, 3, 4), chunks=(1 * MiB, 4 * MiB), n_cap=1)
-    p = prof.run_profile(spec)
+    p = prof.run_profile(spec, pccheck.Checkpointer)
     assert [t for t, _ in tried] == [1, 2, 3, 2]  # then the other chunk size at p* = 2
     assert {s.writer_threads for s in p.storage} == {1, 2, 3}
     tried.clear()
-    prof.run_profile(dataclasses.replace(spec, exhaustive=True))
+    prof.run_profile(dataclasses.replace(spec, exhaustive=True), pccheck.Checkpointer)
     assert sorted({t for t, _ in tried}) == [1, 2, 3, 4]
 
 

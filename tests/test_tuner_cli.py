@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import pccheck.tune
-from pccheck.tuner import config
+from pccheck.tuner import config, online
 from pccheck.tuner.cli import app, parse_size
 
 MiB = 1 << 20
@@ -200,7 +200,7 @@ def test_parse_size():
 
 def test_the_checkpointer_reports_only_for_a_silent_script(tmp_path, monkeypatch):
     target = tmp_path / "reports"
-    monkeypatch.setattr(pccheck.tune, "_script_reports", False)
+    monkeypatch.setattr(online, "_script_reports", False)  # the state behind the face
     monkeypatch.delenv(pccheck.tune.ENV_VAR, raising=False)
     pccheck.tune.report_from_checkpointer(lambda: 1 // 0)  # no-op without the variable: size not asked
     monkeypatch.setenv(pccheck.tune.ENV_VAR, str(target))

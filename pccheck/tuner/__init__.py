@@ -3,9 +3,11 @@
     pccheck-tune --path CKPT --size 1.3GiB --iter-time 0.12 --write-config   # the command (cli.py)
     Checkpointer(..., path=CKPT, interval="auto", max_concurrent="auto")     # reads the choice
 
-Modules, one job each: :mod:`.model` (the formulas), :mod:`.profile` (the profilers),
-:mod:`.search` (the choice), :mod:`.config` (``pccheck-tune.json`` and ``resolve_auto``),
-:mod:`.online` (``interval="auto"`` during training), :mod:`.cli` (the command; imported only by it).
+Modules, one job each: :mod:`.model` (the formulas), :mod:`.workload` (the emulated state the
+profilers checkpoint), :mod:`.samples` (what the profilers measure: plain data), :mod:`.profile`
+(the profilers), :mod:`.search` (the choice), :mod:`.config` (``pccheck-tune.json`` and
+``resolve_auto``), :mod:`.online` (what runs during training: iteration reports, whose public face
+is :mod:`pccheck.tune`, and ``interval="auto"``), :mod:`.cli` (the command; imported only by it).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from .online import IntervalChange, OnlineTuner
 
 # The profilers and the search load only when used: the front-end imports tuner.config and
 # tuner.online, and `import pccheck` must not pull in the profiler (PEP 562 lazy attributes).
-_LAZY = {name: ".profile" for name in ("CopySample", "EmulatedState", "Profile", "ProfileSpec", "StorageSample",
-                                      "WriteTimeSample", "copy_bandwidth", "run_profile", "storage_bandwidth",
-                                      "write_time")}
+_LAZY = {name: ".samples" for name in ("BlockedSample", "CopySample", "Profile", "ProfileSpec", "StorageSample",
+                                      "WriteTimeSample")}
+_LAZY.update({"EmulatedState": ".workload"})
+_LAZY.update({name: ".profile" for name in ("copy_bandwidth", "run_profile", "storage_bandwidth", "write_time",
+                                           "blocked_time")})
 _LAZY.update({name: ".search" for name in ("Choice", "Constraints", "choose")})
 
 __all__ = [

@@ -37,10 +37,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..checkpointer import Checkpointer
 from ..errors import ConfigError, PathNotWritableError, PCCheckError
-from ..tune import ENV_VAR
+from ..persist.files import default_path
 from .config import make_config, write_config
-from .profile import DEFAULT_N_CAP, Profile, ProfileSpec, run_profile
+from .online import ENV_VAR
+from .profile import run_profile
+from .samples import DEFAULT_N_CAP, Profile, ProfileSpec
 from .search import Choice, Constraints, choose
 
 __all__ = ["app", "main", "parse_size"]
@@ -314,7 +317,38 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
          dram_budget: str, storage_budget: Optional[str], failure_rate: Optional[float], load_time: Optional[float],
          threads: str, chunks: str, max_n: int, device: str, exhaustive: bool, as_json: bool, write: bool,
          iterations: int, warmup_iterations: int, script_timeout: float, err: Console) -> int:
-    # -- arguments, all checked before anything runs ------------------------------------------
+    """The command: every argument checked before anything runs, then profile, choose, report."""
+    _check_options(command, iter_time, q, failure_rate, load_time, max_n, device, iterations, warmup_iterations,
+                   script_timeout)
+    m = parse_size(size, "--size") if size is not None else None
+    if m is None and not command:
+        raise _BadArgs("give --size (the checkpoint size m, e.g. 1.3GiB)")
+    thread_list, chunk_list = _parse_sweeps(threads, chunks)
+    if path is None:
+        path = default_path()
+    _check_path(path)
+    # budgets need m, which a script may report: checked after it ran
+    m, iter_time, t_source = _workload(command, m, iter_time, iterations, warmup_iterations, script_timeout, err)
+    M, S = _budgets(m, dram_budget, storage_budget, max_n)
+    constraints = Constraints(m, iter_time, q, M, S, failure_rate, load_time)
+    spec = ProfileSpec(path=path, state_bytes=m, iter_time=iter_time, dram_budget=M, storage_budget=S,
+                       threads=thread_list, chunks=chunk_list, n_cap=max_n, device=device, exhaustive=exhaustive,
+                       max_overhead=q)
+    profile = _profile(spec, err)
+    choice = choose(profile, constraints)
+    doc = make_config(constraints, profile, choice, path=path)
+    written = write_config(path, doc) if write else None
+    if as_json:
+        typer.echo(json.dumps({**doc, "config_written": str(written) if written else None}, indent=2))
+    else:
+        _render(Console(highlight=False), profile, choice, constraints, t_source, written)
+    return 0
+
+
+def _check_options(command: list[str], iter_time: Optional[float], q: float, failure_rate: Optional[float],
+                   load_time: Optional[float], max_n: int, device: str, iterations: int, warmup_iterations: int,
+                   script_timeout: float) -> None:
+    """The numeric options and the choice between --iter-time and a script; _BadArgs if one is off."""
     if not (math.isfinite(q) and q >= 1):
         raise _BadArgs(f"--max-overhead is the largest acceptable slowdown factor q >= 1 (1.03 = 3%), got {q}")
     if failure_rate is not None and not (math.isfinite(failure_rate) and failure_rate > 0):
@@ -334,9 +368,10 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
                        "after -- that calls pccheck.tune.report_iteration()")
     if iter_time is not None and not (math.isfinite(iter_time) and iter_time > 0):
         raise _BadArgs(f"--iter-time must be a positive number of seconds, got {iter_time}")
-    m = parse_size(size, "--size") if size is not None else None
-    if m is None and not command:
-        raise _BadArgs("give --size (the checkpoint size m, e.g. 1.3GiB)")
+
+
+def _parse_sweeps(threads: str, chunks: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """--threads and --chunks as the writer-thread counts and chunk sizes (bytes) to try."""
     try:
         thread_list = _parse_list(threads, int, "--threads")
         chunk_list = _parse_list(chunks, lambda s: parse_size(s, "--chunks"), "--chunks")
@@ -346,12 +381,12 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
         raise _BadArgs(f"--threads must be in [1, 256], got {threads!r}")
     if any(c < 4096 or c % 4096 for c in chunk_list):
         raise _BadArgs(f"--chunks must be multiples of 4096 bytes (4KiB), got {chunks!r}")
-    if path is None:
-        from ..persist.files import default_path
+    return thread_list, chunk_list
 
-        path = default_path()
-    _check_path(path)
-    # budgets need m, which a script may report: checked again below
+
+def _workload(command: list[str], m: int | None, iter_time: Optional[float], iterations: int,
+              warmup_iterations: int, script_timeout: float, err: Console) -> tuple[int, float, str]:
+    """(m, t, where t comes from): from the options, or from timing the script when one is given."""
     t_source = "--iter-time"
     if command:
         t, reported_m, count = _profile_script(command, iterations, warmup_iterations, script_timeout, err)
@@ -366,6 +401,11 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
     assert m is not None and iter_time is not None
     if m < 4096:
         raise _BadArgs(f"--size must be at least 4KiB, got {m} bytes")
+    return m, iter_time, t_source
+
+
+def _budgets(m: int, dram_budget: str, storage_budget: Optional[str], max_n: int) -> tuple[int, int]:
+    """(M, S) in bytes: --dram-budget and --storage-budget (default room for N up to --max-n)."""
     M = _parse_budget(dram_budget, m, "--dram-budget")
     S = _parse_budget(storage_budget, m, "--storage-budget") if storage_budget is not None else (max_n + 1) * m
     if M < 4096:
@@ -373,12 +413,11 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
     if S < 2 * m:
         raise _BadArgs(f"--storage-budget ({S} bytes) must hold at least 2 checkpoints of {m} bytes "
                        "(N+1 slots, N >= 1)")
-    constraints = Constraints(m, iter_time, q, M, S, failure_rate, load_time)
-    spec = ProfileSpec(path=path, state_bytes=m, iter_time=iter_time, dram_budget=M, storage_budget=S,
-                       threads=thread_list, chunks=chunk_list, n_cap=max_n, device=device, exhaustive=exhaustive,
-                       max_overhead=q)
+    return M, S
 
-    # -- profile, choose, report -------------------------------------------------------------
+
+def _profile(spec: ProfileSpec, err: Console) -> Profile:
+    """:func:`run_profile` through pccheck's Checkpointer, with a progress bar on ``err``."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
         task = bar.add_task("profiling", total=1)
@@ -386,15 +425,7 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
         def progress(label: str, done: int, total: int) -> None:
             bar.update(task, description=label, completed=done, total=total)
 
-        profile = run_profile(spec, progress)
-    choice = choose(profile, constraints)
-    doc = make_config(constraints, profile, choice, path=path)
-    written = write_config(path, doc) if write else None
-    if as_json:
-        typer.echo(json.dumps({**doc, "config_written": str(written) if written else None}, indent=2))
-    else:
-        _render(Console(highlight=False), profile, choice, constraints, t_source, written)
-    return 0
+        return run_profile(spec, Checkpointer, progress)
 
 
 def main() -> None:

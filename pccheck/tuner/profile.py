@@ -2,30 +2,24 @@
 
 Each profiler is a small function that can be run and tested on its own; :func:`run_profile`
 runs them in order for ``pccheck-tune``. Storage is always measured through pccheck's own writer
-(a :class:`pccheck.Checkpointer` on a scratch subdirectory of the path under test), since that is
-what will run.
+(a Checkpointer on a scratch subdirectory of the path under test), since that is what will run.
+The caller hands the profilers the Checkpointer class (``pccheck.Checkpointer``, or any callable
+with its signature): the tuner sits beside the front-end, not below it, and does not import it.
 
-The profiling workload is an :class:`EmulatedState`: ``m`` bytes of float32 parameters, touched
-once when created (first touch of memory is slow and must never be timed). One emulated training
-iteration lasts ``t`` seconds: the host sleeps (waiting for the accelerator's forward and backward
-pass), then the update mutates the whole state in place exactly as ``SGD(momentum=0).step()``
-does (``p -= lr * grad``: it reads m bytes of parameters and m of gradients and writes m; on a
-CPU-only host this is real work, which the copy and the writers compete with, and it is the part
-of t the background copy cannot overlap; on a GPU it is a kernel on the device). When torch is installed the state is a
-``torch.nn.Module`` whose parameters share the arrays' memory, with an optimizer that performs the
-update, so the Checkpointer runs with soft copy-on-write exactly as in training (the copy overlaps
-the next iteration; the optimizer step waits for what is left). Without torch the state is a
-mapping of numpy arrays, whose copy blocks ``maybe_checkpoint``. With ``device="cuda"`` (torch
-with CUDA) the parameters live on the GPU and the copy is device → pinned DRAM.
+The profiling workload is an :class:`~pccheck.tuner.workload.EmulatedState` (its module says what
+one emulated iteration does); the results are the plain types of :mod:`pccheck.tuner.samples`,
+re-exported here.
 
 Call order (what :func:`run_profile` does)::
 
     state = EmulatedState(m, device)                     # allocate + touch once
     copy_bandwidth(state, b) for b in chunk sizes        # T_G(b)
-    storage_bandwidth(dir, state, p, b, ...) ...         # T_S(p, b): threads at 64 MiB, then chunks at p*
-    write_time(dir, state, n, t, p*, b*, M) for n = 1..  # T_w(N), a checkpoint every t seconds
-    blocked_time(dir, state, t, f, p*, b*, M)            # after N = 1: B with checkpoints f apart
+    storage_bandwidth(dir, state, ck, p, b, ...) ...     # T_S(p, b): threads at 64 MiB, then chunks at p*
+    write_time(dir, state, ck, n, t, p*, b*, M) for n = 1..  # T_w(N), a checkpoint every t seconds
+    blocked_time(dir, state, ck, t, f, p*, b*, M)        # after N = 1: B with checkpoints f apart
     state.close()
+
+(``ck`` is the Checkpointer class.)
 """
 
 from __future__ import annotations
@@ -40,15 +34,28 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, PathNotWritableError
+from ..native import _native
 from . import model
+from .samples import (
+    DEFAULT_CHUNKS,
+    DEFAULT_N_CAP,
+    DEFAULT_THREADS,
+    BlockedSample,
+    CopySample,
+    Profile,
+    ProfileSpec,
+    ProgressFn,
+    StorageSample,
+    WriteTimeSample,
+)
 from .search import pick_storage
+from .workload import BLOCK, EmulatedState
 
 __all__ = [
     "EmulatedState",
@@ -58,250 +65,29 @@ __all__ = [
     "ProfileSpec",
     "Profile",
     "BlockedSample",
+    "CheckpointerFactory",
     "copy_bandwidth",
     "storage_bandwidth",
     "write_time",
     "blocked_time",
+    "host_chunks",
     "scratch_subdir",
     "run_profile",
     "DEFAULT_THREADS",
     "DEFAULT_CHUNKS",
+    "DEFAULT_N_CAP",
     "ProgressFn",
 ]
 
 log = logging.getLogger("pccheck")
 
 MiB = 1 << 20
-BLOCK = 4096
-DEFAULT_THREADS: tuple[int, ...] = (1, 2, 3, 4)
-DEFAULT_CHUNKS: tuple[int, ...] = (16 * MiB, 64 * MiB, 256 * MiB)
 DEFAULT_CHUNK = 64 * MiB     # pccheck's default chunk_size: the thread sweep runs at it
-DEFAULT_N_CAP = 4
-_N_ARRAYS = 4
 
-# progress(label, done, total): called before each profiling step and once at the end.
-ProgressFn = Callable[[str, int, int], None]
-
-
-# -- the workload ----------------------------------------------------------------------------------
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
-
-
-class EmulatedState:
-    """``nbytes`` of float32 parameters to checkpoint, touched once, and one cheap mutation.
-
-    Args:
-        nbytes: state size m in bytes (rounded down to a multiple of 4, at least 4 KiB).
-        device: "cpu", "cuda" (torch tensors on the GPU), or "auto" (cuda if torch sees one).
-        use_torch: on the CPU, wrap the arrays in a torch Module + optimizer (soft copy-on-write,
-            as in training). Default: when torch is installed. False: a mapping of numpy arrays.
-
-    ``checkpointer_args()`` gives the positional arguments for :class:`pccheck.Checkpointer`;
-    ``mutate()`` is the update of one emulated iteration; ``host_bytes()`` a flat uint8 view of the
-    state for the CPU copy profiler; ``device_bytes()`` the same on the GPU.
-    """
-
-    def __init__(self, nbytes: int, device: str = "cpu", use_torch: bool | None = None) -> None:
-        if nbytes < BLOCK:
-            raise ConfigError(f"the state to profile must be at least {BLOCK} bytes, got {nbytes}")
-        # torch is imported only when it may be used (it takes seconds to import)
-        torch = None if (device == "cpu" and use_torch is False) else _torch()
-        if device == "auto":
-            device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda"):
-            raise ConfigError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-        if device == "cuda" and (torch is None or not torch.cuda.is_available()):
-            raise ConfigError("device='cuda' needs torch with a CUDA device; use device='cpu'")
-        self.device = device
-        self.nbytes = nbytes // 4 * 4
-        elems = self.nbytes // 4
-        base, extra = divmod(elems, _N_ARRAYS)
-        sizes = [base + (1 if i < extra else 0) for i in range(_N_ARRAYS)]
-        sizes = [s for s in sizes if s > 0]
-        self.use_torch = device == "cuda" or (torch is not None if use_torch is None else bool(use_torch))
-        if self.use_torch and torch is None:
-            raise ConfigError("use_torch=True but torch is not installed")
-        self.arrays: dict[str, Any] = {}
-        self.module: Any = None
-        self.optimizer: Any = None
-        self._grads: list[Any] = []
-        # Parameters, and a gradient of the same size (lr already applied) for an SGD-like update.
-        if device == "cuda":
-            self._flat_dev = torch.full((elems,), 0.5, dtype=torch.float32, device="cuda")
-            parts = list(torch.split(self._flat_dev, sizes))
-            grads = list(torch.split(torch.full((elems,), 1e-6, dtype=torch.float32, device="cuda"), sizes))
-            self._flat_host: np.ndarray | None = None
-        else:
-            self._flat_host = np.full(elems, 0.5, dtype=np.float32)  # touches every page once
-            cuts = np.cumsum(sizes)[:-1]
-            parts = list(np.split(self._flat_host, cuts))
-            grads = list(np.split(np.full(elems, 1e-6, dtype=np.float32), cuts))
-            self._flat_dev = None
-        if self.use_torch:
-            self.module = torch.nn.Module()
-            for i, part in enumerate(parts):
-                tensor = part if device == "cuda" else torch.from_numpy(part)
-                self.module.register_parameter(f"p{i}", torch.nn.Parameter(tensor, requires_grad=False))
-            tgrads = [g if device == "cuda" else torch.from_numpy(g) for g in grads]
-            self.optimizer = _sgd_optimizer(torch, list(self.module.parameters()), tgrads)
-            self.arrays = dict(self.module.named_parameters())
-        else:
-            self.arrays = {f"p{i}": a for i, a in enumerate(parts)}
-            self._grads = grads
-
-    def checkpointer_args(self) -> tuple[Any, Any]:
-        """(state, optimizer) for ``Checkpointer(state, optimizer, path=...)``."""
-        if self.use_torch:
-            return self.module, self.optimizer
-        return self.arrays, None
-
-    def checkpointer_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments for the Checkpointer: none. Its defaults are what training runs
-        with (for a torch state that includes capturing the RNG states, a few ms per checkpoint)."""
-        return {}
-
-    def mutate(self) -> None:
-        """The update of one iteration, as ``SGD(momentum=0).step()``: ``p -= lr * grad`` in place
-        for every parameter (reads the parameters and the gradients, writes the parameters),
-        through the optimizer when there is one, so its step pre-hook guards the copy."""
-        if self.optimizer is not None:
-            self.optimizer.step()
-        else:
-            for a, g in zip(self.arrays.values(), self._grads):
-                a -= g
-
-    def host_bytes(self) -> np.ndarray:
-        """The CPU state as one flat uint8 array (no copy). Only for device == "cpu"."""
-        assert self._flat_host is not None
-        return self._flat_host.view(np.uint8)
-
-    def device_bytes(self) -> Any:
-        """The GPU state as one flat uint8 tensor (no copy). Only for device == "cuda"."""
-        assert self._flat_dev is not None
-        return self._flat_dev.view(_torch().uint8)
-
-    def close(self) -> None:
-        """Drops the references (the memory goes back when nothing else holds it)."""
-        self.arrays, self.module, self.optimizer, self._grads = {}, None, None, []
-        self._flat_host = self._flat_dev = None
-
-
-def _sgd_optimizer(torch: Any, params: list[Any], grads: list[Any]) -> Any:
-    class _SGD(torch.optim.Optimizer):
-        """``p -= g`` for every parameter and its fixed gradient (lr applied): SGD(momentum=0)'s
-        memory traffic, through step(), so the Checkpointer's step pre-hook guards it."""
-
-        def __init__(self) -> None:
-            super().__init__(params, {})
-            self._grads = grads
-
-        @torch.no_grad()
-        def step(self, closure: Any = None) -> None:
-            for p, g in zip(self.param_groups[0]["params"], self._grads):
-                p.sub_(g)
-
-    return _SGD()
-
-
-# -- results ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CopySample:
-    """T_G: bytes per second copying the state into pre-touched (CPU) or pinned (GPU) chunks."""
-
-    chunk_size: int
-    bytes_per_s: float
-    device: str
-    seconds: float  # median time to copy the whole state
-
-
-@dataclass(frozen=True)
-class StorageSample:
-    """T_S: bytes per second of one checkpoint through pccheck's writer (start to durable)."""
-
-    writer_threads: int
-    chunk_size: int
-    bytes_per_s: float
-    persist_s: float                  # median seconds per checkpoint
-    samples: tuple[float, ...] = ()  # every timed persist_s
-    mode: str = "?"                   # the write mode pccheck used: "odirect", "mmap" or "pmem"
-
-
-@dataclass(frozen=True)
-class WriteTimeSample:
-    """T_w with N in flight, checkpoints issued every ``iter_time`` seconds (interval 1)."""
-
-    n: int
-    tw_s: float          # median seconds from the start of the copy to durable
-    tw_max_s: float
-    blocked_s: float     # median seconds training lost per checkpoint, permit wait excluded (the
-                         # maybe_checkpoint call minus stall_s, plus the next update's extra time)
-    stall_s: float       # median seconds waiting for one of the N permits
-    checkpoints: int     # how many were measured (after the warm-up)
-    period_s: float      # measured seconds between checkpoint starts
-
-    @property
-    def tw_per_n(self) -> float:
-        """T_w / N in seconds: the quantity N* minimises (§3.4)."""
-        return self.tw_s / self.n
-
-
-@dataclass(frozen=True)
-class BlockedSample:
-    """B measured end to end: checkpoints spaced ``interval`` iterations apart (far enough that
-    none waits for another), each cycle's time minus ``interval`` baseline iterations."""
-
-    interval: int
-    blocked_s: float             # median extra seconds per checkpoint cycle
-    base_iter_s: float           # seconds per emulated iteration without checkpoints
-    cycles: tuple[float, ...]    # every measured extra, seconds
-
-
-@dataclass(frozen=True)
-class ProfileSpec:
-    """What to profile and under which constraints (bytes and seconds)."""
-
-    path: Path                       # the store directory whose device is profiled
-    state_bytes: int                 # m
-    iter_time: float                 # t
-    dram_budget: int                 # M, bytes of DRAM chunks
-    storage_budget: int              # S, bytes of storage for the store
-    threads: tuple[int, ...] = DEFAULT_THREADS
-    chunks: tuple[int, ...] = DEFAULT_CHUNKS
-    n_cap: int = DEFAULT_N_CAP
-    device: str = "auto"
-    use_torch: bool | None = None
-    storage_repeats: int = 2
-    exhaustive: bool = False         # every (threads, chunk) pair and every N, no early stop
-    max_overhead: float = 1.03       # q, only for the early stop of the T_w sweep
-
-    def n_max(self) -> int:
-        """The largest N tried: ``min(S/m - 1, n_cap)`` (the store holds N+1 slots of m)."""
-        return min(self.storage_budget // max(1, self.state_bytes) - 1, self.n_cap)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Everything measured, and how long measuring took."""
-
-    copy: tuple[CopySample, ...]
-    storage: tuple[StorageSample, ...]
-    write: tuple[WriteTimeSample, ...]
-    state_bytes: int
-    iter_time: float
-    device: str
-    soft_cow: bool
-    storage_mode: str                # "odirect", "mmap" or "pmem", as pccheck opened the store
-    seconds: float                   # wall time of the whole profile
-    phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase
-    update_s: float = 0.0            # one emulated update (a pass over the state), no checkpoint running
-    blocked: BlockedSample | None = None  # B measured with spaced checkpoints (None: not measured)
+# The Checkpointer class the profilers measure through, passed in by the caller (pccheck.Checkpointer
+# or a callable with its signature): ``checkpointer(state, optimizer, path=..., **settings)`` gives
+# a Checkpointer that is used as a context manager.
+CheckpointerFactory = Callable[..., Any]
 
 
 # -- the profilers ---------------------------------------------------------------------------------
@@ -309,8 +95,6 @@ class Profile:
 def host_chunks(nbytes: int) -> np.ndarray:
     """``nbytes`` of host memory prepared like the engine's chunk pool: an anonymous mapping with
     transparent huge pages, every page faulted in once (first touch is slow on these machines)."""
-    from ..native import _native
-
     mm = mmap.mmap(-1, max(BLOCK, nbytes))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
@@ -331,7 +115,7 @@ def copy_bandwidth(state: EmulatedState, chunk_size: int, repeats: int = 3,
     chunk = min(chunk_size, state.nbytes)
     times = []
     if state.device == "cuda":
-        torch = _torch()
+        import torch  # a CUDA state exists only where torch does
         src = state.device_bytes()
         dst = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         stream = torch.cuda.Stream()
@@ -362,11 +146,10 @@ def copy_bandwidth(state: EmulatedState, chunk_size: int, repeats: int = 3,
     return CopySample(chunk_size, state.nbytes / med, state.device, med)
 
 
-def _checkpointer(path: Path, state: EmulatedState, **kw: Any) -> Any:
-    from ..checkpointer import Checkpointer
-
+def _open(checkpointer: CheckpointerFactory, path: Path, state: EmulatedState, **settings: Any) -> Any:
+    """A Checkpointer of ``state`` at ``path`` with ``settings`` (interval, max_concurrent, ...)."""
     st, opt = state.checkpointer_args()
-    return Checkpointer(st, opt, path=path, **state.checkpointer_kwargs(), **kw)
+    return checkpointer(st, opt, path=path, **state.checkpointer_kwargs(), **settings)
 
 
 def _probe_budget(state_bytes: int, chunk_size: int, writer_threads: int, dram_budget: int | None) -> int:
@@ -381,10 +164,11 @@ def _probe_budget(state_bytes: int, chunk_size: int, writer_threads: int, dram_b
     return max(want, chunk)
 
 
-def storage_bandwidth(path: str | os.PathLike[str], state: EmulatedState, *, writer_threads: int,
+def storage_bandwidth(path: str | os.PathLike[str], state: EmulatedState, checkpointer: CheckpointerFactory, *,
+                      writer_threads: int,
                       chunk_size: int, dram_budget: int | None = None, max_concurrent: int = 1,
                       repeats: int = 2, warmup: int = 1) -> StorageSample:
-    """T_S: bytes per second of one checkpoint of ``state`` through a Checkpointer at ``path``.
+    """T_S: bytes per second of one checkpoint of ``state`` through a ``checkpointer`` at ``path``.
 
     Runs ``warmup`` untimed checkpoints, then ``repeats`` timed ones, each ``checkpoint(); wait()``
     alone (one in flight), and takes the median ``persist_s`` (start to durable, the copy into
@@ -395,8 +179,8 @@ def storage_bandwidth(path: str | os.PathLike[str], state: EmulatedState, *, wri
     """
     budget = _probe_budget(state.nbytes, chunk_size, writer_threads, dram_budget)
     times: list[float] = []
-    with _checkpointer(Path(path), state, interval=1, max_concurrent=max_concurrent,
-                       writer_threads=writer_threads, chunk_size=chunk_size, dram_budget=budget) as ck:
+    with _open(checkpointer, Path(path), state, interval=1, max_concurrent=max_concurrent,
+               writer_threads=writer_threads, chunk_size=chunk_size, dram_budget=budget) as ck:
         step = (ck.last_durable_step or 0) + 1
         for i in range(warmup + repeats):
             ck.checkpoint(step)
@@ -419,11 +203,12 @@ def _update_time(state: EmulatedState, iterations: int = 7) -> float:
     return statistics.median(times)
 
 
-def write_time(path: str | os.PathLike[str], state: EmulatedState, *, n: int, iter_time: float,
+def write_time(path: str | os.PathLike[str], state: EmulatedState, checkpointer: CheckpointerFactory, *,
+               n: int, iter_time: float,
                writer_threads: int, chunk_size: int, dram_budget: int | None,
                checkpoints: int | None = None, warmup: int | None = None,
                update_s: float | None = None) -> WriteTimeSample:
-    """T_w under N concurrent checkpoints, as §3.4 describes: a Checkpointer with
+    """T_w under N concurrent checkpoints, as §3.4 describes: a ``checkpointer`` with
     ``max_concurrent=n`` and ``interval=1`` gets a checkpoint after every emulated iteration of
     ``iter_time`` seconds (sleep ``iter_time - update_s``, then :meth:`EmulatedState.mutate`), so
     one is issued every ``t`` seconds and, when ``T_w > N*t``, N are in flight with maximum
@@ -443,8 +228,8 @@ def write_time(path: str | os.PathLike[str], state: EmulatedState, *, n: int, it
     if iter_time <= 0:
         raise ConfigError(f"iter_time must be > 0 seconds, got {iter_time}")
     base = _update_time(state) if update_s is None else update_s
-    with _checkpointer(Path(path), state, interval=1, max_concurrent=n, writer_threads=writer_threads,
-                       chunk_size=chunk_size, dram_budget=dram_budget) as ck:
+    with _open(checkpointer, Path(path), state, interval=1, max_concurrent=n, writer_threads=writer_threads,
+               chunk_size=chunk_size, dram_budget=dram_budget) as ck:
         return _write_time_on(ck, state, n, iter_time, base, checkpoints, warmup)
 
 
@@ -493,12 +278,13 @@ def _iterate(state: EmulatedState, iter_time: float, update_s: float) -> None:
     state.mutate()
 
 
-def blocked_time(path: str | os.PathLike[str], state: EmulatedState, *, iter_time: float, interval: int,
+def blocked_time(path: str | os.PathLike[str], state: EmulatedState, checkpointer: CheckpointerFactory, *,
+                 iter_time: float, interval: int,
                  writer_threads: int, chunk_size: int, dram_budget: int | None, cycles: int = 6,
                  update_s: float | None = None) -> BlockedSample:
     """B end to end: what one checkpoint costs training when it does not wait for another.
 
-    A Checkpointer with N = 1; each cycle is one checkpoint call followed by ``2 * interval``
+    A ``checkpointer`` with N = 1; each cycle is one checkpoint call followed by ``2 * interval``
     emulated iterations. Choose ``interval`` so that ``interval * t`` exceeds T_w: then all of a
     checkpoint's effects (the call itself, the optimizer step waiting for the background copy,
     the copy's and the writers' interference with the updates) fall into the first half of its
@@ -510,8 +296,8 @@ def blocked_time(path: str | os.PathLike[str], state: EmulatedState, *, iter_tim
     if interval < 1 or cycles < 1:
         raise ConfigError(f"need interval >= 1 and cycles >= 1, got {interval} and {cycles}")
     u = _update_time(state) if update_s is None else update_s
-    with _checkpointer(Path(path), state, interval=1, max_concurrent=1, writer_threads=writer_threads,
-                       chunk_size=chunk_size, dram_budget=dram_budget) as ck:
+    with _open(checkpointer, Path(path), state, interval=1, max_concurrent=1, writer_threads=writer_threads,
+               chunk_size=chunk_size, dram_budget=dram_budget) as ck:
         return _blocked_time_on(ck, state, iter_time, interval, cycles, u, warm=True)
 
 
@@ -558,9 +344,11 @@ def scratch_subdir(path: str | os.PathLike[str]) -> Iterator[Path]:
         shutil.rmtree(sub, ignore_errors=True)
 
 
-def run_profile(spec: ProfileSpec, progress: ProgressFn | None = None, tol: float = 0.05) -> Profile:
-    """Runs every profiler for ``spec`` on a scratch subdirectory of ``spec.path``; returns all
-    measurements (the choice is :func:`pccheck.tuner.search.choose`'s job).
+def run_profile(spec: ProfileSpec, checkpointer: CheckpointerFactory, progress: ProgressFn | None = None,
+                tol: float = 0.05) -> Profile:
+    """Runs every profiler for ``spec`` on a scratch subdirectory of ``spec.path``, through
+    ``checkpointer`` (the Checkpointer class, ``pccheck.Checkpointer``); returns all measurements
+    (the choice is :func:`pccheck.tuner.search.choose`'s job). ``progress`` is told of each step.
 
     T_S: the thread counts at 64 MiB chunks (or the one chunk size given) in increasing order until
     one does not beat the best so far by more than ``tol`` (more writers cannot help a saturated
@@ -571,6 +359,33 @@ def run_profile(spec: ProfileSpec, progress: ProgressFn | None = None, tol: floa
     iteration time alone covers T_w, or the time a checkpoint blocks training already needs an
     interval at least as long as eq. (3) does.
     """
+    run = _Run(spec, checkpointer, _n_max_that_fits(spec), progress, tol)
+    t_start = time.perf_counter()
+    run.step(f"allocating {spec.state_bytes / MiB:.0f} MiB of state")
+    with run.phase("setup_s"):
+        state = EmulatedState(spec.state_bytes, spec.device, spec.use_torch)
+    try:
+        with run.phase("copy_s"):
+            copies = run.copy_sweep(state)
+        with scratch_subdir(spec.path) as sub:
+            with run.phase("storage_s"):
+                storage = run.storage_sweep(sub, state)
+            p_star, b_star = pick_storage(storage, tol)
+            with run.phase("write_s"):
+                update_s = run.update_time(state)
+                writes, blocked = run.write_sweep(sub, state, p_star, b_star, update_s)
+        run.finish()
+    finally:
+        state.close()
+    return Profile(tuple(copies), tuple(storage), tuple(writes), state_bytes=spec.state_bytes // 4 * 4,
+                   iter_time=spec.iter_time, device=state.device, soft_cow=state.use_torch,
+                   storage_mode=storage[0].mode, seconds=time.perf_counter() - t_start, phases=run.phases,
+                   update_s=update_s, blocked=blocked)
+
+
+def _n_max_that_fits(spec: ProfileSpec) -> int:
+    """:meth:`ProfileSpec.n_max`, lowered (with a warning) to what the free space at ``spec.path``
+    holds; ConfigError when not even N = 1 fits the budget or the disk."""
     n_max = spec.n_max()
     if n_max < 1:
         raise ConfigError(f"the storage budget ({spec.storage_budget} bytes) holds fewer than 2 checkpoints of "
@@ -585,124 +400,148 @@ def run_profile(spec: ProfileSpec, progress: ProgressFn | None = None, tol: floa
         log.warning("pccheck-tune: only %d bytes free at %s: trying N up to %d instead of %d",
                     free, spec.path, fits, n_max)
         n_max = fits
-    progress = progress or (lambda label, done, total: None)
-    chunks = tuple(sorted({min(c, _round_block(spec.state_bytes)) for c in spec.chunks}))
-    threads = tuple(sorted(set(spec.threads)))
-    base_chunk = DEFAULT_CHUNK if DEFAULT_CHUNK in chunks else (min(chunks, key=lambda c: abs(c - DEFAULT_CHUNK)))
-    if spec.exhaustive:
-        storage_plan = [(p, c) for p in threads for c in chunks]
-    else:
-        storage_plan = [(p, base_chunk) for p in threads]  # then (p*, c) for the other chunks
-    total = len(chunks) + len(threads) + len(chunks) - 1 + n_max + 2
-    done = 0
-    phases: dict[str, float] = {}
-    t_start = time.perf_counter()
+    return n_max
 
-    progress(f"allocating {spec.state_bytes / MiB:.0f} MiB of state", done, total)
-    t0 = time.perf_counter()
-    state = EmulatedState(spec.state_bytes, spec.device, spec.use_torch)
-    phases["setup_s"] = time.perf_counter() - t0
-    try:
+
+class _Run:
+    """One :func:`run_profile`: the sweeps it makes, in order, and the progress count and phase
+    times they leave. Each sweep method is one phase of the profile."""
+
+    def __init__(self, spec: ProfileSpec, checkpointer: CheckpointerFactory, n_max: int,
+                 progress: ProgressFn | None, tol: float) -> None:
+        self.spec, self.checkpointer, self.n_max, self.tol = spec, checkpointer, n_max, tol
+        self._progress = progress or (lambda label, done, total: None)
+        self.chunks = tuple(sorted({min(c, _round_block(spec.state_bytes)) for c in spec.chunks}))
+        self.threads = tuple(sorted(set(spec.threads)))
+        self.base_chunk = (DEFAULT_CHUNK if DEFAULT_CHUNK in self.chunks
+                           else min(self.chunks, key=lambda c: abs(c - DEFAULT_CHUNK)))
+        self.total = len(self.chunks) + len(self.threads) + len(self.chunks) - 1 + n_max + 2
+        self.done = 0
+        self.phases: dict[str, float] = {}
+
+    def step(self, label: str) -> None:
+        """Reports the step about to run."""
+        self._progress(label, self.done, self.total)
+
+    def finish(self) -> None:
+        """Reports the end (every step done, skipped ones included)."""
+        self._progress("done", self.total, self.total)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Records the wall seconds of the block as ``phases[name]`` (when it does not raise)."""
         t0 = time.perf_counter()
+        yield
+        self.phases[name] = time.perf_counter() - t0
+
+    def copy_sweep(self, state: EmulatedState) -> list[CopySample]:
+        """T_G for every chunk size."""
         copies = []
         # One pool-like buffer for every chunk size: it is touched once, not once per size.
-        scratch = host_chunks(2 * max(chunks)) if state.device != "cuda" else None
-        for c in chunks:
-            progress(f"T_G: copy bandwidth, {c / MiB:g} MiB chunks", done, total)
+        scratch = host_chunks(2 * max(self.chunks)) if state.device != "cuda" else None
+        for c in self.chunks:
+            self.step(f"T_G: copy bandwidth, {c / MiB:g} MiB chunks")
             copies.append(copy_bandwidth(state, c, repeats=2, scratch=scratch))
-            done += 1
-        del scratch
-        phases["copy_s"] = time.perf_counter() - t0
+            self.done += 1
+        return copies
 
-        with scratch_subdir(spec.path) as sub:
-            t0 = time.perf_counter()
-            storage: list[StorageSample] = []
-            first = True
-            for p, c in storage_plan:
-                progress(f"T_S: {p} writer thread(s), {c / MiB:g} MiB chunks", done, total)
-                # The first probe writes every slot once (untimed), so no timed write pays for
-                # converting the unwritten extents of a freshly allocated file.
-                best = max((x.bytes_per_s for x in storage), default=None)
-                storage.append(storage_bandwidth(sub, state, writer_threads=p, chunk_size=c,
-                                                 dram_budget=spec.dram_budget, max_concurrent=n_max,
-                                                 repeats=spec.storage_repeats, warmup=n_max + 1 if first else 1))
-                first = False
-                done += 1
-                if not spec.exhaustive and best is not None and storage[-1].bytes_per_s <= best * (1.0 + tol):
-                    skipped = [q for q, _ in storage_plan if q > p]
-                    if skipped:
-                        log.info("pccheck-tune: %d writer threads are no faster than fewer (%.2f vs %.2f GB/s): "
-                                 "not trying %s", p, storage[-1].bytes_per_s / 1e9, best / 1e9, skipped)
-                        done += len(skipped)
-                    break
-            if not spec.exhaustive:
-                p_star = _pick_threads(storage, tol)
-                for c in chunks:
-                    if c == base_chunk:
-                        continue
-                    progress(f"T_S: {p_star} writer thread(s), {c / MiB:g} MiB chunks", done, total)
-                    storage.append(storage_bandwidth(sub, state, writer_threads=p_star, chunk_size=c,
-                                                     dram_budget=spec.dram_budget, max_concurrent=n_max,
-                                                     repeats=spec.storage_repeats))
-                    done += 1
-            phases["storage_s"] = time.perf_counter() - t0
-            p_star, b_star = pick_storage(storage, tol)
+    def storage_sweep(self, sub: Path, state: EmulatedState) -> list[StorageSample]:
+        """T_S: every (threads, chunk) pair when exhaustive; else the thread counts at the base
+        chunk (until more stop helping), then the other chunk sizes at the best thread count."""
+        if self.spec.exhaustive:
+            return self._thread_sweep(sub, state, [(p, c) for p in self.threads for c in self.chunks])
+        storage = self._thread_sweep(sub, state, [(p, self.base_chunk) for p in self.threads])
+        p_star = pick_storage(storage, self.tol)[0]
+        for c in self.chunks:
+            if c == self.base_chunk:
+                continue
+            self.step(f"T_S: {p_star} writer thread(s), {c / MiB:g} MiB chunks")
+            storage.append(self._storage(sub, state, p_star, c))
+            self.done += 1
+        return storage
 
-            t0 = time.perf_counter()
-            update_s = _update_time(state)
-            if update_s > spec.iter_time:
-                log.warning("pccheck-tune: one update pass over the %d-byte state takes %.3f s on this host, more "
-                            "than the iteration time t = %.3f s; the emulated iterations last %.3f s",
-                            spec.state_bytes, update_s, spec.iter_time, update_s)
-            writes: list[WriteTimeSample] = []
-            blocked: BlockedSample | None = None
-            for n in range(1, n_max + 1):
-                progress(f"T_w: N={n} in flight, a checkpoint every {spec.iter_time * 1e3:g} ms", done, total)
-                with _checkpointer(sub, state, interval=1, max_concurrent=n, writer_threads=p_star,
-                                   chunk_size=b_star, dram_budget=spec.dram_budget) as ck:
-                    w = _write_time_on(ck, state, n, spec.iter_time, update_s)
-                    writes.append(w)
-                    done += 1
-                    log.info("pccheck-tune: N=%d: T_w %.3f s (T_w/N %.3f s), blocked %.3f s, stall %.3f s",
-                             n, w.tw_s, w.tw_per_n, w.blocked_s, w.stall_s)
-                    if n == 1:
-                        # B end to end, with checkpoints far enough apart that none stalls (the
-                        # same Checkpointer: its pool is allocated and touched once)
-                        f_probe = max(2, math.ceil(1.25 * w.tw_s / spec.iter_time))
-                        progress(f"B: a checkpoint every {f_probe} iterations", done, total)
-                        blocked = _blocked_time_on(ck, state, spec.iter_time, f_probe, 5, update_s, warm=False)
-                        log.info("pccheck-tune: B %.3f s per checkpoint at interval %d (cycles %s)",
-                                 blocked.blocked_s, f_probe, ", ".join(f"{x:.3f}" for x in blocked.cycles))
-                if spec.exhaustive:
-                    continue
-                if n == 1 and w.tw_s <= spec.iter_time:
-                    log.info("pccheck-tune: T_w %.3f s <= t %.3f s: more than one in flight cannot help", w.tw_s,
-                             spec.iter_time)
-                    break
-                if n == 1 and spec.max_overhead > 1 and blocked is not None and blocked.blocked_s > 0 and (
-                        model.min_interval(0.0, 1, spec.max_overhead, spec.iter_time, blocked.blocked_s)
-                        >= model.interval_eq3(w.tw_s, 1, spec.max_overhead, spec.iter_time)):
-                    # The time each checkpoint costs training, not T_w, sets the interval; it does
-                    # not shrink with more in flight, so a larger N cannot give a smaller interval.
-                    log.info("pccheck-tune: B %.3f s per checkpoint limits the interval, not T_w: N=1 suffices",
-                             blocked.blocked_s)
-                    break
-                best = min(x.tw_per_n for x in writes[:-1]) if n > 1 else None
-                if best is not None and w.tw_per_n > best * (1.0 - tol):
-                    break  # T_w/N stopped improving: larger N only adds contention (§3.4)
-            phases["write_s"] = time.perf_counter() - t0
-            mode = storage[0].mode
-        progress("done", total, total)
-    finally:
-        state.close()
-    return Profile(tuple(copies), tuple(storage), tuple(writes), state_bytes=spec.state_bytes // 4 * 4,
-                   iter_time=spec.iter_time, device=state.device, soft_cow=state.use_torch,
-                   storage_mode=mode, seconds=time.perf_counter() - t_start, phases=phases, update_s=update_s,
-                   blocked=blocked)
+    def _thread_sweep(self, sub: Path, state: EmulatedState, plan: Sequence[tuple[int, int]]) -> list[StorageSample]:
+        """T_S for each (threads, chunk) of ``plan`` in order; unless exhaustive, stops after the
+        first that does not beat the best so far by more than ``tol``."""
+        storage: list[StorageSample] = []
+        for p, c in plan:
+            self.step(f"T_S: {p} writer thread(s), {c / MiB:g} MiB chunks")
+            # The first probe writes every slot once (untimed), so no timed write pays for
+            # converting the unwritten extents of a freshly allocated file.
+            best = max((x.bytes_per_s for x in storage), default=None)
+            storage.append(self._storage(sub, state, p, c, warmup=self.n_max + 1 if not storage else 1))
+            self.done += 1
+            if not self.spec.exhaustive and best is not None and storage[-1].bytes_per_s <= best * (1.0 + self.tol):
+                skipped = [q for q, _ in plan if q > p]
+                if skipped:
+                    log.info("pccheck-tune: %d writer threads are no faster than fewer (%.2f vs %.2f GB/s): "
+                             "not trying %s", p, storage[-1].bytes_per_s / 1e9, best / 1e9, skipped)
+                    self.done += len(skipped)
+                break
+        return storage
 
+    def _storage(self, sub: Path, state: EmulatedState, threads: int, chunk: int, **kw: Any) -> StorageSample:
+        return storage_bandwidth(sub, state, self.checkpointer, writer_threads=threads, chunk_size=chunk,
+                                 dram_budget=self.spec.dram_budget, max_concurrent=self.n_max,
+                                 repeats=self.spec.storage_repeats, **kw)
 
-def _pick_threads(storage: Sequence[StorageSample], tol: float) -> int:
-    return pick_storage(storage, tol)[0]
+    def update_time(self, state: EmulatedState) -> float:
+        """One update with no checkpoint running (:func:`_update_time`); warns when it exceeds t."""
+        update_s = _update_time(state)
+        if update_s > self.spec.iter_time:
+            log.warning("pccheck-tune: one update pass over the %d-byte state takes %.3f s on this host, more "
+                        "than the iteration time t = %.3f s; the emulated iterations last %.3f s",
+                        self.spec.state_bytes, update_s, self.spec.iter_time, update_s)
+        return update_s
+
+    def write_sweep(self, sub: Path, state: EmulatedState, p_star: int, b_star: int,
+                    update_s: float) -> tuple[list[WriteTimeSample], BlockedSample | None]:
+        """T_w for N = 1, 2, ... (until a larger N cannot help, unless exhaustive), and B after N = 1."""
+        spec = self.spec
+        writes: list[WriteTimeSample] = []
+        blocked: BlockedSample | None = None
+        for n in range(1, self.n_max + 1):
+            self.step(f"T_w: N={n} in flight, a checkpoint every {spec.iter_time * 1e3:g} ms")
+            with _open(self.checkpointer, sub, state, interval=1, max_concurrent=n, writer_threads=p_star,
+                       chunk_size=b_star, dram_budget=spec.dram_budget) as ck:
+                w = _write_time_on(ck, state, n, spec.iter_time, update_s)
+                writes.append(w)
+                self.done += 1
+                log.info("pccheck-tune: N=%d: T_w %.3f s (T_w/N %.3f s), blocked %.3f s, stall %.3f s",
+                         n, w.tw_s, w.tw_per_n, w.blocked_s, w.stall_s)
+                if n == 1:  # the same Checkpointer: its pool is allocated and touched once
+                    blocked = self._blocked(ck, state, w, update_s)
+            if not spec.exhaustive and self._enough(writes, blocked):
+                break
+        return writes, blocked
+
+    def _blocked(self, ck: Any, state: EmulatedState, w: WriteTimeSample, update_s: float) -> BlockedSample:
+        """B end to end on ``ck``, with checkpoints far enough apart (after T_w ``w``) that none stalls."""
+        f_probe = max(2, math.ceil(1.25 * w.tw_s / self.spec.iter_time))
+        self.step(f"B: a checkpoint every {f_probe} iterations")
+        blocked = _blocked_time_on(ck, state, self.spec.iter_time, f_probe, 5, update_s, warm=False)
+        log.info("pccheck-tune: B %.3f s per checkpoint at interval %d (cycles %s)",
+                 blocked.blocked_s, f_probe, ", ".join(f"{x:.3f}" for x in blocked.cycles))
+        return blocked
+
+    def _enough(self, writes: Sequence[WriteTimeSample], blocked: BlockedSample | None) -> bool:
+        """Whether, after the T_w just measured (the last of ``writes``), a larger N cannot help."""
+        spec, w = self.spec, writes[-1]
+        if w.n == 1 and w.tw_s <= spec.iter_time:
+            log.info("pccheck-tune: T_w %.3f s <= t %.3f s: more than one in flight cannot help", w.tw_s,
+                     spec.iter_time)
+            return True
+        if w.n == 1 and spec.max_overhead > 1 and blocked is not None and blocked.blocked_s > 0 and (
+                model.min_interval(0.0, 1, spec.max_overhead, spec.iter_time, blocked.blocked_s)
+                >= model.interval_eq3(w.tw_s, 1, spec.max_overhead, spec.iter_time)):
+            # The time each checkpoint costs training, not T_w, sets the interval; it does
+            # not shrink with more in flight, so a larger N cannot give a smaller interval.
+            log.info("pccheck-tune: B %.3f s per checkpoint limits the interval, not T_w: N=1 suffices",
+                     blocked.blocked_s)
+            return True
+        best = min(x.tw_per_n for x in writes[:-1]) if w.n > 1 else None
+        # T_w/N stopped improving: larger N only adds contention (§3.4)
+        return best is not None and w.tw_per_n > best * (1.0 - self.tol)
 
 
 def _round_block(n: int) -> int:

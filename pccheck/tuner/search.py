@@ -17,13 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError
 from . import model
-
-if TYPE_CHECKING:  # only attribute access at run time; no import cycle with profile.py
-    from .profile import Profile, StorageSample, WriteTimeSample
+from .samples import Profile, StorageSample, WriteTimeSample
 
 __all__ = ["Constraints", "Choice", "choose", "pick_storage", "DEFAULT_TOL", "DEFAULT_THREADS_CHOICE",
            "DEFAULT_CHUNK_CHOICE"]
@@ -125,76 +123,29 @@ def choose(profile: Profile, c: Constraints, tol: float = DEFAULT_TOL) -> Choice
         raise ConfigError("the profile has no T_w measurement; profile at least N = 1")
     m, t, q = c.state_bytes, c.iter_time, c.max_overhead
     dram = c.dram_budget if c.dram_budget is not None else 2 * m
-    notes: list[str] = []
     p, b = pick_storage(profile.storage, tol)
     ts = max(s.bytes_per_s for s in profile.storage if s.writer_threads == p and s.chunk_size == b)
     tg_by_chunk = {s.chunk_size: s.bytes_per_s for s in profile.copy}
     tg = tg_by_chunk.get(b) or (max(tg_by_chunk.values()) if tg_by_chunk else 0.0)
     best_ts = max(s.bytes_per_s for s in profile.storage)
     load_s, load_est = (c.load_s, False) if c.load_s is not None else (m / best_ts, True)
-    writes: Sequence[WriteTimeSample] = profile.write
-    if c.storage_budget is not None:
-        writes = [w for w in writes if (w.n + 1) * m <= c.storage_budget] or [min(writes, key=lambda w: w.n)]
+    writes = _affordable_writes(profile.write, c)
     paper_n = min(writes, key=lambda w: (w.tw_per_n, w.n)).n
-    # B, what one checkpoint costs training apart from waiting for another: measured end to end
-    # with spaced checkpoints when the profile has it (profile.blocked), else from the T_w runs.
-    # It cannot shrink when more checkpoints may be in flight (more contention, never less), so
-    # B(N) is the largest value measured at any N' <= N; a larger N wins only through eq. (3).
-    blocked: dict[int, float] = {}
-    for w in sorted(writes, key=lambda w: w.n):
-        own = profile.blocked.blocked_s if profile.blocked is not None else w.blocked_s
-        blocked[w.n] = max([own] + [v for k, v in blocked.items() if k < w.n])
-
-    def bl(w: WriteTimeSample) -> float:
-        return blocked[w.n]
-
-    lam = c.failure_rate / 3600.0 if c.failure_rate is not None else None
-    yd = None
-    if lam is None:
-        objective = "overhead"
-        if q == 1.0 and any(bl(w) > 0 for w in writes):
-            notes.append("q = 1 allows no blocked copy at all; the blocked time is ignored (eq. (3) only)")
-
-        def f_of(w: WriteTimeSample) -> int:
-            if q == 1.0:
-                return model.interval_eq3(w.tw_s, w.n, q, t)
-            return model.min_interval(w.tw_s, w.n, q, t, bl(w))
-
-        w = min(writes, key=lambda w: (f_of(w), w.n))
-        f = f_of(w)
-        waste = goodput = None
+    blocked = _blocked_by_n(profile, writes)
+    notes: list[str] = []
+    if c.failure_rate is None:
+        pick = _pick_overhead(writes, blocked, q, t, notes)
     else:
-        objective = "goodput"
-
-        def f_of(w: WriteTimeSample) -> int:
-            return model.goodput_interval(t, w.tw_s, w.n, lam, load_s, bl(w))
-
-        def waste_of(w: WriteTimeSample) -> float:
-            return model.waste_fraction(f_of(w), t, w.tw_s, w.n, lam, load_s, bl(w))
-
-        w = min(writes, key=lambda w: (waste_of(w), w.n))
-        f = f_of(w)
-        waste = waste_of(w)
-        goodput = 1.0 / (1.0 + waste)
-        if bl(w) > 0:  # GoCkpt's closed form, with T_ckpt = the time training is blocked
-            yd = model.young_daly_interval(bl(w), lam, t)
-        slow = model.expected_slowdown(f, t, w.tw_s, w.n, bl(w))
-        if slow > q:
-            notes.append(f"goodput objective: expected slowdown {slow:.3f} exceeds q = {q:g} (not enforced)")
-
+        pick = _pick_goodput(writes, blocked, c, load_s, notes)
+    w, f = pick.write, pick.interval
     eq3 = model.interval_eq3(w.tw_s, w.n, q, t)
-    b_star = bl(w)
+    b_star = blocked[w.n]
     fb = model.min_interval(0.0, 1, q, t, b_star) if (b_star > 0 and q > 1) else 0
-    if objective == "overhead" and fb > eq3:
-        notes.append(f"each checkpoint costs training {b_star * 1e3:.1f} ms: "
-                     f"f >= B/((q-1) t) = {fb} sets the interval, not eq. (3) ({eq3})")
-    if w.n != paper_n:
-        gain = "a smaller or equal interval" if objective == "overhead" else "less or equal wasted time"
-        notes.append(f"N = {paper_n} has the lowest T_w/N, but N = {w.n} reaches {gain}")
+    notes += _why_notes(pick, paper_n, eq3, fb, b_star)
     chunk_eff = _effective_chunk(b, m, dram)
     count = max(1, dram // chunk_eff)
     return Choice(
-        objective=objective,
+        objective=pick.objective,
         max_concurrent=w.n,
         writer_threads=p,
         chunk_size=b,
@@ -215,9 +166,95 @@ def choose(profile: Profile, c: Constraints, tol: float = DEFAULT_TOL) -> Choice
         dram_bytes=count * chunk_eff,
         max_overhead=q,
         failure_rate=c.failure_rate,
-        young_daly_interval=yd,
-        waste_fraction=waste,
-        goodput=goodput,
+        young_daly_interval=pick.young_daly,
+        waste_fraction=pick.waste,
+        goodput=pick.goodput,
         paper_n=paper_n,
         notes=tuple(notes),
     )
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """The N (its T_w sample) and interval one objective picked, with what that objective reports."""
+
+    objective: str                   # "overhead" or "goodput"
+    write: WriteTimeSample
+    interval: int
+    waste: float | None = None       # goodput objective only
+    goodput: float | None = None
+    young_daly: float | None = None
+
+
+def _affordable_writes(writes: Sequence[WriteTimeSample], c: Constraints) -> Sequence[WriteTimeSample]:
+    """The T_w samples whose N+1 slots fit the storage budget (the smallest N when none does)."""
+    if c.storage_budget is None:
+        return writes
+    m = c.state_bytes
+    return [w for w in writes if (w.n + 1) * m <= c.storage_budget] or [min(writes, key=lambda w: w.n)]
+
+
+def _blocked_by_n(profile: Profile, writes: Sequence[WriteTimeSample]) -> dict[int, float]:
+    """B(N) for every N of ``writes``, in seconds.
+
+    B, what one checkpoint costs training apart from waiting for another: measured end to end
+    with spaced checkpoints when the profile has it (profile.blocked), else from the T_w runs.
+    It cannot shrink when more checkpoints may be in flight (more contention, never less), so
+    B(N) is the largest value measured at any N' <= N; a larger N wins only through eq. (3).
+    """
+    blocked: dict[int, float] = {}
+    for w in sorted(writes, key=lambda w: w.n):
+        own = profile.blocked.blocked_s if profile.blocked is not None else w.blocked_s
+        blocked[w.n] = max([own] + [v for k, v in blocked.items() if k < w.n])
+    return blocked
+
+
+def _pick_overhead(writes: Sequence[WriteTimeSample], blocked: dict[int, float], q: float, t: float,
+                   notes: list[str]) -> _Pick:
+    """The paper's objective: the N with the smallest interval whose slowdown stays within q."""
+    if q == 1.0 and any(blocked[w.n] > 0 for w in writes):
+        notes.append("q = 1 allows no blocked copy at all; the blocked time is ignored (eq. (3) only)")
+
+    def f_of(w: WriteTimeSample) -> int:
+        if q == 1.0:
+            return model.interval_eq3(w.tw_s, w.n, q, t)
+        return model.min_interval(w.tw_s, w.n, q, t, blocked[w.n])
+
+    w = min(writes, key=lambda w: (f_of(w), w.n))
+    return _Pick("overhead", w, f_of(w))
+
+
+def _pick_goodput(writes: Sequence[WriteTimeSample], blocked: dict[int, float], c: Constraints, load_s: float,
+                  notes: list[str]) -> _Pick:
+    """With a failure rate: the (N, f) that wastes the least time; q is only reported."""
+    assert c.failure_rate is not None
+    lam = c.failure_rate / 3600.0
+    t = c.iter_time
+
+    def f_of(w: WriteTimeSample) -> int:
+        return model.goodput_interval(t, w.tw_s, w.n, lam, load_s, blocked[w.n])
+
+    def waste_of(w: WriteTimeSample) -> float:
+        return model.waste_fraction(f_of(w), t, w.tw_s, w.n, lam, load_s, blocked[w.n])
+
+    w = min(writes, key=lambda w: (waste_of(w), w.n))
+    f = f_of(w)
+    b = blocked[w.n]
+    yd = model.young_daly_interval(b, lam, t) if b > 0 else None  # GoCkpt's, with T_ckpt = B
+    slow = model.expected_slowdown(f, t, w.tw_s, w.n, b)
+    if slow > c.max_overhead:
+        notes.append(f"goodput objective: expected slowdown {slow:.3f} exceeds q = {c.max_overhead:g} (not enforced)")
+    waste = waste_of(w)
+    return _Pick("goodput", w, f, waste=waste, goodput=1.0 / (1.0 + waste), young_daly=yd)
+
+
+def _why_notes(pick: _Pick, paper_n: int, eq3: int, fb: int, b_star: float) -> list[str]:
+    """Notes on what set the interval and why N* differs from the paper's argmin T_w/N."""
+    notes = []
+    if pick.objective == "overhead" and fb > eq3:
+        notes.append(f"each checkpoint costs training {b_star * 1e3:.1f} ms: "
+                     f"f >= B/((q-1) t) = {fb} sets the interval, not eq. (3) ({eq3})")
+    if pick.write.n != paper_n:
+        gain = "a smaller or equal interval" if pick.objective == "overhead" else "less or equal wasted time"
+        notes.append(f"N = {paper_n} has the lowest T_w/N, but N = {pick.write.n} reaches {gain}")
+    return notes
