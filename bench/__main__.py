@@ -10,7 +10,7 @@ Order (each later step uses numbers measured by the earlier ones, in the same ru
 1. ``recovery``  cold load of one checkpoint (bench.recovery) -> recovery.{csv,png,json}
 2. ``fig11``     time to persist one checkpoint vs size (bench.fig11 over bench.persist) -> fig11.*
 3. ``fig8``      throughput vs checkpoint interval, emulated GPU and a real CPU model, every policy,
-                 the tuner's pick (bench.fig8 over bench.overhead + bench.policies) -> fig8.*
+                 the tuner's pick (bench.fig8 over bench.overhead + bench.systems) -> fig8.*
 4. ``fig12``     sensitivity to N, writer threads, chunk size and DRAM budget (bench.fig12) -> fig12.*
 5. ``fig9``      goodput under preemption: the replay simulator (bench.goodput) fed with 1-3 ->
                  fig9-goodput.*, fig9-inputs.json (replay other traces later with
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import fig8, fig11, fig12, goodput, recovery
-from bench._common import format_size, host_info, machine_label, write_csv, write_json
+from bench._common import fmt, format_size, host_info, machine_label, write_csv, write_json
 
 _BENCH_DIR = Path(__file__).resolve().parent
 STEPS = ("recovery", "fig11", "fig8", "fig12", "fig9")
@@ -162,10 +162,6 @@ def _margin(value: float | None, limit: float, higher_is_better: bool = True) ->
     return f"**met** by {d}x ({pct:.1f}%)" if ok else f"**missed** by {d}x ({pct:.1f}% of the target)"
 
 
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _cell(cells: Sequence[Mapping[str, Any]], system: str, interval: int) -> Mapping[str, Any] | None:
     return next((c for c in cells if c["system"] == system and c["interval"] == interval), None)
 
@@ -213,8 +209,8 @@ def _why_goodput(g: Mapping[str, Any], res8: Mapping[str, Any]) -> str:
             f"iterations of {1e3 * pc['iter_s']:.0f}-{1e3 * cf['iter_s']:.0f} ms, so goodput is within a few % of "
             f"failure-free throughput and the ratio is the throughput ratio at interval {f}: {thr:.2f}x "
             f"({pc['throughput']:.2f} vs {cf['throughput']:.2f} it/s). CheckFreq is "
-            f"{_fmt(cfc and cfc['slowdown'], '.2f')}x slower than no checkpointing here (T_w = {cf['tw_s']:.2f} s, "
-            f"period {f * cf['iter_s']:.2f} s: {stall}); {g['headline']} is {_fmt(pcc and pcc['slowdown'], '.3f')}x. "
+            f"{fmt(cfc and cfc['slowdown'], '.2f')}x slower than no checkpointing here (T_w = {cf['tw_s']:.2f} s, "
+            f"period {f * cf['iter_s']:.2f} s: {stall}); {g['headline']} is {fmt(pcc and pcc['slowdown'], '.3f')}x. "
             f"2.5x would need CheckFreq >= {2.5 * (pcc['slowdown'] if pcc else 1):.2f}x slower, the regime of the "
             "paper's 2.86x, where one checkpoint takes many iteration periods to write (multi-GB states on pd-ssd).")
 
@@ -230,14 +226,14 @@ def _why_load(rec: Mapping[str, Any]) -> str:
     def best(k: str) -> float | None:
         return r.get(k, {}).get("min_s")
 
-    ft, crc = best("first_touch"), best("crc32c")
+    crc = best("crc32c")
     ft_range = (r.get("first_touch", {}).get("min_s"), r.get("first_touch", {}).get("max_s"))
-    return (f"pccheck {pc:.2f} s vs raw O_DIRECT {raw:.2f} s into pre-touched memory ({_fmt(fresh, '.2f')} s into "
+    return (f"pccheck {pc:.2f} s vs raw O_DIRECT {raw:.2f} s into pre-touched memory ({fmt(fresh, '.2f')} s into "
             f"fresh memory, which is what a restarted process has). pccheck reads the slot's data region with "
             f"O_DIRECT (2 threads, 32 MiB pieces) into one fresh huge-page mapping, a third thread faulting the "
             f"pieces in ahead of the reads, and checksums each piece as it lands (crc32c alone: best "
-            f"{_fmt(crc, '.2f')} s). What is left over the raw read is the first touch of fresh memory, which on "
-            f"this VM varies from {_fmt(ft_range[0], '.2f')} s to {_fmt(ft_range[1], '.2f')} s for {rec['size']} "
+            f"{fmt(crc, '.2f')} s). What is left over the raw read is the first touch of fresh memory, which on "
+            f"this VM varies from {fmt(ft_range[0], '.2f')} s to {fmt(ft_range[1], '.2f')} s for {rec['size']} "
             f"(first_touch in recovery.csv): the reads wait for it whenever it is slower than the device."
             + (f" `load_latest(zero_copy=True)` (verified read-only views of the file's page cache, no fresh "
                f"anonymous memory) takes {zc:.2f} s, {raw / zc:.2f}x the raw read." if (zc := r.get(
@@ -271,8 +267,8 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
     notes: list[str] = []
     if "fig11" in run:
         for t in run["fig11"]["targets"]:
-            L.append(f"| persist 1 GiB: pccheck speed / raw O_DIRECT | {_fmt(t['value'], '.2f')}x "
-                     f"({_fmt(t['pccheck_s'])} s vs {_fmt(t['raw_s'])} s) | >= {t['limit']}x | {_margin(t['value'], t['limit'])} "
+            L.append(f"| persist 1 GiB: pccheck speed / raw O_DIRECT | {fmt(t['value'], '.2f')}x "
+                     f"({fmt(t['pccheck_s'], '.3f')} s vs {fmt(t['raw_s'], '.3f')} s) | >= {t['limit']}x | {_margin(t['value'], t['limit'])} "
                      "| no training; 4 float32 arrays in RAM |")
             if (w := _why_persist(t)):
                 notes.append(f"- persist: {w}")
@@ -289,16 +285,16 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
             runs = t.get("runs_it_per_s") or []
             noise = (f"; it/s of the {len(runs)} runs {', '.join(f'{x:.2f}' for x in runs)} (none: "
                      f"{', '.join(f'{x:.2f}' for x in (none or {}).get('it_per_s_runs') or [])})" if len(runs) > 1 else "")
-            L.append(f"| slowdown at interval {tt}, {t['system']}{star} | {_fmt(t['value'])}x | <= {t['limit']}x | "
+            L.append(f"| slowdown at interval {tt}, {t['system']}{star} | {fmt(t['value'], '.3f')}x | <= {t['limit']}x | "
                      f"{res} | GPU EMULATED, {format_size(r8['emulated']['state_bytes'])}, t = {t_ms:.0f} ms; "
-                     f"{t['condition']}; other load {_fmt(t.get('foreign_cpu_util'), '.2f')} CPUs{noise} |")
+                     f"{t['condition']}; other load {fmt(t.get('foreign_cpu_util'), '.2f')} CPUs{noise} |")
             if t["headline"] and (w := _why_slowdown(r8, t)):
                 notes.append(f"- slowdown ({t['system']}): {w}")
     if "fig9" in run:
         g = run["fig9"]
         t = g["target"]
         L.append(f"| goodput / CheckFreq policy, interval {GOODPUT_INTERVAL}, André-rate trace ({g['headline']}) | "
-                 f"{_fmt(t['value'], '.2f')}x (closed form {_fmt(t.get('closed_form'), '.2f')}x) | >= {t['limit']}x | "
+                 f"{fmt(t['value'], '.2f')}x (closed form {fmt(t.get('closed_form'), '.2f')}x) | >= {t['limit']}x | "
                  f"{_margin(t['value'], t['limit'])} | GPU EMULATED (Figure 8), replayed |")
         if (w := _why_goodput(g, run.get("fig8", {}))):
             notes.append(f"- goodput: {w}")
@@ -307,7 +303,7 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
         t = rc["target"]
         r = rc["results"]
         L.append(f"| load {rc['size']} ({'cold' if rc['cold'] else 'WARM cache'}): pccheck speed / raw O_DIRECT read | "
-                 f"{_fmt(t['value'], '.2f')}x ({r['pccheck']['median_s']:.2f} s vs {r['raw_odirect']['median_s']:.2f} s) | "
+                 f"{fmt(t['value'], '.2f')}x ({r['pccheck']['median_s']:.2f} s vs {r['raw_odirect']['median_s']:.2f} s) | "
                  f">= {t['limit']}x | {_margin(t['value'], t['limit'])} | no training; load path only |")
         if (w := _why_load(rc)):
             notes.append(f"- load: {w}")
@@ -335,7 +331,7 @@ def _fig8_table(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         row = []
         for i in ivs:
             c = _cell(cells, s, i)
-            row.append("-" if c is None else f"{c['it_per_s']:.2f} ({_fmt(c['slowdown'], '.2f')}x)"
+            row.append("-" if c is None else f"{c['it_per_s']:.2f} ({fmt(c['slowdown'], '.2f')}x)"
                        + (" *" if fig8.disturbed(c) else ""))
         L.append(f"| {s} | " + " | ".join(row) + " |")
     return L
@@ -370,8 +366,8 @@ def _details(run: Mapping[str, Any]) -> list[str]:
         L.append("| size | " + " | ".join(fig11.SYSTEMS) + " | pccheck / raw |")
         L.append("|---|" + "---|" * (len(fig11.SYSTEMS) + 1))
         for rec in r["results"]:
-            cells = [_fmt(rec.get(f"{s}_s")) for s in fig11.SYSTEMS]
-            L.append(f"| {rec['size']} | " + " | ".join(cells) + f" | {_fmt(rec.get('pccheck_over_raw_odirect'), '.2f')}x |")
+            cells = [fmt(rec.get(f"{s}_s"), ".3f") for s in fig11.SYSTEMS]
+            L.append(f"| {rec['size']} | " + " | ".join(cells) + f" | {fmt(rec.get('pccheck_over_raw_odirect'), '.2f')}x |")
         for n in r.get("notes", []):
             L.append(f"\n{n}")
         L.append("")
@@ -388,7 +384,7 @@ def _details(run: Mapping[str, Any]) -> list[str]:
         L.append(f"## Figures 12-14 analogs: sensitivity [fig12{sfx}.png](fig12{sfx}.png)\n")
         for key, title in (("threads_cells", f"writer threads, interval {r['threads_interval']}"),
                            ("mem_cells", f"chunk size x DRAM budget, interval {r['mem_interval']}")):
-            L.append(f"{title}: " + ", ".join(f"{c['system']} {_fmt(c['slowdown'], '.2f')}x"
+            L.append(f"{title}: " + ", ".join(f"{c['system']} {fmt(c['slowdown'], '.2f')}x"
                                               for c in r[key] if c["system"] != "none") + "\n")
     if "fig9" in run:
         g = run["fig9"]

@@ -1,13 +1,15 @@
 """Small helpers shared by the benchmarks in ``bench/``.
 
 Sizes ("256MiB", "1GiB"), medians, host facts (CPU count, file system and the block driver under a
-path, GPU presence), a scratch directory that is removed afterwards, and the three outputs every
-benchmark writes: a printed table, CSV + JSON, and a PNG bar chart. Heavy libraries (rich,
-matplotlib) are imported lazily inside the functions that need them.
+path, GPU presence, library versions), a scratch directory that is removed afterwards, the command
+line every figure module shares, and the three outputs every benchmark writes: a printed table,
+CSV + JSON, and a PNG chart. Heavy libraries (rich, matplotlib) are imported lazily inside the
+functions that need them.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import datetime as _dt
@@ -17,6 +19,7 @@ import platform
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +31,9 @@ __all__ = [
     "format_size",
     "gbps",
     "summarize",
+    "median_or_none",
+    "fmt",
+    "versions",
     "fs_info",
     "host_info",
     "machine_label",
@@ -37,7 +43,9 @@ __all__ = [
     "write_csv",
     "write_json",
     "bar_chart",
+    "interval_axes",
     "pyplot",
+    "figure_parser",
 ]
 
 _UNITS = {
@@ -88,6 +96,21 @@ def summarize(samples: Sequence[float]) -> dict[str, float]:
         "max": max(samples),
         "n": float(len(samples)),
     }
+
+
+def median_or_none(samples: Sequence[float]) -> float | None:
+    """The median of ``samples``, or None when there are none."""
+    return statistics.median(samples) if samples else None
+
+
+def fmt(x: float | None, spec: str) -> str:
+    """``format(x, spec)``, or "-" for a value that was not measured."""
+    return "-" if x is None else format(x, spec)
+
+
+def versions(names: Sequence[str]) -> dict[str, str]:
+    """Versions of the libraries among ``names`` that this run imported (only those)."""
+    return {name: str(getattr(sys.modules[name], "__version__", "?")) for name in names if name in sys.modules}
 
 
 def _mount_of(path: Path) -> tuple[str, str, str]:
@@ -244,11 +267,12 @@ def bar_chart(
     *,
     title: str,
     ylabel: str,
-) -> None:
-    """Save a grouped bar chart (one group per category, one bar per series) as PNG (Agg backend)."""
+) -> bool:
+    """Save a grouped bar chart (one group per category, one bar per series) as PNG (Agg backend);
+    False when matplotlib is missing (:func:`pyplot` says so)."""
     plt = pyplot(path)
     if plt is None:
-        return
+        return False
 
     n = max(len(series), 1)
     width = 0.8 / n
@@ -263,6 +287,20 @@ def bar_chart(
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
+    return True
+
+
+def interval_axes(ax: Any, intervals: Sequence[int], *, ylabel: str, title: str, title_size: int = 9,
+                  legend_size: int = 8) -> None:
+    """The x axis of every "per checkpoint interval" panel (log scale, one tick per interval), its
+    labels, title, grid and legend."""
+    ax.set_xscale("log")
+    ax.set_xticks(list(intervals), [str(i) for i in intervals])
+    ax.set_xlabel("checkpoint interval (iterations)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=title_size)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
 
 
 def pyplot(path: str | os.PathLike[str] | None = None) -> Any:
@@ -287,3 +325,15 @@ def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def figure_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line every figure module shares: ``--quick``, ``--out`` (results directory) and
+    ``--dir`` (scratch directory on the disk under test)."""
+    bench_dir = Path(__file__).resolve().parent
+    p = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, short windows: a smoke run")
+    p.add_argument("--out", type=Path, default=bench_dir / "results", help="results directory (default: %(default)s)")
+    p.add_argument("--dir", type=Path, default=bench_dir / "_scratch",
+                   help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
+    return p

@@ -18,7 +18,6 @@ Writes ``fig11.csv``, ``fig11.json``, ``fig11.png`` (log-log).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -27,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import persist
-from bench._common import format_size, pyplot, save_figure, write_csv, write_json
+from bench._common import figure_parser, format_size, pyplot, save_figure, write_csv, write_json
+from bench.systems import COLORS
 
 __all__ = ["SYSTEMS", "plan", "run", "targets", "main"]
 
-_BENCH_DIR = Path(__file__).resolve().parent
 SYSTEMS = ("pccheck", "raw_odirect", "torch_save", "safetensors", "dcp_async")
 TARGET_SIZE = 1 << 30
 TARGET_RATIO = 0.9
@@ -122,13 +121,10 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
     plt = pyplot(path)
     if plt is None:
         return False
-    from bench.fig8 import COLORS
-
-    colors = {"pccheck": "#d62728", "raw_odirect": "black", "safetensors": "#17becf", **COLORS}
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for s in SYSTEMS:
         pts = sorted((r["size_bytes"], r[f"{s}_s"]) for r in res["results"] if f"{s}_s" in r)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s, color=colors.get(s),
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s, color=COLORS.get(s),
                 linestyle=":" if s == "raw_odirect" else "-", linewidth=2.5 if s == "pccheck" else 1.5)
     sizes = sorted({r["size_bytes"] for r in res["results"]})
     ax.set_xscale("log", base=2)
@@ -147,11 +143,8 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fig11", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results")
-    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
-    a = p.parse_args(argv)
+    """Command-line entry point."""
+    a = figure_parser("python -m bench.fig11", __doc__).parse_args(argv)
     res = run(a.out, a.quick, a.dir, lambda label: print(f"-- {label}", flush=True))
     print(res["targets"])
     return 0

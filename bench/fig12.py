@@ -4,7 +4,7 @@ Run::
 
     python -m bench.fig12 [--quick] [--out bench/results] [--dir bench/_scratch]
 
-All on the **emulated-GPU** workload of Figure 8 (bench.overhead's ``make_emulated``: the host sleeps
+All on the **emulated-GPU** workload of Figure 8 (bench.workloads' ``make_emulated``: the host sleeps
 50 ms as it would wait for a GPU, then SGD updates all of m = 1 GiB of float32 state), measured with
 bench.overhead's cells (each grid below is one interleaved group with its own ``none`` cell, so every
 slowdown is against a baseline measured beside it):
@@ -23,7 +23,6 @@ Writes ``fig12.csv``, ``fig12.json``, ``fig12.png``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -31,25 +30,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import overhead as ov
-from bench import policies
-from bench._common import (
-    format_size,
-    host_info,
-    machine_label,
-    pyplot,
-    save_figure,
-    scratch_dir,
-    write_csv,
-    write_json,
-)
+from bench._common import figure_parser, format_size, host_info, machine_label, pyplot, save_figure, scratch_dir, \
+    write_csv, write_json
+from bench.overhead import run_cells
+from bench.systems import parse_pccheck_name
+from bench.workloads import make_emulated
 
 __all__ = ["Config", "plan", "run", "main"]
 
-_BENCH_DIR = Path(__file__).resolve().parent
-
 
 class Config:
+    """Grids and window sizes of one run (full or quick)."""
+
     def __init__(self, quick: bool) -> None:
         self.quick = quick
         self.size = (16 << 20) if quick else (1 << 30)
@@ -94,7 +86,7 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
     res: dict[str, Any] = {"benchmark": "bench.fig12", "quick": quick}
     with scratch_dir(workdir) as work:
         res["machine"] = machine_label(host_info(work))
-        wl = ov.make_emulated(cfg.size, cfg.iter_time)
+        wl = make_emulated(cfg.size, cfg.iter_time)
         res["workload"] = {"describe": wl.describe, "state_bytes": wl.state_bytes()}
         if fig8_cells:
             n_cells = [dict(c) for c in fig8_cells
@@ -102,19 +94,18 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
                                                                 c["system"] in [f"pccheck_N{n}" for n in cfg.ns])]
             res["n_source"] = "Figure 8 cells of this run"
         else:
-            n_cells = policies.run_cells(wl, ["none"] + [f"pccheck_N{n}" for n in cfg.ns], cfg.n_intervals,
-                                         cfg.iters, cfg.budget, work,
-                                         quiet_wait=cfg.quiet_wait, retries=cfg.retries,
-                                         on_cell=lambda s, i: tick(f"fig12 N: interval {i}, {s}"))
+            n_cells = run_cells(wl, ["none"] + [f"pccheck_N{n}" for n in cfg.ns], cfg.n_intervals,
+                                cfg.iters, cfg.budget, work, quiet_wait=cfg.quiet_wait, retries=cfg.retries,
+                                on_cell=lambda s, i: tick(f"fig12 N: interval {i}, {s}"))
             res["n_source"] = "measured here"
         res["n_cells"] = n_cells
         res["threads_interval"] = cfg.threads_interval
-        res["threads_cells"] = policies.run_cells(
+        res["threads_cells"] = run_cells(
             wl, cfg.threads_systems(), [cfg.threads_interval], cfg.iters, cfg.threads_budget, work,
             quiet_wait=cfg.quiet_wait, retries=cfg.retries,
             on_cell=lambda s, i: tick(f"fig12 threads: interval {i}, {s}"))
         res["mem_interval"] = cfg.mem_interval
-        res["mem_cells"] = policies.run_cells(
+        res["mem_cells"] = run_cells(
             wl, cfg.mem_systems(), [cfg.mem_interval], cfg.iters, cfg.mem_budget, work,
             quiet_wait=cfg.quiet_wait, retries=cfg.retries,
             on_cell=lambda s, i: tick(f"fig12 memory: interval {i}, {s}"))
@@ -133,7 +124,7 @@ def _rows(res: Mapping[str, Any]) -> list[list[Any]]:
     rows = []
     for panel, key in (("a_N", "n_cells"), ("b_threads", "threads_cells"), ("c_memory", "mem_cells")):
         for c in res[key]:
-            cfg = policies.parse_pccheck_name(c["system"]) or {}
+            cfg = parse_pccheck_name(c["system"]) or {}
             rows.append([panel, c["interval"], c["system"], cfg.get("n"), cfg.get("p"),
                          cfg["chunk"] >> 20 if cfg else None,
                          cfg.get("budget_x") or (2.0 if cfg else None), c["it_per_s"], c["slowdown"], c.get("tw_s"),
@@ -148,16 +139,16 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
     for iv in sorted({c["interval"] for c in res["n_cells"]}):
-        pts = sorted((policies.parse_pccheck_name(c["system"])["n"], c["slowdown"]) for c in res["n_cells"]
+        pts = sorted((parse_pccheck_name(c["system"])["n"], c["slowdown"]) for c in res["n_cells"]
                      if c["interval"] == iv and c["system"] != "none")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"interval {iv}")
-    ax.set_xticks(sorted({policies.parse_pccheck_name(c["system"])["n"] for c in res["n_cells"] if c["system"] != "none"}))
+    ax.set_xticks(sorted({parse_pccheck_name(c["system"])["n"] for c in res["n_cells"] if c["system"] != "none"}))
     ax.set_xlabel("N (concurrent checkpoints)")
     ax.set_title("(a) Fig. 12 analog: slowdown vs N\n(p = 2, 64 MiB chunks, DRAM 2m)", fontsize=8)
     ax = axes[1]
     by_n: dict[int, list[tuple[int, float]]] = {}
     for c in res["threads_cells"]:
-        cfg = policies.parse_pccheck_name(c["system"])
+        cfg = parse_pccheck_name(c["system"])
         if cfg:
             by_n.setdefault(cfg["n"], []).append((cfg["p"], c["slowdown"]))
     for n, pts in sorted(by_n.items()):
@@ -170,7 +161,7 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
     ax = axes[2]
     by_c: dict[int, list[tuple[float, float]]] = {}
     for c in res["mem_cells"]:
-        cfg = policies.parse_pccheck_name(c["system"])
+        cfg = parse_pccheck_name(c["system"])
         if cfg:
             by_c.setdefault(cfg["chunk"] >> 20, []).append((cfg["budget_x"], c["slowdown"]))
     for chunk, pts in sorted(by_c.items()):
@@ -194,11 +185,8 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fig12", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results")
-    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
-    a = p.parse_args(argv)
+    """Command-line entry point."""
+    a = figure_parser("python -m bench.fig12", __doc__).parse_args(argv)
     run(a.out, a.quick, a.dir, lambda label: print(f"-- {label}", flush=True))
     return 0
 

@@ -5,9 +5,9 @@ Run::
     python -m bench.fig8 [--quick] [--out bench/results] [--dir bench/_scratch]
 
 The measurement is :mod:`bench.overhead`'s (its docstring has the method: set-up, warm-up, a
-steady-state window per (interval, system) cell, cells interleaved per interval), with the systems of
-:mod:`bench.policies` added: the GPM policy (stall, persist straight into a mapped file) and pccheck
-with the tuner's pick (:mod:`pccheck.tuner`: ``run_profile`` + ``choose`` on this machine, for this
+steady-state window per (interval, system) cell, cells interleaved per interval), with every system
+of :mod:`bench.systems`, among them the GPM policy (stall, persist straight into a mapped file) and
+pccheck with the tuner's pick (:mod:`pccheck.tuner`: ``run_profile`` + ``choose`` on this machine, for this
 state size and iteration time, objective "overhead" with q = 1.03).
 
 Two workloads:
@@ -18,7 +18,7 @@ Two workloads:
   carries the targets, 3 times: median); 50 and 100 (one checkpoint per 7-20 s, never overlapping
   the next) run the peers and the tuner's pick, which keeps the full run within its time budget.
   Windows: 5 checkpoints at interval 1, 1 at 10 (x3), 25, 50 and 100.
-* ``real`` -- a real MLP (12.6 M parameters) trained with Adam on the CPU (bench.overhead's
+* ``real`` -- a real MLP (12.6 M parameters) trained with Adam on the CPU (bench.workloads'
   ``make_real``), state ~144 MiB; nothing emulated, and the checkpoint threads compete with
   training for the same 2 cores.
 
@@ -32,7 +32,6 @@ Writes ``fig8.csv``, ``fig8.json``, ``fig8.png`` (``fig8-quick.*`` with ``--quic
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
@@ -41,30 +40,19 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import overhead as ov
-from bench import policies
-from bench._common import (
-    format_size,
-    host_info,
-    machine_label,
-    pyplot,
-    save_figure,
-    scratch_dir,
-    write_csv,
-    write_json,
-)
+from bench._common import figure_parser, format_size, host_info, interval_axes, machine_label, pyplot, save_figure, \
+    scratch_dir, write_csv, write_json
+from bench.overhead import RETRY_WAIT_S, run_cells
+from bench.probes import wait_quiet
+from bench.systems import COLORS
+from bench.workloads import make_emulated, make_real
 
-__all__ = ["COLORS", "NOISY_CPUS", "Config", "disturbed", "config", "plan", "run", "targets", "main", "headline_system"]
+__all__ = ["NOISY_CPUS", "Config", "disturbed", "config", "plan", "run", "targets", "main", "headline_system"]
 
-_BENCH_DIR = Path(__file__).resolve().parent
 PEERS = ("none", "torch_save", "dcp_async", "checkfreq", "gpm")
 TARGET_INTERVAL = 10
 TARGET_SLOWDOWN = 1.03
-COLORS = {  # one color per system in every figure
-    "none": "black", "ideal": "grey", "torch_save": "#1f77b4", "dcp_async": "#ff7f0e", "checkfreq": "#9467bd",
-    "gpm": "#8c564b", "pccheck_N1": "#bcbd22", "pccheck_N2": "#2ca02c", "pccheck_N3": "#17becf",
-    "pccheck_N4": "#e377c2", "pccheck_tuned": "#d62728",
-}
+NOISY_CPUS = 0.3  # a cell whose window had other processes using more CPUs than this is disturbed
 
 
 class Config:
@@ -126,6 +114,7 @@ def _iter_seconds(wl: Any, n: int = 9) -> float:
 def _tune(m: int, t: float, workdir: Path, cfg: Config) -> dict[str, Any]:
     """The tuner's choice for this state and iteration time, or why there is none."""
     try:
+        from pccheck import Checkpointer
         from pccheck.tuner import Constraints, ProfileSpec, choose, run_profile
     except ImportError as exc:
         return {"available": False, "reason": f"pccheck.tuner not importable: {exc}"}
@@ -133,7 +122,7 @@ def _tune(m: int, t: float, workdir: Path, cfg: Config) -> dict[str, Any]:
     try:
         spec = ProfileSpec(path=workdir, state_bytes=m, iter_time=t, dram_budget=2 * m, storage_budget=5 * m,
                            threads=cfg.tune_threads, chunks=cfg.tune_chunks)
-        profile = run_profile(spec)
+        profile = run_profile(spec, Checkpointer)  # the profilers take the Checkpointer class from their caller
         choice = choose(profile, Constraints(state_bytes=m, iter_time=t))
     except Exception as exc:  # the figure goes on without the tuned line, and says why
         return {"available": False, "reason": f"tuner failed: {type(exc).__name__}: {exc}"}
@@ -161,38 +150,38 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
     with scratch_dir(workdir) as work:
         host = host_info(work)
         res["machine"] = machine_label(host)
-        wl = ov.make_emulated(cfg.size, cfg.iter_time)
+        wl = make_emulated(cfg.size, cfg.iter_time)
         m = wl.state_bytes()
-        wait_quiet = getattr(ov, "_wait_quiet", None)
-        if wait_quiet is not None and not quick:  # t is what the tuner plans with: measure it undisturbed
-            wait_quiet(policies.RETRY_WAIT_S, NOISY_CPUS)
+        if not quick:  # t is what the tuner plans with: measure it undisturbed
+            wait_quiet(RETRY_WAIT_S, NOISY_CPUS)
         t_iter = _iter_seconds(wl)
         res["emulated"] = {"describe": wl.describe, "state_bytes": m, "gpu_sleep_s": cfg.iter_time,
                            "iter_s_probe": t_iter}
+        tuned = None
         if tuner:
             tick("fig8: tuner profile (pccheck.tuner)")
             res["tuner"] = _tune(m, t_iter, work / "tune", cfg)
             if res["tuner"]["available"]:
                 tn = res["tuner"]
-                policies.set_tuned(tn["max_concurrent"], tn["writer_threads"], tn["chunk_size"])
+                tuned = {"n": tn["max_concurrent"], "p": tn["writer_threads"], "chunk": tn["chunk_size"]}
         else:
             res["tuner"] = {"available": False, "reason": "not requested"}
         cells: list[dict[str, Any]] = []
         for intervals, systems, budget, repeats in cfg.groups:
             systems = list(systems) + (["pccheck_tuned"] if res["tuner"]["available"] else
                                        ["pccheck_N2"] if "pccheck_N2" not in systems else [])
-            cells += policies.run_cells(wl, systems, intervals, cfg.iters, budget, work, repeats=repeats,
-                                        quiet_wait=cfg.quiet_wait, retries=cfg.retries,
-                                        on_cell=lambda s, i: tick(f"fig8 emulated: interval {i}, {s}"))
+            cells += run_cells(wl, systems, intervals, cfg.iters, budget, work, repeats=repeats,
+                               quiet_wait=cfg.quiet_wait, retries=cfg.retries, noisy_cpus=NOISY_CPUS, tuned=tuned,
+                               on_cell=lambda s, i: tick(f"fig8 emulated: interval {i}, {s}"))
         res["emulated"]["cells"] = cells
         del wl
         gc.collect()
         torch.manual_seed(0)
-        wl = ov.make_real(batch=cfg.real_batch)
+        wl = make_real(batch=cfg.real_batch)
         res["real"] = {"describe": wl.describe, "state_bytes": wl.state_bytes(), "systems": list(cfg.real_systems)}
-        res["real"]["cells"] = policies.run_cells(
+        res["real"]["cells"] = run_cells(
             wl, cfg.real_systems, cfg.real_intervals, cfg.real_iters, cfg.budget, work,
-            quiet_wait=cfg.quiet_wait, retries=cfg.retries,
+            quiet_wait=cfg.quiet_wait, retries=cfg.retries, noisy_cpus=NOISY_CPUS, tuned=tuned,
             on_cell=lambda s, i: tick(f"fig8 real: interval {i}, {s}"))
         del wl
         gc.collect()
@@ -200,9 +189,6 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
     res["targets"] = targets(res)
     _write(res, out, stem)
     return res
-
-
-NOISY_CPUS = 0.3
 
 
 def disturbed(cell: Mapping[str, Any]) -> bool:
@@ -292,14 +278,8 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
             if bad:  # measured while other processes were busy, even after the retries: hollow marker
                 ax.plot([p[0] for p in bad], [p[1] for p in bad], marker="o", linestyle="none", markersize=11,
                         markerfacecolor="white", markeredgecolor=style["color"])
-        xs = sorted({c["interval"] for c in cells})
-        ax.set_xscale("log")
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("checkpoint interval (iterations)")
-        ax.set_ylabel("training iterations/s (higher is better)")
-        ax.set_title(title, fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        interval_axes(ax, sorted({c["interval"] for c in cells}), ylabel="training iterations/s (higher is better)",
+                      title=title, title_size=8, legend_size=7)
     fig.suptitle(f"Training throughput while checkpointing (Figure 8 analog); {res['machine']}\n"
                  f"hollow marker: other processes used > {NOISY_CPUS} CPUs during that cell, even after "
                  "re-measuring (a disturbed point)", fontsize=8)
@@ -308,11 +288,9 @@ def _plot(path: Path, res: Mapping[str, Any]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fig8", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
+    """Command-line entry point."""
+    p = figure_parser("python -m bench.fig8", __doc__)
     p.add_argument("--no-tuner", action="store_true", help="leave out the tuner's pick")
-    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results")
-    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
     a = p.parse_args(argv)
     res = run(a.out, a.quick, a.dir, lambda label: print(f"-- {label}", flush=True), tuner=not a.no_tuner)
     for t in res["targets"]:

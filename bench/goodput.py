@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import pyplot, save_figure, write_csv
+from bench._common import interval_axes, pyplot, save_figure, write_csv
+from bench.systems import COLORS
 
 __all__ = [
     "Event", "Trace", "SystemModel", "Outcome", "PUBLISHED_RATES", "POLICIES",
@@ -390,12 +391,12 @@ def evaluate(models: Iterable[SystemModel], traces: Mapping[str, Trace]) -> list
 
 
 def plot(path: Path, rows: Sequence[Mapping[str, Any]], traces: Mapping[str, Trace], label: str,
-          workload: str) -> bool:
+         workload: str) -> bool:
+    """Goodput (replay) vs checkpoint interval, one line per system, one panel per trace; False when
+    matplotlib is missing."""
     plt = pyplot(path)
     if plt is None:
         return False
-    from bench.fig8 import COLORS
-
     fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4.8), squeeze=False)
     for ax, (tname, trace) in zip(axes[0], traces.items()):
         sub = [r for r in rows if r["trace"] == tname]
@@ -404,14 +405,9 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], traces: Mapping[str, Tra
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     linestyle="--" if s == "ideal" else "-", color=COLORS.get(s), label=s,
                     linewidth=2.5 if s == "pccheck_tuned" else 1.5)
-        ax.set_xscale("log")
-        xs = sorted({r["interval"] for r in sub})
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("checkpoint interval (iterations)")
-        ax.set_ylabel("goodput, useful iterations/s (higher is better)")
-        ax.set_title(f"{tname}: {trace.failures} events in {trace.duration_s / 3600:.1f} h", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        interval_axes(ax, sorted({r["interval"] for r in sub}),
+                      ylabel="goodput, useful iterations/s (higher is better)",
+                      title=f"{tname}: {trace.failures} events in {trace.duration_s / 3600:.1f} h", legend_size=7)
     fig.suptitle(f"Goodput under preemption, replayed (Figure 9 analog)\n{workload}\n{label}", fontsize=8)
     save_figure(fig, path)
     return True

@@ -54,9 +54,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_train import BATCH, SEQ, DCPAsync, PCCheck, System, TorchSave, Trainer, engine_info
 from bench._common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
     write_csv, write_json
+from bench._common import median_or_none as _med
+from bench.gpu_train import BATCH, SEQ, DCPAsync, PCCheck, System, TorchSave, Trainer, engine_info
+from bench.systems import pieces
 
 __all__ = ["SECTIONS", "SYSTEMS", "INTERVALS", "main"]
 
@@ -71,9 +73,6 @@ _T0 = time.perf_counter()
 
 def _log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", flush=True)
-
-def _med(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 def _free() -> None:  # between phases: garbage, the CUDA allocator's free blocks, cached pinned host blocks
     import torch
@@ -209,14 +208,14 @@ def _section_persist(run: _Run) -> None:
             ck.close()
             shutil.rmtree(run.work / "persist", ignore_errors=True)
     def raw(threads: int = 4) -> dict[str, Any]:
-        pieces, path, times = [(o, min(_CHUNK, nbytes - o)) for o in range(0, nbytes, _CHUNK)], run.work / "raw", []
+        parts, path, times = pieces(nbytes, _CHUNK), run.work / "raw", []
         bufs = [mmap.mmap(-1, _CHUNK) for _ in range(threads)]  # anonymous mappings are page-aligned
         for buf in bufs:
             buf.write(b"\xa5" * _CHUNK)  # touched
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         def share(i: int) -> None:  # thread i writes pieces i, i + threads, ... from its own buffer
             with memoryview(bufs[i]) as mv:
-                for off, n in pieces[i::threads]:
+                for off, n in parts[i::threads]:
                     if (w := os.pwrite(fd, mv[:n], off)) != n:
                         raise OSError(f"short O_DIRECT write: {w} of {n} bytes at offset {off}")
 

@@ -1,15 +1,14 @@
 """The training side of ``python -m bench.gpu``: the GPT it trains and the checkpointing systems
 compared in its loop (none, pccheck, DCP ``async_save``, ``torch.save``). The method is described
-in bench/gpu.py's docstring."""
+in bench/gpu.py's docstring; how each system saves is :mod:`bench.systems`'s."""
 
-import os
 import shutil
-import statistics
 import time
-import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench._common import median_or_none as _med
+from bench.systems import dcp_async_save, dcp_upload, dcp_writer, quiet_dcp_warnings, torch_save_durable
 
 __all__ = ["VOCAB", "D_MODEL", "N_HEAD", "SEQ", "BATCH", "CHUNK", "Trainer", "System", "PCCheck", "DCPAsync",
            "TorchSave", "engine_info"]
@@ -17,10 +16,6 @@ __all__ = ["VOCAB", "D_MODEL", "N_HEAD", "SEQ", "BATCH", "CHUNK", "Trainer", "Sy
 _GIB = 1 << 30
 CHUNK = 64 << 20  # pccheck's chunk_size in the training runs
 VOCAB, D_MODEL, N_HEAD, SEQ, BATCH = 32768, 1536, 12, 1024, 8
-
-
-def _med(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def engine_info(ck: Any) -> dict[str, Any]:
@@ -155,7 +150,7 @@ class DCPAsync(System):
 
     def __init__(self, tr: Trainer, path: Path, pinned: bool) -> None:
         super().__init__()
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP's, even with no_dist
+        quiet_dcp_warnings()
         self.tr, self.dir, self.stager, self._last, self._dirs = tr, path, None, -1, []
         self.staging = "DefaultStager(pinned, not shared, async, non-blocking)" if pinned else "DCP's default"
         if pinned:
@@ -172,13 +167,11 @@ class DCPAsync(System):
             self.stalls[self._last] = self.stalls.get(self._last, 0.0) + time.perf_counter() - t0
 
     def _save(self, step: int) -> None:
-        from torch.distributed.checkpoint import FileSystemWriter, async_save
         t0 = time.perf_counter()
         self.drain()  # at most one in flight, as users write it
         self._dirs.append(self.dir / f"step-{step}")
-        resp = async_save(self.tr.state_dict(), storage_writer=FileSystemWriter(self._dirs[-1], sync_files=True),
-                          no_dist=True, **({"async_stager": self.stager} if self.stager is not None else {}))
-        self._upload = getattr(resp, "upload_completion", resp)  # an AsyncSaveResponse with async stagers
+        resp = dcp_async_save(self.tr.state_dict(), dcp_writer(self._dirs[-1]), self.stager)
+        self._upload = dcp_upload(resp)
         self._staged, self._last = getattr(resp, "staging_completion", None), step
         self.stalls[step] = time.perf_counter() - t0
 
@@ -208,12 +201,8 @@ class TorchSave(System):
         path.mkdir(parents=True, exist_ok=True)
 
     def _save(self, step: int) -> None:
-        import torch
         t0, path = time.perf_counter(), self.dir / f"ckpt-{step}.pt"
-        with open(path, "wb") as f:
-            torch.save(self.tr.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
+        torch_save_durable(self.tr.state_dict(), path)
         if self._prev is not None:  # the newest durable checkpoint stays
             self._prev.unlink()
         self._prev, self.stalls[step] = path, time.perf_counter() - t0

@@ -12,7 +12,8 @@ interleaved round-robin across systems, so slow drift of this noisy machine hits
 Before each timed run the benchmark calls ``gc.collect()`` and ``os.sync()`` (untimed), so no system
 pays for the dirty pages, unlinks or discards left by the one before it. Reported: the median.
 
-Systems (each is timed from the call that starts the checkpoint until its data is durable):
+Systems (each is timed from the call that starts the checkpoint until its data is durable; what each
+one does is :mod:`bench.systems`'s):
 
 ``pccheck``      ``Checkpointer(state, path=d, interval=1, max_concurrent=2, writer_threads=2,
                  chunk_size=64 MiB)`` created once per size; timed ``maybe_checkpoint(step); wait()``.
@@ -36,13 +37,11 @@ from __future__ import annotations
 
 import abc
 import argparse
-import gc
 import mmap
 import os
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,25 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import (
-    bar_chart,
-    format_size,
-    gbps,
-    host_info,
-    machine_label,
-    parse_size_list,
-    print_table,
-    scratch_dir,
-    summarize,
-    write_csv,
-    write_json,
-)
+from bench._common import bar_chart, fmt, format_size, gbps, host_info, machine_label, parse_size_list, print_table, \
+    scratch_dir, summarize, versions, write_csv, write_json
+from bench.probes import settle
+from bench.systems import ALIGN, CHUNK, dcp_async_save, dcp_upload, dcp_writer, odirect_share, pccheck_on_arrays, \
+    pieces, quiet_dcp_warnings, safetensors_save_durable, torch_save_durable, torch_tensors
 
 __all__ = ["SYSTEMS", "TARGETS", "make_state", "run_benchmark", "main"]
 
 _BENCH_DIR = Path(__file__).resolve().parent
-_PIECE = 64 << 20  # bytes per pwrite for raw_odirect, and pccheck's chunk_size
-_ALIGN = 4096  # O_DIRECT alignment of buffer, offset and length (>= the logical block size)
 _N_ARRAYS = 4
 
 SYSTEMS: tuple[str, ...] = ("pccheck", "pccheck_mmap", "raw_odirect", "torch_save", "safetensors", "dcp_async")
@@ -100,21 +89,6 @@ def _state_nbytes(state: Mapping[str, np.ndarray]) -> int:
 def _state_nbytes_for(nbytes: int) -> int:
     """Bytes make_state(nbytes) really holds (float32 elements)."""
     return (nbytes // 4) * 4
-
-
-def _torch_tensors(state: State) -> dict[str, Any]:
-    """torch tensors sharing the numpy arrays' memory (no copy)."""
-    import torch
-
-    return {k: torch.from_numpy(v) for k, v in state.items()}
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _System(abc.ABC):
@@ -150,18 +124,7 @@ class _PCCheck(_System):
     storage = "auto"
 
     def __init__(self, state: State, workdir: Path) -> None:
-        import pccheck
-
-        if not hasattr(pccheck, "Checkpointer"):  # e.g. the bare source tree, not the built package
-            raise RuntimeError(
-                f"pccheck imported from {getattr(pccheck, '__path__', '?')} has no Checkpointer; build and "
-                "install it (make setup), or leave pccheck out of --systems"
-            )
-        workdir.mkdir(parents=True, exist_ok=True)
-        self._ck = pccheck.Checkpointer(
-            state, path=workdir, interval=1, max_concurrent=2, writer_threads=2, chunk_size=_PIECE,
-            storage=self.storage,
-        )
+        self._ck = pccheck_on_arrays(state, workdir, self.storage)
         for warm in range(-3, 0):  # one untimed pass over the N+1 = 3 slots
             self._ck.checkpoint(warm)
             self._ck.wait()
@@ -189,12 +152,15 @@ class _PCCheckMmap(_PCCheck):
 
 
 class _RawODirect(_System):
+    """The device limit: the state's bytes in one page-aligned buffer, written with O_DIRECT in 64 MiB
+    pieces by 2 threads into a preallocated file, then ``fdatasync``."""
+
     name = "raw_odirect"
 
     def __init__(self, state: State, workdir: Path) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         nbytes = _state_nbytes(state)
-        self._len = -(-nbytes // _ALIGN) * _ALIGN
+        self._len = -(-nbytes // ALIGN) * ALIGN
         self._buf = mmap.mmap(-1, self._len)  # anonymous mappings are page-aligned, as O_DIRECT needs
         dst = np.frombuffer(self._buf, dtype=np.uint8)
         off = 0
@@ -203,24 +169,15 @@ class _RawODirect(_System):
             dst[off : off + src.size] = src
             off += src.size
         del dst  # drop the exported buffer so the mapping can be closed later
-        self._pieces = [(o, min(_PIECE, self._len - o)) for o in range(0, self._len, _PIECE)]
+        self._pieces = pieces(self._len, CHUNK)
         self._fd = os.open(workdir / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         os.posix_fallocate(self._fd, 0, self._len)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raw-odirect")
 
-    def _write_share(self, first: int) -> None:
-        with memoryview(self._buf) as mv:
-            for off, length in self._pieces[first::2]:
-                done = 0
-                while done < length:  # a short write leaves an aligned remainder on block devices
-                    n = os.pwrite(self._fd, mv[off + done : off + length], off + done)
-                    if n <= 0:
-                        raise OSError(f"pwrite returned {n} at offset {off + done}")
-                    done += n
-
     def run(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        for fut in [self._pool.submit(self._write_share, i) for i in range(2)]:
+        for fut in [self._pool.submit(odirect_share, self._fd, self._buf, self._pieces, i, 2, write=True)
+                    for i in range(2)]:
             fut.result()
         os.fdatasync(self._fd)
         return {"s": time.perf_counter() - t0}
@@ -231,41 +188,20 @@ class _RawODirect(_System):
         self._buf.close()
 
 
-class _TorchSave(_System):
-    name = "torch_save"
+class _FileSave(_System):
+    """A peer that writes a new file per checkpoint with ``save(tensors, path)`` (torch tensors sharing
+    the state's memory); the file is deleted after the timed region."""
 
-    def __init__(self, state: State, workdir: Path) -> None:
+    def __init__(self, state: State, workdir: Path, name: str, suffix: str,
+                 save: Callable[[Mapping[str, Any], Path], None]) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        self._tensors, self._dir = _torch_tensors(state), workdir
+        self._tensors, self._dir = torch_tensors(state), workdir
+        self.name, self._suffix, self._save = name, suffix, save
 
     def run(self, step: int) -> dict[str, float]:
-        import torch
-
-        path = self._dir / f"ckpt-{step}.pt"
+        path = self._dir / f"ckpt-{step}{self._suffix}"
         t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save(self._tensors, f)
-            f.flush()
-            os.fsync(f.fileno())
-        elapsed = time.perf_counter() - t0
-        path.unlink()
-        return {"s": elapsed}
-
-
-class _Safetensors(_System):
-    name = "safetensors"
-
-    def __init__(self, state: State, workdir: Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self._tensors, self._dir = _torch_tensors(state), workdir
-
-    def run(self, step: int) -> dict[str, float]:
-        from safetensors.torch import save_file
-
-        path = self._dir / f"ckpt-{step}.safetensors"
-        t0 = time.perf_counter()
-        save_file(self._tensors, path)
-        _fsync_path(path)
+        self._save(self._tensors, path)
         elapsed = time.perf_counter() - t0
         path.unlink()
         return {"s": elapsed}
@@ -276,34 +212,29 @@ class _DCPAsync(_System):
 
     def __init__(self, state: State, workdir: Path) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        self._tensors, self._dir = _torch_tensors(state), workdir
-        # Raised from DCP's save thread even with no_dist=True; one process is what we mean.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        self._tensors, self._dir = torch_tensors(state), workdir
+        quiet_dcp_warnings()
 
     def run(self, step: int) -> dict[str, float]:
-        from torch.distributed.checkpoint import FileSystemWriter, async_save
-
         out = self._dir / f"step-{step}"
-        writer = FileSystemWriter(out, sync_files=True)
+        writer = dcp_writer(out)
         t0 = time.perf_counter()
-        # no_dist: one process, no process group (DCP would assume the same, with a warning).
-        fut = async_save(self._tensors, storage_writer=writer, no_dist=True)
+        fut = dcp_async_save(self._tensors, writer)
         t1 = time.perf_counter()
-        getattr(fut, "upload_completion", fut).result()  # AsyncSaveResponse only with async stagers
+        dcp_upload(fut).result()
         t2 = time.perf_counter()
         shutil.rmtree(out)
         return {"s": t2 - t0, "stall_s": t1 - t0}
 
 
 _FACTORIES: dict[str, Callable[[State, Path], _System]] = {
-    cls.name: cls for cls in (_PCCheck, _PCCheckMmap, _RawODirect, _TorchSave, _Safetensors, _DCPAsync)
+    "pccheck": _PCCheck,
+    "pccheck_mmap": _PCCheckMmap,
+    "raw_odirect": _RawODirect,
+    "torch_save": lambda state, d: _FileSave(state, d, "torch_save", ".pt", torch_save_durable),
+    "safetensors": lambda state, d: _FileSave(state, d, "safetensors", ".safetensors", safetensors_save_durable),
+    "dcp_async": _DCPAsync,
 }
-
-
-def _settle() -> None:
-    """Untimed, before each timed run: collect garbage and flush everything earlier runs left behind."""
-    gc.collect()
-    os.sync()
 
 
 def _bench_size(
@@ -319,12 +250,12 @@ def _bench_size(
         for name in systems:
             runners[name] = _FACTORIES[name](state, workdir / f"{name}-{nbytes}")
         for runner in runners.values():  # one untimed warm-up each
-            _settle()
+            settle()
             runner.run(step)
             step += 1
         for _ in range(repeats):  # round-robin, so drift hits every system alike
             for name, runner in runners.items():
-                _settle()
+                settle()
                 samples[name].append(runner.run(step))
                 step += 1
     finally:
@@ -371,19 +302,6 @@ def _targets(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _versions() -> dict[str, str]:
-    """Versions of the libraries this run imported (only those)."""
-    return {
-        name: str(getattr(sys.modules[name], "__version__", "?"))
-        for name in ("numpy", "torch", "safetensors", "matplotlib", "pccheck")
-        if name in sys.modules
-    }
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _report(records: Sequence[Mapping[str, Any]], systems: Sequence[str], label: str) -> list[list[Any]]:
     """Print the results table; return its rows in CSV form."""
     headers = ["size", "system", "median s", "GB/s", "min-max s", "stall s", "pccheck ÷ system"]
@@ -394,8 +312,8 @@ def _report(records: Sequence[Mapping[str, Any]], systems: Sequence[str], label:
             stall = rec.get(f"{name}_stall_s")
             rows.append([
                 rec["size"], name, f"{rec[f'{name}_s']:.3f}", f"{rec[f'{name}_gbps']:.2f}",
-                f"{rec[f'{name}_min_s']:.3f}-{rec[f'{name}_max_s']:.3f}", _fmt(stall, ".3f"),
-                _fmt(ratio, ".2f") + ("x" if ratio is not None else ""),
+                f"{rec[f'{name}_min_s']:.3f}-{rec[f'{name}_max_s']:.3f}", fmt(stall, ".3f"),
+                fmt(ratio, ".2f") + ("x" if ratio is not None else ""),
             ])
             csv_rows.append([
                 rec["size_bytes"], rec["size"], name, rec[f"{name}_s"], rec[f"{name}_gbps"],
@@ -420,19 +338,14 @@ def _print_targets(targets: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _plot(path: Path, records: Sequence[Mapping[str, Any]], systems: Sequence[str], label: str) -> bool:
-    """Save the GB/s bar chart; return False (and say so) when matplotlib is missing."""
-    try:
-        bar_chart(
-            path,
-            [r["size"] for r in records],
-            {name: [r[f"{name}_gbps"] for r in records] for name in systems},
-            title=f"Checkpoint made durable, GB/s (median)\n{label}",
-            ylabel="GB/s (10^9 B/s), higher is better",
-        )
-    except ImportError:
-        print(f"matplotlib is not installed; skipped {path}")
-        return False
-    return True
+    """Save the GB/s bar chart; False (and :func:`bench._common.pyplot` says so) when matplotlib is missing."""
+    return bar_chart(
+        path,
+        [r["size"] for r in records],
+        {name: [r[f"{name}_gbps"] for r in records] for name in systems},
+        title=f"Checkpoint made durable, GB/s (median)\n{label}",
+        ylabel="GB/s (10^9 B/s), higher is better",
+    )
 
 
 def run_benchmark(
@@ -459,10 +372,10 @@ def run_benchmark(
             "warmup": 1,
             "systems": list(systems),
             "state": f"{_N_ARRAYS} float32 arrays, random values, pre-touched",
-            "pccheck": {"interval": 1, "max_concurrent": 2, "writer_threads": 2, "chunk_size": _PIECE},
-            "raw_odirect": {"threads": 2, "piece_bytes": _PIECE},
+            "pccheck": {"interval": 1, "max_concurrent": 2, "writer_threads": 2, "chunk_size": CHUNK},
+            "raw_odirect": {"threads": 2, "piece_bytes": CHUNK},
             "dir": str(base_dir),
-            "versions": _versions(),
+            "versions": versions(("numpy", "torch", "safetensors", "matplotlib", "pccheck")),
         },
         "results": records,
         "targets": _targets(records),

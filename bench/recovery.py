@@ -10,7 +10,7 @@ systems: ``os.sync()`` + ``echo 3 > /proc/sys/vm/drop_caches`` (untimed; where t
 the run says "warm" in every output instead of "cold"), then the timed load. Each load produces
 fresh memory, as a restarted process has; nothing it returns is reused.
 
-Systems:
+Systems (how each writes and loads is :mod:`bench.systems`'s):
 
 ``pccheck``           ``pccheck.load_latest(dir)``: picks the slot, validates meta + manifest, reads
                       every array into a new numpy array and checks its crc32c (``verify=True``, the
@@ -46,7 +46,6 @@ import mmap
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,27 +53,14 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import (
-    pyplot,
-    format_size,
-    gbps,
-    host_info,
-    machine_label,
-    parse_size,
-    print_table,
-    save_figure,
-    scratch_dir,
-    summarize,
-    write_csv,
-    write_json,
-)
+from bench._common import figure_parser, format_size, gbps, host_info, machine_label, parse_size, print_table, \
+    pyplot, save_figure, scratch_dir, summarize, write_csv, write_json
 from bench.persist import make_state
+from bench.systems import ALIGN, CHUNK, dcp_load, dcp_save, odirect_share, pccheck_on_arrays, pieces, \
+    quiet_dcp_warnings, safetensors_load, safetensors_save_durable, torch_load, torch_save_durable, torch_tensors
 
-__all__ = ["SYSTEMS", "COMPONENTS", "TARGET_RATIO", "drop_caches", "run_benchmark", "main"]
+__all__ = ["SYSTEMS", "COMPONENTS", "TARGET_RATIO", "drop_caches", "run_benchmark", "report", "main"]
 
-_BENCH_DIR = Path(__file__).resolve().parent
-_PIECE = 64 << 20
-_ALIGN = 4096
 SYSTEMS: tuple[str, ...] = ("pccheck", "pccheck_zero_copy", "raw_odirect", "raw_odirect_fresh", "torch_load", "safetensors", "dcp")
 COMPONENTS: tuple[str, ...] = ("buffered_read_touched", "first_touch", "crc32c")
 TARGET_RATIO = 0.9  # pccheck load speed / raw O_DIRECT read speed
@@ -104,28 +90,18 @@ def _data_region(store_dir: Path) -> tuple[Path, int, int]:
     base = image.header["slots_offset"] + slot * image.header["slot_capacity"]
     lo = base + min(e.offset for e in man.arrays)
     hi = base + max(e.offset + e.nbytes for e in man.arrays)
-    lo_al = lo // _ALIGN * _ALIGN
-    return path, lo_al, -(-(hi - lo_al) // _ALIGN) * _ALIGN
+    lo_al = lo // ALIGN * ALIGN
+    return path, lo_al, -(-(hi - lo_al) // ALIGN) * ALIGN
 
 
 def _odirect_read(path: Path, off: int, length: int, buf: mmap.mmap, threads: int = 2) -> None:
     """Read ``length`` bytes at ``off`` into ``buf`` with O_DIRECT, ``threads`` threads, 64 MiB pieces."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    pieces = [(o, min(_PIECE, length - o)) for o in range(0, length, _PIECE)]
-
-    def share(first: int) -> None:
-        with memoryview(buf) as mv:
-            for o, n in pieces[first::threads]:
-                got = 0
-                while got < n:
-                    k = os.preadv(fd, [mv[o + got:o + n]], off + o + got)
-                    if k <= 0:
-                        raise OSError(f"short O_DIRECT read at {off + o + got}")
-                    got += k
-
+    parts = pieces(length, CHUNK)
     try:
         with ThreadPoolExecutor(threads) as pool:
-            for fut in [pool.submit(share, i) for i in range(threads)]:
+            for fut in [pool.submit(odirect_share, fd, buf, parts, i, threads, write=False, base=off)
+                        for i in range(threads)]:
                 fut.result()
     finally:
         os.close(fd)
@@ -147,10 +123,7 @@ class _PCCheck(_Loader):
     name = "pccheck"
 
     def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
-        import pccheck
-
-        ck = pccheck.Checkpointer(dict(state), path=d, interval=1, max_concurrent=2, writer_threads=2,
-                                  chunk_size=_PIECE)
+        ck = pccheck_on_arrays(state, d)
         try:
             ck.checkpoint(1)
             ck.wait()
@@ -201,71 +174,39 @@ class _Raw(_Loader):
             self.buf.close()
 
 
-class _TorchLoad(_Loader):
-    name = "torch_load"
+class _File(_Loader):
+    """A peer's file: written once with ``save(tensors, path)`` (untimed), loaded with ``load(path)``."""
 
-    def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
-        import torch
-
+    def __init__(self, state: Mapping[str, np.ndarray], d: Path, name: str, filename: str,
+                 save: Callable[[Mapping[str, Any], Path], None], load: Callable[[Path], Any]) -> None:
         d.mkdir(parents=True, exist_ok=True)
-        self.path = d / "ckpt.pt"
-        with open(self.path, "wb") as f:
-            torch.save({k: torch.from_numpy(v) for k, v in state.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        self.name, self.path, self._load = name, d / filename, load
+        save(torch_tensors(state), self.path)
 
     def load(self) -> Any:
-        import torch
-
-        return torch.load(self.path, mmap=False, weights_only=True)
-
-
-class _Safetensors(_Loader):
-    name = "safetensors"
-
-    def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
-        import torch
-        from safetensors.torch import save_file
-
-        d.mkdir(parents=True, exist_ok=True)
-        self.path = d / "ckpt.safetensors"
-        save_file({k: torch.from_numpy(v) for k, v in state.items()}, self.path)
-        fd = os.open(self.path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-
-    def load(self) -> Any:
-        import torch
-        from safetensors.torch import load_file
-
-        out = load_file(self.path)
-        for t in out.values():  # load_file maps the file lazily: read one byte of every page, as use would
-            flat = t.reshape(-1).view(torch.uint8)
-            if flat.numel():
-                flat[::4096].sum()
-        return out
+        return self._load(self.path)
 
 
 class _DCP(_Loader):
     name = "dcp"
 
     def __init__(self, state: Mapping[str, np.ndarray], d: Path) -> None:
-        import torch
-        import torch.distributed.checkpoint as dcp
-
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        quiet_dcp_warnings()
         self.dir = d
         self.shapes = {k: (v.shape, v.dtype) for k, v in state.items()}
-        dcp.save({k: torch.from_numpy(v) for k, v in state.items()},
-                 storage_writer=dcp.FileSystemWriter(d, sync_files=True), no_dist=True)
+        dcp_save(torch_tensors(state), d)
 
     def load(self) -> Any:
-        import torch
-        import torch.distributed.checkpoint as dcp
+        return dcp_load(self.shapes, self.dir)
 
-        sd = {k: torch.from_numpy(np.empty(shape, dtype=dt)) for k, (shape, dt) in self.shapes.items()}
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(self.dir), no_dist=True)
-        return sd
+
+def _peer(name: str, state: Mapping[str, np.ndarray], d: Path) -> _Loader:
+    """The loader of a peer system (not pccheck, not raw)."""
+    if name == "torch_load":
+        return _File(state, d, name, "ckpt.pt", torch_save_durable, torch_load)
+    if name == "safetensors":
+        return _File(state, d, name, "ckpt.safetensors", safetensors_save_durable, safetensors_load)
+    return _DCP(state, d)
 
 
 def _components(store_dir: Path, nbytes: int, repeats: int) -> dict[str, list[float]]:
@@ -317,8 +258,7 @@ def run_benchmark(nbytes: int, repeats: int, base_dir: Path, systems: Sequence[s
                 elif name.startswith("raw"):
                     loaders[name] = _Raw(work / "pccheck", fresh=name.endswith("fresh"))
                 elif not name.startswith("pccheck"):
-                    cls = {"torch_load": _TorchLoad, "safetensors": _Safetensors, "dcp": _DCP}[name]
-                    loaders[name] = cls(state, work / name)
+                    loaders[name] = _peer(name, state, work / name)
             del state
             gc.collect()
             order = [n for n in systems if n in loaders]
@@ -414,13 +354,10 @@ def _plot(path: Path, result: Mapping[str, Any]) -> bool:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
+    p = figure_parser("python -m bench.recovery", __doc__)
     p.add_argument("--size", default=None, help="checkpoint size (default 1GiB; 16MiB with --quick)")
     p.add_argument("--repeats", type=int, default=None, help="cold loads per system (default 3; 1 with --quick)")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results")
-    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ",".join(SYSTEMS))
     a = p.parse_args(argv)
     a.size = parse_size(a.size or ("16MiB" if a.quick else "1GiB"))
     a.repeats = a.repeats or (1 if a.quick else 3)
@@ -431,6 +368,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
     a = _parse_args(argv)
     res = run_benchmark(a.size, a.repeats, a.dir, a.systems)
     paths = report(res, a.out, "recovery-quick" if a.quick else "recovery")

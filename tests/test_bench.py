@@ -2,7 +2,7 @@
 
 These tests check structure and sanity only, never speed: the numbers of a quick run on a shared
 2-core machine mean nothing. The quick run of ``python -m bench all`` exercises bench.recovery,
-bench.fig11 (over bench.persist), bench.fig8 (over bench.overhead, bench.policies and pccheck.tuner),
+bench.fig11 (over bench.persist), bench.fig8 (over bench.overhead, bench.systems and pccheck.tuner),
 bench.fig12 and bench.goodput in one go.
 """
 
