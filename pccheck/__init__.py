@@ -15,16 +15,16 @@ import logging as _logging
 from .errors import (ConfigError, CorruptCheckpointError, DeviceIOError, NativeExtensionError,
                      NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, SnapshotError,
                      StorageError, StoreLockedError, UnsupportedDtypeError)
-from .native import _native  # noqa: F401  (fails early, with build instructions, if missing)
-from .checkpointer import Checkpointer
-from .orchestrator.orchestrator import CheckpointStats
+from .checkpointer import Checkpointer  # loads the native core: fails early, with build instructions
+from .options import EngineOptions, GroupOptions, HistoryOptions, Options, SnapshotOptions
+from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
 from .restore import load_latest
-from .stats import StatsReport
 from .version import __version__
 
 __all__ = [
-    "Checkpointer", "CheckpointStats", "StatsReport", "Restored", "load_latest", "SnapshotError",
+    "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions",
+    "CheckpointStats", "StatsReport", "Restored", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "__version__",

@@ -16,7 +16,12 @@ FileStore), never through the training collectives:
    the global step. Storage: N+2 slots of m bytes per rank (N in flight, the latest, the global).
 
 Every incarnation of the job gets a new *epoch* (one more than any found on disk), stored in each
-manifest, so a step left behind by an earlier incarnation never pairs with a new one.
+manifest (its ``epoch`` field), so a step left behind by an earlier incarnation never pairs with a
+new one.
+
+The coordinator is the store's retention policy (:class:`~pccheck.orchestrator.retention.Retention`):
+the orchestrator opens the store with its extra slot, held slots and protected slots, and asks it
+before retiring older generations.
 
 Recovery (:func:`agree_and_load`) does not trust GLOBAL alone: the ranks exchange the set of
 (epoch, step) checkpoints each holds *valid* and take the newest one all hold, so a rank whose
@@ -35,15 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .orchestrator.retention import Retention
 from .persist.files import GLOBAL, rank_dir, write_durably
-from .persist.recovery import Restored, load_slot, read_manifest, read_store, store_files
+from .persist.recovery import Restored, load_slot, read_manifest, read_store, scan, store_files
 
-__all__ = ["Group", "detect_group", "GroupCoordinator", "agree_and_load", "EPOCH_KEY",
-           "read_global"]
+__all__ = ["Group", "detect_group", "GroupCoordinator", "agree_and_load", "read_global"]
 
 log = logging.getLogger("pccheck")
 
-EPOCH_KEY = "pccheck.epoch"  # manifest metadata key: the job incarnation that wrote it
 _POLL = timedelta(milliseconds=200)
 
 
@@ -79,16 +83,15 @@ def _valid_checkpoints(directory: Path, full: bool, world_size: int) -> dict[tup
     """(epoch, step) -> (store file, slot) of every checkpoint in a rank's store that validates
     (meta + manifest; with ``full`` also every array's crc32c)."""
     found: dict[tuple[int, int], tuple[Path, int]] = {}
-    for _, file in store_files(directory):
-        try:
-            image = read_store(file)
-        except (CorruptCheckpointError, OSError) as exc:
-            log.warning("pccheck: %s: %s", file, exc)
+    for gen in scan(directory):
+        image = gen.image
+        if image is None:
+            log.warning("pccheck: %s", gen.problem)
             continue
         if image.header["world_size"] != world_size:
-            raise ConfigError(f"{file} was written by a job of {image.header['world_size']} ranks, this one "
+            raise ConfigError(f"{gen.path} was written by a job of {image.header['world_size']} ranks, this one "
                               f"has {world_size}; resharding on load is not supported yet")
-        with open(file, "rb", buffering=0) as f:
+        with open(gen.path, "rb", buffering=0) as f:
             for st in image.slots:
                 if st.meta is None:
                     continue
@@ -96,12 +99,11 @@ def _valid_checkpoints(directory: Path, full: bool, world_size: int) -> dict[tup
                     man = (load_slot(image, st.slot, fd=f.fileno()) if full
                            else read_manifest(image, st.slot, f.fileno()))
                 except CorruptCheckpointError as exc:
-                    log.warning("pccheck: %s slot %d: %s", file, st.slot, exc)
+                    log.warning("pccheck: %s slot %d: %s", gen.path, st.slot, exc)
                     continue
-                epoch = int(man.metadata.get(EPOCH_KEY, 0)) if isinstance(man.metadata.get(EPOCH_KEY, 0), int) else 0
-                key = (epoch, man.step)
-                if key not in found or found[key][0] < file:
-                    found[key] = (file, st.slot)
+                key = (man.epoch or 0, man.step)
+                if key not in found or found[key][0] < gen.path:
+                    found[key] = (gen.path, st.slot)
     return found
 
 
@@ -145,9 +147,13 @@ def read_global(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
 
 
-class GroupCoordinator:
-    """The per-rank side of the protocol. Call order: :meth:`prepare` (collective, before the
-    store opens) → :meth:`start` → :meth:`on_commit` per local commit → :meth:`close`."""
+class GroupCoordinator(Retention):
+    """The per-rank side of the protocol, and the store's retention policy. Call order:
+    :meth:`prepare` (collective, before the orchestrator opens the store) → :meth:`start` →
+    :meth:`on_commit` per local commit → :meth:`close`."""
+
+    extra_slots = 1       # the global latest, beside N in flight and the local latest
+    hold_replaced = True  # replaced slots come back through take_held; this class frees them
 
     def __init__(self, path: Path, group: Group) -> None:
         self.path = path
@@ -161,11 +167,12 @@ class GroupCoordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.store: Any = None  # the SlotStore
+        self._protect: tuple[int, ...] = ()   # slots of the newest generation holding the global step
+        self.orch: Any = None  # the Orchestrator owning this rank's store
 
-    def prepare(self, directory: Path) -> list[int]:
-        """Agrees on this incarnation's epoch and the global step to keep; returns the slots of
-        this rank's newest store file that hold it (to protect). Collective."""
+    def prepare(self, directory: Path) -> None:
+        """Agrees on this incarnation's epoch and the global step to keep, and finds the slots of
+        this rank's newest store file that hold it (:meth:`protected_slots`). Collective."""
         mine = _valid_checkpoints(directory, full=False, world_size=self.group.world_size) \
             if directory.is_dir() else {}
         best, top_epoch = _agree(self.group, mine)
@@ -179,11 +186,22 @@ class GroupCoordinator:
             if files and file == files[0][1]:
                 protect.append(slot)
                 self._slot_step[slot] = best[1]
-        return protect
+        self._protect = tuple(protect)
 
-    def start(self, store: Any) -> None:
-        """Starts the log followers. The store holds replaced slots for us (``hold_replaced``)."""
-        self.store = store
+    # -- the retention policy (asked by the orchestrator) ---------------------------------------
+
+    def protected_slots(self) -> tuple[int, ...]:
+        return self._protect
+
+    def may_retire(self, generation: int) -> bool:
+        """Older generations may go once a globally committed step lives in ``generation``."""
+        with self._lock:
+            return (generation == self._gen and self.global_step is not None
+                    and self.global_step in self._slot_step.values())
+
+    def start(self, orch: Any) -> None:
+        """Starts the log followers. The orchestrator's store holds replaced slots for us."""
+        self.orch = orch
         followers = [self._follow_globals] + ([self._follow_completions] if self.group.rank == 0 else [])
         for fn in followers:
             t = threading.Thread(target=fn, name=f"pccheck-{fn.__name__}", daemon=True)
@@ -204,23 +222,23 @@ class GroupCoordinator:
             st.set(f"e{self.epoch}/c/{i}", str(step))
 
     def _sync_generation_locked(self) -> None:
-        if self.store.generation != self._gen:  # a new generation: slot numbers start over
-            self._gen, self._held, self._slot_step = self.store.generation, set(), {}
+        if self.orch.generation != self._gen:  # a new generation: slot numbers start over
+            self._gen, self._held, self._slot_step = self.orch.generation, set(), {}
 
     def _settle_locked(self) -> None:
         """Frees held slots that can no longer be the global latest (older than it)."""
-        native = self.store.native if self.store is not None else None
-        if native is None:
+        orch = self.orch
+        if orch is None:
             return
         self._sync_generation_locked()
-        self._held.update(native.take_held())
+        self._held.update(orch.take_held())
         g = self.global_step
         for s in sorted(self._held):
             step = self._slot_step.get(s)
             if step is None or (g is not None and step < g):
                 self._held.discard(s)
                 self._slot_step.pop(s, None)
-                native.release_slot(s)
+                orch.release_slot(s)
 
     # -- the logs -------------------------------------------------------------------------------
 
@@ -252,12 +270,12 @@ class GroupCoordinator:
             j += 1
             step = int(v)
             with self._lock:
-                if self.global_step is None or step > self.global_step:
+                newer = self.global_step is None or step > self.global_step
+                if newer:
                     self.global_step = step
                     self._settle_locked()
-                    store = self.store
-                    if store is not None and store.retire_pending and step in self._slot_step.values():
-                        store.retire_older_generations()
+            if newer and self.orch is not None:
+                self.orch.retire_if_allowed()  # outside our lock: it takes ours (may_retire)
 
     def _write_global(self, step: int) -> None:
         doc = {"step": step, "epoch": self.epoch, "world_size": self.group.world_size, "unix_time": time.time()}

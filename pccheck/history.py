@@ -50,7 +50,7 @@ import numpy as np
 from .errors import ConfigError, CorruptCheckpointError
 from .export import SafetensorsEntry, safetensors_dtype, safetensors_header
 from .persist.files import HISTORY_DIR, fsync_dir, write_durably
-from .native import _native
+from .persist.reader import crc32c
 from .persist.recovery import read_manifest, read_store
 
 __all__ = ["HistoryKeeper", "HistoryCounts", "HISTORY_DIR", "history_files"]
@@ -297,7 +297,7 @@ def _stream(fd: int, off: int, n: int, out: BinaryIO) -> int:
         got = os.preadv(fd, [view[:want]], off + done)
         if got <= 0:
             raise CorruptCheckpointError(f"short read at offset {off + done}: the store file is truncated")
-        crc = _native.crc32c(view[:got], crc)
+        crc = crc32c(view[:got], crc)
         out.write(view[:got])
         done += got
     return crc

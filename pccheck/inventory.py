@@ -24,18 +24,16 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from .errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
-from .native import _native
 from .persist.layout import Manifest
 from .persist.files import default_path
-from .persist.recovery import (Restored, StoreImage, candidate_order, load_slot, read_manifest,
-                               read_store, store_files)
+from .persist.recovery import (Restored, Scanned, StoreImage, candidate_order, confirmed_slot, first_valid,
+                               load_slot, read_manifest, scan, slot_was_written)
 
 __all__ = [
     "SlotInfo", "GenerationInfo", "SlotCheck", "VerifyReport", "Located",
     "survey", "verify", "locate", "load", "resolve_directory",
 ]
 
-BLOCK: int = _native.BLOCK
 T = TypeVar("T")
 
 
@@ -127,19 +125,16 @@ def resolve_directory(path: str | os.PathLike[str] | None) -> Path:
     return d
 
 
-def _generations(directory: Path) -> list[tuple[int, Path]]:
-    files = store_files(directory)
-    if not files:
+def _generations(directory: Path) -> list[Scanned]:
+    """Recovery's scan of the directory (newest first); NoCheckpointError naming what to pass
+    when it holds no store."""
+    found = list(scan(directory))
+    if not found:
         ranks = sorted(p.name for p in directory.glob("rank-*") if p.is_dir())
         hint = (f"; it holds the stores of a distributed run: pass one rank's directory, e.g. "
                 f"{directory / ranks[0]}" if ranks else "")
         raise NoCheckpointError(f"{directory} holds no pccheck store (store-*.pcc); nothing to read{hint}")
-    return files
-
-
-def _slot_was_written(image: StoreImage, slot: int, fd: int) -> bool:
-    off = image.header["slots_offset"] + slot * image.header["slot_capacity"]
-    return any(os.pread(fd, BLOCK, off))
+    return found
 
 
 def survey(path: str | os.PathLike[str] | None = None) -> list[GenerationInfo]:
@@ -148,12 +143,10 @@ def survey(path: str | os.PathLike[str] | None = None) -> list[GenerationInfo]:
     now = time.time_ns()
     out = []
     latest_marked = False
-    for gen, file in _generations(directory):
-        try:
-            size = file.stat().st_size
-            image = read_store(file)
-        except (CorruptCheckpointError, OSError) as exc:
-            out.append(GenerationInfo(file, gen, _size(file), None, None, None, None, (), _why(exc)))
+    for scanned in _generations(directory):
+        gen, file, image = scanned.generation, scanned.path, scanned.image
+        if image is None:
+            out.append(GenerationInfo(file, gen, _size(file), None, None, None, None, (), scanned.problem))
             continue
         order = candidate_order(image)
         latest = order[0] if order and not latest_marked else None
@@ -167,12 +160,12 @@ def survey(path: str | os.PathLike[str] | None = None) -> list[GenerationInfo]:
                     slots.append(SlotInfo(st.slot, status, m["step"], m["counter"], m["data_len"], m["manifest_len"],
                                           m["unix_ns"], max(0.0, (now - m["unix_ns"]) / 1e9), None))
                 elif st.problem == "empty":
-                    status = "free" if _slot_was_written(image, st.slot, f.fileno()) else "empty"
+                    status = "free" if slot_was_written(image, st.slot, f.fileno()) else "empty"
                     slots.append(SlotInfo(st.slot, status, None, None, None, None, None, None, None))
                 else:
                     slots.append(SlotInfo(st.slot, "invalid", None, None, None, None, None, None, st.problem))
         h = image.header
-        out.append(GenerationInfo(file, gen, size, h["num_slots"], h["slot_capacity"], h["created_unix_ns"],
+        out.append(GenerationInfo(file, gen, _size(file), h["num_slots"], h["slot_capacity"], h["created_unix_ns"],
                                   image.check_word, tuple(slots), None))
     return out
 
@@ -184,10 +177,6 @@ def _size(file: Path) -> int:
         return 0
 
 
-def _why(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, PCCheckError) else f"{type(exc).__name__}: {exc}"
-
-
 def verify(path: str | os.PathLike[str] | None = None) -> VerifyReport:
     """fsck: checks every slot of every generation (meta record, manifest, every array's crc32c)."""
     directory = resolve_directory(path)
@@ -196,14 +185,13 @@ def verify(path: str | os.PathLike[str] | None = None) -> VerifyReport:
     latest: SlotCheck | None = None
     latest_problem: str | None = None
     newest_valid: SlotCheck | None = None
-    for gen, file in _generations(directory):
-        try:
-            image = read_store(file)
-        except (CorruptCheckpointError, OSError) as exc:
-            gen_problems.append((gen, _why(exc)))
+    for scanned in _generations(directory):
+        gen, file, image = scanned.generation, scanned.path, scanned.image
+        if image is None:
+            gen_problems.append((gen, scanned.problem))
             if latest is None and not checks:  # the newest generation is unreadable
-                latest = SlotCheck(gen, -1, None, None, "bad", _why(exc), None)
-                latest_problem = f"generation {gen} ({file.name}) cannot be read: {_why(exc)}"
+                latest = SlotCheck(gen, -1, None, None, "bad", scanned.problem, None)
+                latest_problem = f"generation {gen} ({file.name}) cannot be read: {scanned.problem}"
             continue
         by_slot: dict[int, SlotCheck] = {}
         with open(file, "rb", buffering=0) as f:
@@ -221,36 +209,31 @@ def verify(path: str | os.PathLike[str] | None = None) -> VerifyReport:
         checks.extend(by_slot[s] for s in sorted(by_slot))
         if latest is None:
             latest, latest_problem = _latest_of(image, by_slot)
-        if newest_valid is None:
-            valid = [c for c in by_slot.values() if c.verdict == "ok"]
-            if valid:
-                # The one recovery would load: CHECK_ADDR's if it is valid, else the newest counter.
-                order = candidate_order(image)
-                newest_valid = next((by_slot[s] for s in order if by_slot[s].verdict == "ok"), None)
+        if newest_valid is None:  # the one recovery would load, by its own rule
+            found = first_valid(image, lambda s: _ok(by_slot[s]))
+            newest_valid = found[1] if found is not None else None
     if latest is not None and latest_problem is None:
         newest_valid = latest
     return VerifyReport(directory, tuple(checks), latest, latest_problem, newest_valid, tuple(gen_problems))
 
 
+def _ok(check: SlotCheck) -> SlotCheck:
+    if check.verdict != "ok":
+        raise CorruptCheckpointError(check.problem or "invalid")
+    return check
+
+
 def _latest_of(image: StoreImage, by_slot: dict[int, SlotCheck]) -> tuple[SlotCheck | None, str | None]:
-    """The latest checkpoint of one generation and what is wrong with it; (None, None) if it has none."""
-    word = image.check_word
-    if word:
-        slot, counter = _native.word_slot(word), _native.word_counter(word)
-        c = by_slot.get(slot)
-        if c is None:
-            return (SlotCheck(image.generation, slot, None, counter, "bad", "slot out of range", None),
-                    f"CHECK_ADDR names slot {slot}, beyond the {len(image.slots)} slots of generation "
-                    f"{image.generation}")
-        if c.counter != counter:
-            return (SlotCheck(image.generation, slot, None, counter, "bad", "meta record does not match", None),
-                    f"CHECK_ADDR names slot {slot} with counter {counter}, which its meta record does not "
-                    f"confirm ({c.problem or f'it holds counter {c.counter}'})")
-        return c, (None if c.verdict == "ok" else c.problem)
-    metas = [s.slot for s in image.slots if s.meta]
-    if not metas:
+    """The latest checkpoint of one generation (what recovery tries first) and what is wrong with
+    it; (None, None) if it has none."""
+    slot, why = confirmed_slot(image)
+    if why is not None:  # CHECK_ADDR names a slot its meta record does not confirm
+        problem = "slot out of range" if image.word_slot >= len(image.slots) else "meta record does not match"
+        return SlotCheck(image.generation, image.word_slot, None, image.word_counter, "bad", problem, None), why
+    order = candidate_order(image)
+    if slot is None and not order:
         return None, None  # never committed: look at the next older generation
-    c = by_slot[max(metas, key=lambda s: image.slots[s].meta["counter"])]
+    c = by_slot[order[0]]
     return c, (None if c.verdict == "ok" else c.problem)
 
 
@@ -262,13 +245,12 @@ def _search(path: str | os.PathLike[str] | None, step: int | None,
     directory = resolve_directory(path)
     problems: list[str] = []
     steps: set[int] = set()
-    for _, file in _generations(directory):
-        try:
-            image = read_store(file)
-        except (CorruptCheckpointError, OSError) as exc:
-            problems.append(_why(exc))
+    for scanned in _generations(directory):
+        image = scanned.image
+        if image is None:
+            problems.append(scanned.problem)
             continue
-        with open(file, "rb", buffering=0) as f:
+        with open(scanned.path, "rb", buffering=0) as f:
             for slot in candidate_order(image):
                 meta = image.slots[slot].meta
                 assert meta is not None  # candidate_order only yields slots with a meta record

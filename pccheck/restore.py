@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 from pathlib import Path
 
-from .distributed import EPOCH_KEY, Group, agree_and_load, detect_group
+from .distributed import Group, agree_and_load, detect_group
 from .errors import ConfigError, PCCheckError
 from .persist import recovery
 from .persist.files import default_path, rank_dir
 from .persist.recovery import Restored
-from .torch_state import TREE_KEY, TorchState, rebuild, unwrap_extra
+from .torch_state import TorchState, rebuild, unwrap_extra
 
 __all__ = ["load_latest"]
 
@@ -29,7 +29,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
-    NoCheckpointError when there is none. See :func:`pccheck.persist.recovery.load_latest` for
+    NoCheckpointError when there is none. See :func:`pccheck.persist.recovery.load_newest` for
     how the checkpoint is picked and validated. In a torch.distributed group (every rank calls
     this at the same point) the ranks agree on the newest step all of them hold valid and each
     loads its own part (pccheck.distributed); every rank returns the same ``step``.
@@ -41,17 +41,15 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     if group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
-        r = recovery.load_latest(directory, zero_copy=zero_copy and model is None, verify=verify)
+        r = recovery.load_newest(directory, zero_copy=zero_copy and model is None, verify=verify)
         if group is not None:  # replicated="rank0": everyone read rank 0's store; same step?
             _check_same_step(group, r.step)
-    metadata = dict(r.metadata)
-    metadata.pop(EPOCH_KEY, None)
-    tree = metadata.pop(TREE_KEY, None)
+    tree = r.tree
     if tree is None:
         if model is not None:
             raise ConfigError(f"the checkpoint at step {r.step} holds arrays, not a PyTorch model; "
                               "load it without model=")
-        return dataclasses.replace(r, metadata=metadata)
+        return r
     if model is not None:
         state = TorchState(model, optimizer, extra_state).restore(tree, r.state, r.torch_dtypes, map_location)
     else:
@@ -67,7 +65,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
 
         state = unwrap_extra(rebuild({"d": tree}, r.state, as_tensor))
     state["step"] = r.step
-    return dataclasses.replace(r, state=state, metadata=metadata)
+    return dataclasses.replace(r, state=state)
 
 
 def _check_same_step(group: Group, step: int) -> None:

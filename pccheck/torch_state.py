@@ -32,9 +32,7 @@ import numpy as np
 from .arrays import torch_dtype
 from .errors import ConfigError, CorruptCheckpointError
 
-__all__ = ["Snapshot", "TorchState", "TREE_KEY", "rebuild", "unwrap_extra"]
-
-TREE_KEY = "pccheck.state"  # manifest metadata key holding the tree
+__all__ = ["Snapshot", "TorchState", "rebuild", "unwrap_extra"]
 
 
 @dataclass
@@ -43,7 +41,7 @@ class Snapshot:
 
     arrays: dict[str, Any]
     n_eager: int                    # the first ``n_eager`` arrays must be copied synchronously
-    tree: dict[str, Any]
+    tree: dict[str, Any] | None     # None for a mapping of arrays: nothing to rebuild
     versions: list[tuple[str, Any, int]] = field(default_factory=list)  # (name, tensor, _version)
 
     def validate(self) -> str | None:

@@ -15,7 +15,7 @@ import _torch_train as tt
 
 
 def _manifest_names(path) -> list[str]:
-    r = pccheck.persist.recovery.load_latest(path)
+    r = pccheck.persist.recovery.load_newest(path)
     return list(r.state)
 
 

@@ -11,6 +11,10 @@ Life of a checkpoint (paper §3.1, Fig. 5; FORMAT.md §4 for the commit):
    reserve, see :mod:`.reserve`).
 4. A background thread waits for the writers, builds the manifest with the array checksums and
    runs the native commit (barrier, CAS on CHECK_ADDR, barrier, free the replaced slot).
+
+The orchestrator owns the store (persist/store.py): it opens it from the path, the engine
+options and a retention policy (:mod:`.retention`), makes a new generation when the state
+outgrows the slots, and is the one place that retires older generations.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
 from .copy_engine import CopyEngine, Sources, abandon
+from .options import EngineOptions
 from .reserve import Reserve, resolve_reserve
+from .retention import Retention
+from .stats import CheckpointStats
 
 __all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "chunk_geometry"]
 
@@ -42,29 +49,6 @@ BLOCK: int = _native.BLOCK
 # Room kept in each slot beyond the manifest's current size, so metadata can grow a little
 # without a new store generation.
 MANIFEST_SLACK = 64 << 10
-
-
-@dataclass(frozen=True)
-class CheckpointStats:
-    """Timings of one checkpoint, in seconds. Training was blocked for ``stall_s + blocked_copy_s
-    + cow_wait_s`` in all."""
-
-    step: int
-    counter: int
-    nbytes: int
-    stall_s: float         # waiting because max_concurrent checkpoints were in flight
-    blocked_copy_s: float  # copying inside maybe_checkpoint (all of it, or the eager prefix)
-    cow_wait_s: float      # in the optimizer pre-hook, finishing the copy before the update
-    copy_s: float          # copying into DRAM chunks in all (any thread), incl. back-pressure
-    backpressure_s: float  # part of copy_s spent waiting for a free chunk
-    persist_s: float       # from the start until durable (or failed)
-    outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
-    reserve_bytes: int = 0  # bytes staged into the device reserve instead of waited for
-
-    @property
-    def gbps(self) -> float:
-        """Bytes per second from the start to durable, in GB/s."""
-        return self.nbytes / self.persist_s / 1e9 if self.persist_s > 0 else 0.0
 
 
 @dataclass
@@ -78,6 +62,8 @@ class _Flight:
     step: int
     counter: int
     metadata: Mapping[str, Any] | None
+    tree: Any
+    epoch: int | None
     validate: Callable[[], str | None] | None
     t0: float
     stall: float
@@ -129,28 +115,41 @@ def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -
 
 
 class Orchestrator:
-    """Runs checkpoints of a mapping of arrays into a :class:`SlotStore`."""
+    """Runs checkpoints of a mapping of arrays into the store at ``path``, which it opens (and
+    locks: StoreLockedError if another writer has it) and owns."""
 
-    def __init__(self, store: SlotStore, layout: Layout, *, max_concurrent: int, writer_threads: int,
-                 chunk_size: int, dram_budget: int | None, copy_engine: CopyEngine,
-                 on_error: Callable[[PCCheckError], None],
-                 on_commit: Callable[[CommitInfo], None] | None = None, extra_slots: int = 0,
+    def __init__(self, path: Path, layout: Layout, engine: EngineOptions, *, copy_engine: CopyEngine,
+                 on_error: Callable[[PCCheckError], None], retention: Retention | None = None,
+                 world_size: int = 1, rank: int = 0,
+                 on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
                  device_reserve: int | str | None = None) -> None:
-        self.store = store
-        self.max_concurrent = max_concurrent
-        # N+1 slots: N in flight plus the latest (+1 in distributed mode: the global latest).
-        self.num_slots = max_concurrent + 1 + extra_slots
+        if not engine.resolved:
+            raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
+        self.engine_options = engine
+        self.max_concurrent = int(engine.max_concurrent)
+        self.retention = retention if retention is not None else Retention()
+        # N+1 slots: N in flight plus the latest (+ the policy's: a group's global latest).
+        self.num_slots = self.max_concurrent + 1 + self.retention.extra_slots
         self.copy_engine = copy_engine
         self._on_error = on_error
         self._on_commit = on_commit
         self._on_finished = on_finished  # sees every checkpoint's stats once (the online tuner)
-        self._chunk_size, self._dram_budget, self._writer_threads = chunk_size, dram_budget, writer_threads
+        self._chunk_size, self._dram_budget = int(engine.chunk_size), engine.dram_budget
+        self._writer_threads = int(engine.writer_threads)
         self._reserve_request = device_reserve
         self.reserve: Reserve | None = None
-        self._make_engine(layout.data_len)
-        self._inflight = threading.BoundedSemaphore(max_concurrent)
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="pccheck-commit")
+        # Guards opening, growing and retiring the store's generations (start, commit threads and
+        # a coordinator's thread all reach them).
+        self._store_lock = threading.Lock()
+        self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced)
+        try:
+            self._make_engine(layout.data_len)
+        except BaseException:
+            self.store.close()
+            raise
+        self._inflight = threading.BoundedSemaphore(self.max_concurrent)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrent, thread_name_prefix="pccheck-commit")
         self._futures: set[Future] = set()
         self._lock = threading.Lock()
         # (counter, step, wall time) of the newest durable commit
@@ -193,15 +192,60 @@ class Orchestrator:
         with self._lock:
             return self._durable[2] if self._durable else None
 
-    def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None) -> int:
+    def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
+                   epoch: int | None = None) -> int:
         """Slot capacity this layout needs: data, then the manifest with slack."""
-        man = manifest_upper_bound(layout, metadata) + MANIFEST_SLACK
+        man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch) + MANIFEST_SLACK
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
 
+    # -- the store -------------------------------------------------------------------------------
+
+    def open_store(self, slot_bytes: int) -> None:
+        """Opens the newest generation if its slots hold ``slot_bytes``, else makes a new one.
+        Called by the front-end once the state's size is known (else by the first ``start``)."""
+        with self._store_lock:
+            self.store.open(self.num_slots, slot_bytes, self.retention.protected_slots())
+
+    def _fit_store(self, slot_bytes: int) -> None:
+        """Opens the store, or moves to a new generation when the state outgrew the slots."""
+        if self.store.native is None:
+            self.open_store(slot_bytes)
+        elif not self.store.fits(self.num_slots, slot_bytes):
+            self._drain()  # every slot of the old generation must be settled first
+            with self._store_lock:
+                self.store.new_generation(self.num_slots, slot_bytes)
+
+    def retire_if_allowed(self) -> None:
+        """Deletes older store generations once the newest has a durable commit and the retention
+        policy allows it: the one place that decides. Called after each commit, and by a group
+        coordinator when a new global step arrives."""
+        with self._store_lock:
+            if self.store.retire_pending and self.retention.may_retire(self.store.generation):
+                self.store.retire_older_generations()
+
+    @property
+    def generation(self) -> int:
+        """The store generation open for writing (0 before it opens)."""
+        return self.store.generation
+
+    @property
+    def storage_mode(self) -> str:
+        """The write mode in use: "odirect", "mmap" or "pmem" ("closed" when not open)."""
+        return self.store.mode
+
+    def take_held(self) -> list[int]:
+        """Replaced slots held for the retention policy since the last call (hold_replaced)."""
+        return self.store.take_held()
+
+    def release_slot(self, slot: int) -> None:
+        """Gives a held slot back for reuse."""
+        self.store.release_slot(slot)
+
     def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
-              n_eager: int | None = None, validate: Callable[[], str | None] | None = None,
-              when_busy: str = "block") -> bool:
+              tree: Any = None, epoch: int | None = None, n_eager: int | None = None,
+              validate: Callable[[], str | None] | None = None) -> bool:
         """Starts one checkpoint. Returns False if it was skipped (``when_busy="skip"``).
+        ``tree`` and ``epoch`` go to the manifest's own fields (FORMAT.md §5).
 
         With ``n_eager=None`` it returns once every byte is in DRAM chunks. With ``n_eager=k`` it
         returns once the first k arrays are copied; the rest is copied in the background, and
@@ -212,7 +256,7 @@ class Orchestrator:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
         layout = plan(arrays)
-        if when_busy == "skip":
+        if self.engine_options.when_busy == "skip":
             if not self._inflight.acquire(blocking=False):
                 with self._lock:
                     self.skipped += 1
@@ -221,12 +265,7 @@ class Orchestrator:
             self._inflight.acquire()
         stall = time.perf_counter() - t0
         try:
-            need = self.slot_bytes(layout, metadata)
-            if self.store.native is None:  # opened lazily: see Checkpointer (optimizer state)
-                self.store.open(self.num_slots, need)
-            elif not self.store.fits(self.num_slots, need):
-                self._drain()  # every slot of the old generation must be settled first
-                self.store.new_generation(self.num_slots, need)
+            self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
             if self._dram_budget is None and layout.data_len > self._pool_state_bytes:
                 # The default budget follows the state (2x): it grew, e.g. Adam's lazy state.
                 self._drain()
@@ -246,7 +285,7 @@ class Orchestrator:
             native.release_slot(slot)
             self._inflight.release()
             raise
-        fl = _Flight(job, src, native, layout, step, counter, metadata, validate, t0, stall)
+        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, validate, t0, stall)
         t1 = time.perf_counter()
         try:
             if n_eager is None:
@@ -367,7 +406,8 @@ class Orchestrator:
                 native.release_slot(job.slot)
                 code = -job.error
                 raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
-            manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata)
+            manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
+                                      epoch=fl.epoch)
             try:
                 won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
             except OSError as exc:
@@ -382,8 +422,7 @@ class Orchestrator:
                 with self._lock:
                     if self._durable is None or fl.counter > self._durable[0]:
                         self._durable = (fl.counter, step, time.time())
-                    if self.store.retire_pending and not self.store.retire_on_global:
-                        self.store.retire_older_generations()
+                self.retire_if_allowed()
         except PCCheckError as exc:
             self._on_error(exc)
         except Exception as exc:  # a bug or a device fault: still surface it through on_error
@@ -441,6 +480,9 @@ class Orchestrator:
         self._drain()
         self._closed = True
         self._pool.shutdown(wait=True)
-        self.reserve = None  # frees the device memory
-        self.copy_engine.detach()
-        self.engine.close()
+        try:
+            self.reserve = None  # frees the device memory
+            self.copy_engine.detach()
+            self.engine.close()
+        finally:
+            self.store.close()  # releases the store lock

@@ -22,7 +22,13 @@ __all__ = ["ArrayEntry", "Layout", "plan", "build_manifest", "parse_manifest", "
 
 ARRAY_ALIGN = 64
 BLOCK: int = _native.BLOCK
-MANIFEST_FORMAT = 1
+# Format 2 keeps pccheck's own fields ("tree", "epoch") apart from the user's "metadata".
+# Format 1 (pccheck 0.1.0) kept them in "metadata" under reserved keys; it is still read.
+MANIFEST_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+LEGACY_TREE_KEY = "pccheck.state"  # format 1: metadata key of the tree
+LEGACY_EPOCH_KEY = "pccheck.epoch"  # format 1: metadata key of the epoch
+_MAX_EPOCH = 2**63 - 1
 MAX_MANIFEST_BYTES = 64 << 20
 _MAX_NDIM = 64
 _MAX_NUMPY_BYTES = 2**63 - 1
@@ -84,7 +90,9 @@ class Manifest:
     data_len: int
     arrays: tuple[ArrayEntry, ...]
     crcs: tuple[int, ...]
-    metadata: dict[str, Any]
+    metadata: dict[str, Any]  # the user's JSON object, and only theirs
+    tree: Any = None  # a PyTorch checkpoint's state tree (torch_state.py); None for arrays
+    epoch: int | None = None  # the job incarnation that wrote it (distributed runs)
 
 
 def _descr(dtype: np.dtype) -> Any:
@@ -92,7 +100,7 @@ def _descr(dtype: np.dtype) -> Any:
 
 
 def build_manifest(layout: Layout, step: int, counter: int, crcs: list[int] | None,
-                   metadata: Mapping[str, Any] | None) -> bytes:
+                   metadata: Mapping[str, Any] | None, *, tree: Any = None, epoch: int | None = None) -> bytes:
     """The manifest JSON (UTF-8). With ``crcs=None`` it has placeholders of the final length."""
     arrays = []
     for i, e in enumerate(layout.entries):
@@ -104,15 +112,21 @@ def build_manifest(layout: Layout, step: int, counter: int, crcs: list[int] | No
         arrays.append(item)
     doc = {"format": MANIFEST_FORMAT, "step": int(step), "counter": int(counter),
            "data_len": layout.data_len, "arrays": arrays, "metadata": dict(metadata or {})}
+    if tree is not None:
+        doc["tree"] = tree
+    if epoch is not None:
+        doc["epoch"] = int(epoch)
     try:
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"checkpoint metadata must be JSON-serialisable (no NaN/inf): {exc}") from None
 
 
-def manifest_upper_bound(layout: Layout, metadata: Mapping[str, Any] | None) -> int:
-    """The most bytes the manifest of this layout can take, whatever the step and counter."""
-    return len(build_manifest(layout, -(2**63), 2**63 - 1, None, metadata))
+def manifest_upper_bound(layout: Layout, metadata: Mapping[str, Any] | None, *, tree: Any = None,
+                         epoch: int | None = None) -> int:
+    """The most bytes the manifest of this layout can take, whatever the step, counter and epoch."""
+    return len(build_manifest(layout, -(2**63), 2**63 - 1, None, metadata, tree=tree,
+                              epoch=None if epoch is None else _MAX_EPOCH))
 
 
 def _int(doc: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
@@ -146,7 +160,8 @@ def parse_manifest(raw: bytes, *, step: int, counter: int, data_len_limit: int) 
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise CorruptCheckpointError("manifest is not valid UTF-8 JSON") from None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if type(fmt) is not int or fmt not in READABLE_FORMATS:
         raise CorruptCheckpointError("manifest has an unknown format")
     if _int(doc, "step", -(2**63), 2**63 - 1, "manifest") != step:
         raise CorruptCheckpointError("manifest step differs from its meta record")
@@ -195,4 +210,16 @@ def parse_manifest(raw: bytes, *, step: int, counter: int, data_len_limit: int) 
             raise CorruptCheckpointError(f"{where}: bad torch_dtype")
         entries.append(ArrayEntry(name, dt, tuple(shape), offset, nbytes, tdt))
         crcs.append(int(crc, 16))
-    return Manifest(step, counter, data_len, tuple(entries), tuple(crcs), metadata)
+    tree, epoch = _own_fields(doc, fmt, metadata)
+    return Manifest(step, counter, data_len, tuple(entries), tuple(crcs), metadata, tree, epoch)
+
+
+def _own_fields(doc: dict[str, Any], fmt: int, metadata: dict[str, Any]) -> tuple[Any, int | None]:
+    """pccheck's own fields: top-level in format 2; popped out of ``metadata`` in format 1, so
+    the metadata a reader sees is the user's in both."""
+    if fmt == 1:
+        doc = {"tree": metadata.pop(LEGACY_TREE_KEY, None), "epoch": metadata.pop(LEGACY_EPOCH_KEY, None)}
+    epoch = doc.get("epoch")
+    if epoch is not None and (type(epoch) is not int or not 0 <= epoch <= _MAX_EPOCH):
+        raise CorruptCheckpointError("manifest: 'epoch' is not a non-negative integer")
+    return doc.get("tree"), epoch

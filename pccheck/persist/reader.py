@@ -28,9 +28,21 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..native import _native
 
-__all__ = ["read_region"]
+__all__ = ["read_region", "crc32c", "prefault"]
 
 PIECE = 32 << 20
+
+
+def prefault(view: memoryview) -> None:
+    """Faults fresh memory in (writes one byte per page), so a later timed read or copy does not
+    pay for it (for readers above persist: the tuner's scratch chunks)."""
+    _native.prefault(view)
+
+
+def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
+    """The crc32c (Castagnoli) of ``data``, continuing from ``crc`` (for readers above persist)."""
+    return _native.crc32c(data, crc)
+
 THREADS = 2
 
 

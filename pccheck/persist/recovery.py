@@ -3,7 +3,9 @@
 The store file is untrusted input. Every offset and size read from it is checked against the
 geometry, and the geometry against the file's real size, before anything is read or allocated.
 Picking a slot is a pure function (:func:`candidate_order`); validating one is another
-(:func:`load_slot`). Nothing here unpickles anything.
+(:func:`load_slot`); :func:`first_valid` combines them into the one rule every reader uses
+("the latest valid slot": ``load_latest``, the store's reopen, inventory and fsck), and
+:func:`scan` walks a directory's generations newest first. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -24,13 +26,16 @@ from .layout import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .reader import read_region
 
 __all__ = [
-    "Restored", "SlotState", "StoreImage", "read_store", "candidate_order", "read_manifest", "load_slot",
-    "load_latest", "store_files",
+    "Restored", "SlotState", "StoreImage", "Scanned", "read_store", "scan", "confirmed_slot", "candidate_order",
+    "first_valid", "read_manifest", "load_slot", "load_newest", "store_files", "slot_was_written",
 ]
 
 log = logging.getLogger("pccheck")
 
 BLOCK: int = _native.BLOCK
+T = TypeVar("T")
+
+
 def store_files(directory: Path) -> list[tuple[int, Path]]:
     """The store generations in a directory, newest first, as (generation, path)."""
     out = []
@@ -54,6 +59,8 @@ class Restored:
     path: Path = field(repr=False)
     # Arrays whose torch dtype numpy lacks (bfloat16, ...): their arrays hold the raw bits.
     torch_dtypes: dict[str, str] = field(default_factory=dict, repr=False)
+    tree: Any = field(default=None, repr=False)  # a PyTorch checkpoint's state tree (manifest "tree")
+    epoch: int | None = None  # the job incarnation that wrote it (distributed runs)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,37 @@ class StoreImage:
     @property
     def generation(self) -> int:
         return int(self.header["generation"])
+
+    @property
+    def word_slot(self) -> int:
+        """The slot CHECK_ADDR names (meaningful when ``check_word`` is not 0)."""
+        return _native.word_slot(self.check_word)
+
+    @property
+    def word_counter(self) -> int:
+        """The counter CHECK_ADDR names (meaningful when ``check_word`` is not 0)."""
+        return _native.word_counter(self.check_word)
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """One generation of a directory: its image, or why it cannot be read (``problem``)."""
+
+    generation: int
+    path: Path
+    image: StoreImage | None
+    problem: str | None
+
+
+def scan(directory: Path) -> Iterator[Scanned]:
+    """The store generations of ``directory``, newest first, each read with :func:`read_store`
+    (a file that cannot be read is yielded with its problem, not raised)."""
+    for gen, file in store_files(directory):
+        try:
+            yield Scanned(gen, file, read_store(file), None)
+        except (CorruptCheckpointError, OSError) as exc:
+            why = str(exc) if isinstance(exc, PCCheckError) else f"{file}: {type(exc).__name__}: {exc}"
+            yield Scanned(gen, file, None, why)
 
 
 def _pread_exact(fd: int, n: int, off: int) -> bytes:
@@ -113,18 +151,31 @@ def read_store(path: Path) -> StoreImage:
     return StoreImage(path, header, header.pop("check_word"), tuple(slots))
 
 
+def confirmed_slot(image: StoreImage) -> tuple[int | None, str | None]:
+    """The slot CHECK_ADDR names, if its meta record confirms it (carries the counter the word
+    says), else None and why not; (None, None) when the word is 0 (nothing committed, or a
+    generation whose word was never set)."""
+    if not image.check_word:
+        return None, None
+    s, c = image.word_slot, image.word_counter
+    if s >= len(image.slots):
+        return None, (f"CHECK_ADDR names slot {s}, beyond the {len(image.slots)} slots of generation "
+                      f"{image.generation}")
+    st = image.slots[s]
+    if st.meta is None or st.meta["counter"] != c:
+        held = st.problem if st.meta is None else f"it holds counter {st.meta['counter']}"
+        return None, (f"CHECK_ADDR names slot {s} with counter {c}, which its meta record does not confirm "
+                      f"({held})")
+    return s, None
+
+
 def candidate_order(image: StoreImage) -> list[int]:
     """Slots to try, best first: the one CHECK_ADDR names, then the rest newest first.
 
-    CHECK_ADDR's slot counts only if its meta record carries the counter the word says; a word
+    CHECK_ADDR's slot counts only if its meta record confirms it (:func:`confirmed_slot`); a word
     whose slot is out of range or disagrees is ignored (the fallback scan still runs).
     """
-    word = image.check_word
-    first = None
-    if word:
-        s, c = _native.word_slot(word), _native.word_counter(word)
-        if s < len(image.slots) and image.slots[s].meta and image.slots[s].meta["counter"] == c:
-            first = s
+    first, _ = confirmed_slot(image)
     rest = sorted((st for st in image.slots if st.meta and st.slot != first),
                   key=lambda st: st.meta["counter"], reverse=True)
     return ([first] if first is not None else []) + [st.slot for st in rest]
@@ -185,39 +236,51 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
             arr.flags.writeable = False
         state[entry.name] = arr
     return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path,
-                    {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype})
+                    {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype}, man.tree, man.epoch)
+
+
+def first_valid(image: StoreImage, attempt: Callable[[int], T]) -> tuple[int, T, list[str]] | None:
+    """The one "latest valid slot" rule: the first slot of :func:`candidate_order` for which
+    ``attempt(slot)`` does not raise CorruptCheckpointError, as (slot, its result, the problems
+    met on the way, CHECK_ADDR's first); None if no slot passes."""
+    problems = [f"slot {st.slot}: {st.problem}" for st in image.slots if st.problem and st.problem != "empty"]
+    _, why = confirmed_slot(image)
+    if why:
+        problems.insert(0, why)
+    for slot in candidate_order(image):
+        try:
+            return slot, attempt(slot), problems
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+    return None
 
 
 def latest_in_store(path: Path, *, zero_copy: bool = False, verify: bool = True) -> Restored | None:
     """The newest valid checkpoint of one store file; None if it never had one; NoCheckpointError
     if it has checkpoints but none validates."""
     image = read_store(path)
-    order = candidate_order(image)
-    problems = [f"slot {st.slot}: {st.problem}" for st in image.slots if st.problem and st.problem != "empty"]
-    word = image.check_word
-    if not word and not order and not problems:
-        return None
-    if word and (not order or order[0] != _native.word_slot(word)):
-        problems.insert(0, f"CHECK_ADDR names slot {_native.word_slot(word)} with counter "
-                           f"{_native.word_counter(word)}, which its meta record does not confirm")
     with open(path, "rb", buffering=0) as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if zero_copy else None
-        for i, slot in enumerate(order):
-            try:
-                r = load_slot(image, slot, zero_copy=zero_copy, verify=verify, fd=f.fileno(), mm=mm)
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
-                continue
-            if i > 0 or problems:
-                log.warning("pccheck: %s: falling back to slot %d (step %d, counter %d) because: %s",
-                            path, slot, r.step, r.counter, "; ".join(problems))
-            return r
+        found = first_valid(image, lambda slot: load_slot(image, slot, zero_copy=zero_copy, verify=verify,
+                                                          fd=f.fileno(), mm=mm))
+    if found is not None:
+        slot, r, problems = found
+        if problems:
+            log.warning("pccheck: %s: falling back to slot %d (step %d, counter %d) because: %s",
+                        path, slot, r.step, r.counter, "; ".join(problems))
+        return r
+    if not image.check_word and not any(st.meta or st.problem != "empty" for st in image.slots):
+        return None
+    _, why = confirmed_slot(image)
+    problems = ([why] if why else []) + [f"slot {st.slot}: {st.problem}" for st in image.slots
+                                         if st.problem and st.problem != "empty"]
     raise NoCheckpointError(f"{path}: no valid checkpoint" + (f" ({'; '.join(problems)})" if problems else ""))
 
 
-def load_latest(path: str | os.PathLike[str] | None = None, *, zero_copy: bool = False,
+def load_newest(path: str | os.PathLike[str] | None = None, *, zero_copy: bool = False,
                 verify: bool = True) -> Restored:
-    """Loads the newest valid checkpoint under ``path`` (default: ``$PCCHECK_DIR`` or ./checkpoints).
+    """Loads the newest valid checkpoint under ``path`` (default: ``$PCCHECK_DIR`` or ./checkpoints)
+    as arrays (``pccheck.load_latest`` builds on it and puts PyTorch state back).
 
     Reads CHECK_ADDR, validates that slot's meta record, manifest and every array's crc32c; if
     anything is wrong, logs a warning naming it and falls back to the newest slot that validates,
@@ -242,3 +305,8 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, zero_copy: bool =
             problems.append(str(exc) if isinstance(exc, PCCheckError) else f"{file}: {exc}")
             log.warning("pccheck: %s", problems[-1])
     raise NoCheckpointError(f"no valid checkpoint under {directory}: " + "; ".join(problems))
+
+
+def slot_was_written(image: StoreImage, slot: int, fd: int) -> bool:
+    """Whether the slot's first block holds anything (a cleared slot vs a never-written one)."""
+    return any(os.pread(fd, BLOCK, _slot_base(image, slot)))

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError, StoreLockedError,
                       storage_error_from_oserror)
 from ..native import _native
-from .recovery import StoreImage, candidate_order, load_slot, read_store, store_files
+from .recovery import StoreImage, first_valid, load_slot, read_store, store_files
 from .files import LOCK, fsync_dir, store_name
 
 __all__ = ["SlotStore", "STORAGE_CHOICES", "DEFAULT_SSD_MODE"]
@@ -38,9 +38,11 @@ DEFAULT_SSD_MODE = "odirect"
 
 
 class SlotStore:
-    """The writer's side of a store directory. Not thread-safe except through ``native``."""
+    """The writer's side of a store directory. Not thread-safe except through ``native``; owned
+    by the orchestrator, which decides when older generations are retired."""
 
-    def __init__(self, path: Path, storage: str = "auto", world_size: int = 1, rank: int = 0) -> None:
+    def __init__(self, path: Path, storage: str = "auto", world_size: int = 1, rank: int = 0, *,
+                 hold_replaced: bool = False) -> None:
         self.path = path
         self.storage = storage
         self.world_size = world_size
@@ -53,12 +55,9 @@ class SlotStore:
         # Set when a new generation was created beside older ones: they are deleted after the
         # new generation's first durable commit (retire_older_generations), not before.
         self.retire_pending = False
-        # Distributed mode (pccheck.distributed): replaced slots are held, not freed; `protect`
-        # lists slots of the generation about to be opened that hold the global checkpoint; old
-        # generations are retired by the coordinator once a global step lives in the new one.
-        self.hold_replaced = False
-        self.protect: list[int] = []
-        self.retire_on_global = False
+        # Distributed mode (pccheck.distributed): replaced slots are held for the coordinator,
+        # not freed.
+        self.hold_replaced = hold_replaced
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -94,8 +93,10 @@ class SlotStore:
         h = self.native.header
         return h["num_slots"] >= num_slots and h["slot_capacity"] >= slot_bytes
 
-    def open(self, num_slots: int, slot_bytes: int) -> None:
-        """Opens the newest generation if it fits, else creates a new one."""
+    def open(self, num_slots: int, slot_bytes: int, protect: list[int] | tuple[int, ...] = ()) -> None:
+        """Opens the newest generation if it fits, else creates a new one. ``protect``: slots of
+        the newest generation that must not be reused (they hold a group's global checkpoint);
+        ignored when a new generation is made."""
         files = store_files(self.path)
         if files:
             gen, file = files[0]
@@ -105,7 +106,7 @@ class SlotStore:
                 self._next_counter = max(self._next_counter, self._max_counter(image) + 1)
                 h = image.header
                 if h["num_slots"] >= num_slots and h["slot_capacity"] >= slot_bytes:
-                    self._attach(file, image)
+                    self._attach(file, image, protect)
                     return
                 log.info("pccheck: %s has %d slots of %d bytes; need %d of %d: new generation",
                          file, h["num_slots"], h["slot_capacity"], num_slots, slot_bytes)
@@ -132,16 +133,15 @@ class SlotStore:
                 exc, f"creating {final} ({num_slots} slots x {capacity} bytes)") from None
         self.generation = gen
         self.retire_pending = gen > 1
-        self._attach(final, read_store(final))
+        self._attach(final, read_store(final), ())
 
-    def _attach(self, file: Path, image: StoreImage) -> None:
+    def _attach(self, file: Path, image: StoreImage, protect: list[int] | tuple[int, ...]) -> None:
         self.native = self._open_native(file)
         self.file = file
         word = self._recover_word(image)
         try:
-            self.native.init(word, self._next_counter, self.protect)
+            self.native.init(word, self._next_counter, list(protect))
             self.native.set_hold_replaced(self.hold_replaced)
-            self.protect = []  # only for the generation it was computed for
         except OSError as exc:
             raise storage_error_from_oserror(exc, f"opening {file}") from None
         log.info("pccheck: writing to %s (mode %s, %d slots of %d bytes, next counter %d)", file,
@@ -174,29 +174,22 @@ class SlotStore:
 
     @staticmethod
     def _recover_word(image: StoreImage) -> int:
-        """The CHECK_ADDR to continue from: the word on disk if its slot's meta and manifest check
-        out, else the newest slot that fully validates (then the word is repaired), else 0."""
-        order = candidate_order(image)
-        word = image.check_word
+        """The CHECK_ADDR to continue from: the newest slot that fully validates, by recovery's
+        one rule (CHECK_ADDR's slot first), else 0; a word that differs is repaired.
+
+        Full validation (array crcs, as load_latest does): keeping CHECK_ADDR on a slot whose data
+        is damaged would let the next checkpoint reuse the slot recovery actually falls back to,
+        the only good one."""
         with open(image.path, "rb", buffering=0) as f:
-            if word and order and order[0] == _native.word_slot(word):
-                # Full validation (array crcs, as load_latest does): keeping CHECK_ADDR on a slot
-                # whose data is damaged would let the next checkpoint reuse the slot recovery
-                # actually falls back to, the only good one.
-                try:
-                    load_slot(image, order[0], fd=f.fileno())
-                    return word
-                except CorruptCheckpointError as exc:
-                    log.warning("pccheck: the latest checkpoint in %s is damaged (%s)", image.path, exc)
-            for slot in order:
-                try:
-                    r = load_slot(image, slot, fd=f.fileno())
-                except CorruptCheckpointError:
-                    continue
-                if word:
-                    log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d)", image.path, slot, r.step)
-                return _native.make_word(r.counter, slot)
-        return 0
+            found = first_valid(image, lambda slot: load_slot(image, slot, fd=f.fileno()))
+        if found is None:
+            return 0
+        slot, r, problems = found
+        word = _native.make_word(r.counter, slot)
+        if image.check_word and word != image.check_word:
+            log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d): %s", image.path, slot, r.step,
+                        "; ".join(problems))
+        return word
 
     # -- retiring and closing ------------------------------------------------------------------
 
@@ -211,6 +204,22 @@ class SlotStore:
         if removed:
             fsync_dir(self.path)
         self.retire_pending = False
+
+    # -- what the orchestrator and a group coordinator use ---------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """The write mode in use: "odirect", "mmap" or "pmem" ("closed" before open)."""
+        return self.native.mode if self.native is not None else "closed"
+
+    def take_held(self) -> list[int]:
+        """Replaced slots held since the last call (``hold_replaced``)."""
+        return list(self.native.take_held()) if self.native is not None else []
+
+    def release_slot(self, slot: int) -> None:
+        """Frees a held slot for reuse."""
+        if self.native is not None:
+            self.native.release_slot(slot)
 
     def _close_native(self) -> None:
         if self.native is not None:

@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, PathNotWritableError
+from ..orchestrator.options import AUTO, TUNABLE_LIMITS, EngineOptions, check_int, check_int_or_auto
 from ..persist.files import TUNE_CONFIG, default_path, write_durably
 from ..version import __version__
 
 if TYPE_CHECKING:
-    from .profile import Profile
+    from .samples import Profile
     from .search import Choice, Constraints
 
 __all__ = ["CONFIG_NAME", "FORMAT", "VERSION", "DEFAULTS", "DEFAULT_Q", "AUTO", "config_path", "make_config",
@@ -46,12 +47,11 @@ log = logging.getLogger("pccheck")
 CONFIG_NAME = TUNE_CONFIG
 FORMAT = "pccheck-tune"
 VERSION = 1
-AUTO = "auto"
 # pccheck's defaults, used for "auto" when no config exists.
 DEFAULTS: dict[str, int] = {"interval": 10, "max_concurrent": 2, "writer_threads": 2, "chunk_size": 64 << 20}
 DEFAULT_Q = 1.03
-_PARAMS = ("interval", "max_concurrent", "writer_threads", "chunk_size")
-_LIMITS = {"interval": (1, None), "max_concurrent": (1, 254), "writer_threads": (1, 256), "chunk_size": (4096, None)}
+# "chosen" holds the interval and the tuned fields of EngineOptions, under their names.
+_PARAMS = ("interval",) + EngineOptions.TUNED
 
 
 def config_path(path: str | os.PathLike[str] | None) -> Path:
@@ -142,11 +142,10 @@ def _validate(doc: Any, where: Path) -> None:
     if not isinstance(chosen, dict):
         raise ConfigError(f"{where} has no \"chosen\" object; {fix}")
     for key in _PARAMS:
-        lo, hi = _LIMITS[key]
-        v = chosen.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ConfigError(f"{where}: chosen.{key} must be an integer {rng}, got {v!r}; {fix}")
+        try:  # the limits EngineOptions obeys; "auto" is for callers, never stored
+            check_int(f"{where}: chosen.{key}", chosen.get(key), *TUNABLE_LIMITS[key])
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; {fix}") from None
     if chosen["chunk_size"] % 4096:
         raise ConfigError(f"{where}: chosen.chunk_size must be a multiple of 4096, got {chosen['chunk_size']}; {fix}")
     q = chosen.get("max_overhead")
@@ -172,8 +171,7 @@ def resolve_auto(path: str | os.PathLike[str] | None, interval: int | str = AUTO
     given = {"interval": interval, "max_concurrent": max_concurrent, "writer_threads": writer_threads,
              "chunk_size": chunk_size}
     for key, v in given.items():
-        if isinstance(v, str) and v != AUTO:
-            raise ConfigError(f"{key} must be an integer or \"auto\", got {v!r}")
+        check_int_or_auto(key, v)
     out: dict[str, Any] = {"max_overhead": DEFAULT_Q, "iter_time_s": None, "tw_s": None}
     auto = [k for k, v in given.items() if v == AUTO]
     if not auto:

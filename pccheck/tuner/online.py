@@ -64,7 +64,7 @@ from ..errors import ConfigError
 from . import model
 
 if TYPE_CHECKING:
-    from ..orchestrator.orchestrator import CheckpointStats
+    from ..orchestrator.stats import CheckpointStats
 
 __all__ = ["ENV_VAR", "report_iteration", "report_from_checkpointer", "state_bytes", "OnlineTuner",
            "IntervalChange"]

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, PathNotWritableError
-from ..native import _native
+from ..persist.reader import prefault
 from . import model
 from .samples import (
     DEFAULT_CHUNKS,
@@ -98,7 +98,7 @@ def host_chunks(nbytes: int) -> np.ndarray:
     mm = mmap.mmap(-1, max(BLOCK, nbytes))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    _native.prefault(memoryview(mm))
+    prefault(memoryview(mm))
     return np.frombuffer(mm, dtype=np.uint8)  # keeps the mapping alive
 
 

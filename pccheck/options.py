@@ -1,0 +1,151 @@
+"""``pccheck.Options``: every setting of a Checkpointer, grouped, frozen and validated once.
+
+    opts = pccheck.Options(engine=pccheck.EngineOptions(max_concurrent=2, writer_threads=4),
+                           history=pccheck.HistoryOptions(keep_every=100))
+    ck = pccheck.Checkpointer(model, optimizer, "ckpt", options=opts)
+    ck = pccheck.Checkpointer(model, optimizer, "ckpt", max_concurrent=2, keep_every=100)  # the same
+
+Each field may also be given to ``Checkpointer`` as a keyword of its own name (the spellings of
+pccheck 0.1.0); :meth:`Options.updated` puts them into their group, and an unknown name raises
+ConfigError listing the valid ones. ``EngineOptions`` is the type whose tuned fields
+``pccheck-tune.json`` stores (orchestrator/options.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Iterable
+
+from .errors import ConfigError
+from .orchestrator.copy_engine import CopyEngine
+from .orchestrator.options import AUTO, EngineOptions, check_int
+
+__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions"]
+
+
+def _check_bool(name: str, value: Any, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SnapshotOptions:
+    """How the state is captured (PyTorch).
+
+    Attributes:
+        soft_cow: copy the tensors in the background while the next forward/backward runs; an
+            optimizer step pre-hook finishes the copy before the update mutates them. None
+            (default): on when an optimizer is given. Off: copy before maybe_checkpoint returns.
+            Anything that mutates parameters outside ``optimizer.step()`` must call
+            ``Checkpointer.wait_copied`` first.
+        capture_rng: save and restore the Python, numpy, torch and CUDA RNG states.
+        eager: state_dict names to copy before maybe_checkpoint returns, besides the module
+            buffers (which forward itself changes, e.g. BatchNorm running stats).
+        device_reserve: (soft copy-on-write) bytes of spare device memory, allocated once, into
+            which the optimizer step pre-hook clones the parts of an in-flight snapshot not yet
+            copied to the host, so the step waits only for what does not fit. "auto": up to the
+            state size, within a quarter of the free device memory and an eighth of the card
+            (none on the CPU). None (default): no reserve.
+        copy_engine: the engine that copies the state into DRAM chunks (default: chosen by where
+            the tensors live: CUDA, cupy or the CPU).
+    """
+
+    soft_cow: bool | None = None
+    capture_rng: bool = True
+    eager: tuple[str, ...] = ()
+    device_reserve: int | str | None = None
+    copy_engine: CopyEngine | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_bool("soft_cow", self.soft_cow, optional=True)
+        _check_bool("capture_rng", self.capture_rng)
+        if isinstance(self.eager, str) or not isinstance(self.eager, Iterable):
+            raise ConfigError(f"eager must be a list of state_dict names, got {self.eager!r}")
+        object.__setattr__(self, "eager", tuple(self.eager))
+        if not all(isinstance(n, str) for n in self.eager):
+            raise ConfigError(f"eager must be a list of state_dict names (str), got {self.eager!r}")
+        if isinstance(self.device_reserve, str):
+            if self.device_reserve != AUTO:
+                raise ConfigError(f'device_reserve must be a number of bytes, "auto" or None, got {self.device_reserve!r}')
+        elif self.device_reserve is not None:
+            check_int("device_reserve", self.device_reserve, 0)
+        if self.copy_engine is not None and not isinstance(self.copy_engine, CopyEngine):
+            raise ConfigError(f"copy_engine must be a pccheck CopyEngine, got {type(self.copy_engine).__name__}")
+
+
+@dataclass(frozen=True)
+class HistoryOptions:
+    """Debugging history beside the slots.
+
+    Attributes:
+        keep_every: if set, every k-th committed checkpoint is also copied, in the background, to
+            ``PATH/history/step-XXXXXX.safetensors`` (+ a JSON sidecar).
+        max_history: keep at most this many history files (oldest deleted first; never a slot).
+    """
+
+    keep_every: int | None = None
+    max_history: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_every", "max_history"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Running in a torch.distributed group.
+
+    Attributes:
+        distributed: in an initialised torch.distributed group of > 1 ranks (detected), each rank
+            writes ``path/rank-<r>/`` and the ranks agree on globally committed steps
+            (pccheck.distributed). Every rank must construct its Checkpointer at the same point.
+        replicated: "rank0" for data-parallel replicas: only rank 0 writes (to ``path``).
+    """
+
+    distributed: bool = True
+    replicated: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_bool("distributed", self.distributed)
+        if self.replicated not in (None, "rank0"):
+            raise ConfigError(f"replicated must be None or 'rank0', got {self.replicated!r}")
+
+
+_GROUPS: dict[str, type] = {"engine": EngineOptions, "snapshot": SnapshotOptions, "history": HistoryOptions,
+                            "group": GroupOptions}
+
+
+@dataclass(frozen=True)
+class Options:
+    """All of a Checkpointer's settings, in four groups (see each group's attributes)."""
+
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    snapshot: SnapshotOptions = field(default_factory=SnapshotOptions)
+    history: HistoryOptions = field(default_factory=HistoryOptions)
+    group: GroupOptions = field(default_factory=GroupOptions)
+
+    def __post_init__(self) -> None:
+        for name, cls in _GROUPS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"Options.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+
+    @staticmethod
+    def keyword_names() -> dict[str, str]:
+        """Each field's name, as a Checkpointer keyword, and the group it belongs to."""
+        return {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
+
+    def updated(self, **settings: Any) -> "Options":
+        """A copy with the given fields (by their own names) replaced in their groups; validated.
+        Raises ConfigError for a name that is no field, listing the valid ones."""
+        where = self.keyword_names()
+        unknown = sorted(set(settings) - set(where))
+        if unknown:
+            raise ConfigError(f"unknown Checkpointer setting(s) {', '.join(map(repr, unknown))}; valid: "
+                              f"{', '.join(sorted(where))} (or options=pccheck.Options(...))")
+        if not settings:
+            return self
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in settings.items():
+            changes.setdefault(where[name], {})[name] = value
+        return replace(self, **{g: replace(getattr(self, g), **kw) for g, kw in changes.items()})

@@ -1,0 +1,75 @@
+"""What the orchestrator measures: each checkpoint's timings (:class:`CheckpointStats`) and the
+report ``Checkpointer.stats()`` returns (:class:`StatsReport`), as a dict and as JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["CheckpointStats", "StatsReport"]
+
+
+@dataclass(frozen=True)
+class CheckpointStats:
+    """Timings of one checkpoint, in seconds. Training was blocked for ``stall_s + blocked_copy_s
+    + cow_wait_s`` in all."""
+
+    step: int
+    counter: int
+    nbytes: int
+    stall_s: float         # waiting because max_concurrent checkpoints were in flight
+    blocked_copy_s: float  # copying inside maybe_checkpoint (all of it, or the eager prefix)
+    cow_wait_s: float      # in the optimizer pre-hook, finishing the copy before the update
+    copy_s: float          # copying into DRAM chunks in all (any thread), incl. back-pressure
+    backpressure_s: float  # part of copy_s spent waiting for a free chunk
+    persist_s: float       # from the start until durable (or failed)
+    outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
+    reserve_bytes: int = 0  # bytes staged into the device reserve instead of waited for
+
+    @property
+    def gbps(self) -> float:
+        """Bytes per second from the start to durable, in GB/s."""
+        return self.nbytes / self.persist_s / 1e9 if self.persist_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StatsReport:
+    """Finished checkpoints (oldest first), the skip counter and the latest durable checkpoint."""
+
+    checkpoints: tuple[CheckpointStats, ...]
+    skipped: int
+    last_durable_step: int | None
+    last_durable_time: float | None  # time.time() of that commit, in this process
+
+    @property
+    def last_durable_age_s(self) -> float | None:
+        return None if self.last_durable_time is None else time.time() - self.last_durable_time
+
+    def as_dict(self) -> dict[str, Any]:
+        done = [c for c in self.checkpoints if c.outcome != "failed"]
+
+        def med(xs: list[float]) -> float | None:
+            return statistics.median(xs) if xs else None
+
+        return {
+            "checkpoints": [{**asdict(c), "gbps": c.gbps} for c in self.checkpoints],
+            "summary": {
+                "count": len(self.checkpoints),
+                "failed": sum(c.outcome == "failed" for c in self.checkpoints),
+                "skipped": self.skipped,
+                "median_stall_s": med([c.stall_s + c.blocked_copy_s + c.cow_wait_s for c in done]),
+                "median_copy_s": med([c.copy_s for c in done]),
+                "median_persist_s": med([c.persist_s for c in done]),
+                "median_gbps": med([c.gbps for c in done]),
+                "bytes": sum(c.nbytes for c in done),
+                "reserve_bytes": sum(c.reserve_bytes for c in done),
+                "last_durable_step": self.last_durable_step,
+                "last_durable_age_s": self.last_durable_age_s,
+            },
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.as_dict(), **kw)

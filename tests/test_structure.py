@@ -1,0 +1,157 @@
+"""The shape of the code (issue 12, docs/ARCHITECTURE.md): layers, import graph, sizes.
+
+Data flows one way: entry points → front-end → orchestrator → persist → native, with ``errors``,
+``arrays`` and ``version`` as leaves. Every import counts, at module level, inside a function or
+under ``TYPE_CHECKING``: a cycle through any of them is a cycle a reader has to untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import pccheck
+from pccheck.version import __version__
+
+PKG = Path(pccheck.__file__).parent
+REPO = Path(__file__).resolve().parent.parent
+
+# Lowest first. A module may import its own layer and the ones below, never one above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaf", ("pccheck.errors", "pccheck.arrays", "pccheck.version")),
+    ("native", ("pccheck.native",)),
+    ("persist", ("pccheck.persist",)),
+    ("orchestrator", ("pccheck.orchestrator",)),
+    ("front-end", ("pccheck.checkpointer", "pccheck.options", "pccheck.torch_state", "pccheck.restore",
+                   "pccheck.history", "pccheck.export", "pccheck.inventory", "pccheck.distributed",
+                   "pccheck.tuner.config", "pccheck.tuner.online", "pccheck.tuner.model", "pccheck.tuner.search",
+                   "pccheck.tuner.samples")),
+    ("entry", ("pccheck", "pccheck.cli", "pccheck.demo", "pccheck.tune", "pccheck.tuner",
+               "pccheck.tuner.cli", "pccheck.tuner.profile", "pccheck.tuner.workload", "pccheck.__main__")),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The pccheck modules ``name`` imports anywhere in its source."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # pccheck.native._native (compiled) -> pccheck.native
+                t = t.rpartition(".")[0]
+            if t.startswith("pccheck") and t != name:
+                out.add(t)
+    return out
+
+
+def _layer_of(mod: str) -> int:
+    best, found = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
+                best, found = len(p), i
+    assert found is not None, f"{mod} belongs to no layer: add it to LAYERS (and to docs/ARCHITECTURE.md)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def test_no_import_cycles(graph):
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_module_imports_a_layer_above_it(graph):
+    bad = [f"{m} ({LAYERS[_layer_of(m)][0]}) imports {n} ({LAYERS[_layer_of(n)][0]})"
+           for m, targets in sorted(graph.items()) for n in sorted(targets) if _layer_of(n) > _layer_of(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_orchestrator_opens_the_store_and_only_the_core_touches_native(graph):
+    store = [m for m, t in graph.items() if "pccheck.persist.store" in t
+             and not m.startswith(("pccheck.orchestrator", "pccheck.persist"))]
+    native = [m for m, t in graph.items() if "pccheck.native" in t
+              and not m.startswith(("pccheck.orchestrator", "pccheck.persist", "pccheck.native"))]
+    assert not store, f"only the orchestrator imports the store: {store}"
+    assert not native, f"only persist and the orchestrator import native: {native}"
+
+
+def test_import_pccheck_loads_no_profiler_torch_or_cupy():
+    code = ("import sys, pccheck; "
+            "print(sorted(m for m in ('pccheck.tuner.profile', 'pccheck.tuner.search', 'torch', 'cupy') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _python_files() -> list[Path]:
+    files = sorted(PKG.rglob("*.py"))
+    if (REPO / "bench").is_dir():  # the source tree's bench/ (not installed)
+        files += sorted((REPO / "bench").glob("*.py"))
+    return files
+
+
+def test_no_file_over_600_lines_and_no_function_over_80():
+    long_files = [f"{p}: {n}" for p in _python_files() if (n := len(p.read_text().splitlines())) > 600]
+    long_funcs = []
+    for p in _python_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long_funcs.append(f"{p}:{node.lineno} {node.name}: {n} lines")
+    assert not long_files and not long_funcs, "\n".join(long_files + long_funcs)
+
+
+def test_version_matches_pyproject():
+    pyproject = REPO / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("no source tree beside the tests")
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == __version__ == pccheck.__version__
