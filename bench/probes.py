@@ -14,7 +14,7 @@ import os
 import resource
 import time
 
-__all__ = ["NOISY_OTHER_CPUS", "proc_status", "reset_peak_rss", "usage", "cpu_busy_s", "wait_quiet", "settle"]
+__all__ = ["NOISY_OTHER_CPUS", "proc_status", "write_proc", "reset_peak_rss", "usage", "cpu_busy_s", "wait_quiet", "settle"]
 
 NOISY_OTHER_CPUS = 0.25  # a window where the rest of the machine used more CPUs than this is flagged
 
@@ -30,14 +30,19 @@ def proc_status() -> dict[str, int]:
     return out
 
 
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
+def write_proc(path: str, text: str) -> bool:
+    """Write ``text`` into a /proc control file; False where the kernel does not permit it."""
     try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
+        with open(path, "w", encoding="ascii") as f:
+            f.write(text)
         return True
     except OSError:
         return False
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
+    return write_proc("/proc/self/clear_refs", "5")
 
 
 def usage() -> tuple[int, float]:

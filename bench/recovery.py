@@ -56,6 +56,7 @@ import numpy as np
 from bench._common import figure_parser, format_size, gbps, host_info, machine_label, parse_size, print_table, \
     pyplot, save_figure, scratch_dir, summarize, write_csv, write_json
 from bench.persist import make_state
+from bench.probes import write_proc
 from bench.systems import ALIGN, CHUNK, dcp_load, dcp_save, odirect_share, pccheck_on_arrays, pieces, \
     quiet_dcp_warnings, safetensors_load, safetensors_save_durable, torch_load, torch_save_durable, torch_tensors
 
@@ -69,12 +70,7 @@ TARGET_RATIO = 0.9  # pccheck load speed / raw O_DIRECT read speed
 def drop_caches() -> bool:
     """``sync`` then drop the page cache, dentries and inodes; False where not permitted."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return write_proc("/proc/sys/vm/drop_caches", "3\n")
 
 
 def _data_region(store_dir: Path) -> tuple[Path, int, int]:

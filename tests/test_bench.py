@@ -159,6 +159,23 @@ def test_invalid_models_are_rejected():
         gp.Trace(10.0, (gp.Event(20.0),))
 
 
+# -- the systems' names ---------------------------------------------------------------------------------
+
+
+def test_system_names_parse():
+    """The names the result files carry: pccheck configurations, checkpoints in flight, O_DIRECT pieces."""
+    from bench import systems
+
+    assert systems.parse_pccheck_name("pccheck_N2_p1_c16_b0.5m") == {"n": 2, "p": 1, "chunk": 16 << 20, "budget_x": 0.5}
+    assert systems.parse_pccheck_name("pccheck_N3") == {"n": 3, "p": 2, "chunk": 64 << 20, "budget_x": None}
+    assert systems.parse_pccheck_name("checkfreq") is None
+    assert systems.n_in_flight("pccheck_tuned", {"n": 3, "p": 2, "chunk": 1 << 20}) == 3
+    assert systems.n_in_flight("pccheck_N4_p1") == 4 and systems.n_in_flight("dcp_async") == 1
+    assert systems.pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    with pytest.raises(ValueError):
+        systems.make_loop_system("no_such_system", None, Path("unused"), 10, None)
+
+
 # -- every bench module, --quick --------------------------------------------------------------------------
 
 
