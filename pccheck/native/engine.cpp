@@ -88,10 +88,18 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
   if (p == MAP_FAILED) throw NativeError(errno, "cannot allocate the DRAM chunk pool");
   pool_ = static_cast<uint8_t*>(p);
   ::madvise(pool_, pool_len_, MADV_HUGEPAGE);  // fewer TLB misses in memcpy; advisory
-  // First touch is slow on these machines (0.25-1.3 GB/s for fresh pages): pay it once, here, not per checkpoint.
-  prefault(pool_, pool_len_);
-  for (uint32_t i = 0; i < num_chunks; i++) free_chunks_.push(i);
   for (uint32_t i = 0; i < writer_threads; i++) writers_.emplace_back([this] { writer_loop(); });
+  // First touch is slow on these machines (0.25-1.3 GB/s for fresh pages): pay it once, not per
+  // checkpoint, and off the caller's thread (a Checkpointer is built, or reopened after a
+  // preemption, without waiting for it). Invariant: a chunk enters free_chunks_ only once it is
+  // faulted in, so a checkpoint taken early uses the chunks that are ready and waits (as
+  // back-pressure) only for the ones it needs.
+  prefaulter_ = std::thread([this] {
+    for (uint32_t i = 0; i < num_chunks_ && !stop_prefault_.load(std::memory_order_relaxed); i++) {
+      prefault(chunk_ptr(i), chunk_size_);
+      free_chunks_.push(i);
+    }
+  });
 }
 
 Engine::~Engine() {
@@ -102,6 +110,8 @@ Engine::~Engine() {
 void Engine::close() {
   if (closed_) return;
   closed_ = true;
+  stop_prefault_.store(true, std::memory_order_relaxed);
+  if (prefaulter_.joinable()) prefaulter_.join();  // before the pool can be unmapped
   tasks_.close();
   for (auto& t : writers_) t.join();
   writers_.clear();

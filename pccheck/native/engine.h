@@ -155,6 +155,8 @@ class Engine {
   BlockingQueue<uint32_t> free_chunks_;
   BlockingQueue<Task> tasks_;
   std::vector<std::thread> writers_;
+  std::thread prefaulter_;                  // faults the pool in, chunk by chunk (see the constructor)
+  std::atomic<bool> stop_prefault_{false};
   bool closed_ = false;
 };
 

@@ -369,7 +369,7 @@ class Orchestrator:
                 return slot
             with self._lock:
                 busy = bool(self._futures)
-            if not busy:
+            if not busy and not self.store.verifying:  # else a slot frees up once verified
                 raise StorageError(0, "no free slot: earlier commit barriers failed and no checkpoint "
                                       "in flight can free one; check the device, then reopen the store")
 
@@ -422,6 +422,7 @@ class Orchestrator:
                 with self._lock:
                     if self._durable is None or fl.counter > self._durable[0]:
                         self._durable = (fl.counter, step, time.time())
+                self.store.after_commit()  # a reopened store's protected fallback is not needed now
                 self.retire_if_allowed()
         except PCCheckError as exc:
             self._on_error(exc)

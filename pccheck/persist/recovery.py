@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -28,12 +29,35 @@ from .reader import read_region
 __all__ = [
     "Restored", "SlotState", "StoreImage", "Scanned", "read_store", "scan", "confirmed_slot", "candidate_order",
     "first_valid", "read_manifest", "load_slot", "load_newest", "store_files", "slot_was_written",
+    "was_validated",
 ]
 
 log = logging.getLogger("pccheck")
 
 BLOCK: int = _native.BLOCK
 T = TypeVar("T")
+
+# Slots this process has fully validated (every array's crc32c), so that reopening the store
+# right after load_latest does not read them again. Keyed by what names their bytes: the file,
+# its creation time (a store deleted and made again under the same name is another file), the
+# generation, the slot and the counter. Invariant: a slot is never rewritten under the same
+# counter (counters only grow within a store file), so a key stays true while the file exists.
+_validated: set[tuple[str, int, int, int, int]] = set()
+_validated_lock = threading.Lock()
+
+
+def _validation_key(image: "StoreImage", slot: int, counter: int) -> tuple[str, int, int, int, int]:
+    return (os.path.realpath(image.path), int(image.header["created_unix_ns"]), image.generation, slot, counter)
+
+
+def was_validated(image: "StoreImage", slot: int) -> bool:
+    """Whether this process already validated every byte of ``slot`` as its meta record
+    describes it now (:func:`load_slot` with ``verify``)."""
+    meta = image.slots[slot].meta if slot < len(image.slots) else None
+    if meta is None:
+        return False
+    with _validated_lock:
+        return _validation_key(image, slot, meta["counter"]) in _validated
 
 
 def store_files(directory: Path) -> list[tuple[int, Path]]:
@@ -235,6 +259,9 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
         if zero_copy:
             arr.flags.writeable = False
         state[entry.name] = arr
+    if verify:
+        with _validated_lock:
+            _validated.add(_validation_key(image, slot, man.counter))
     return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path,
                     {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype}, man.tree, man.epoch)
 

@@ -17,12 +17,14 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 from pathlib import Path
 
 from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError, StoreLockedError,
                       storage_error_from_oserror)
 from ..native import _native
-from .recovery import StoreImage, first_valid, load_slot, read_store, store_files
+from .recovery import (StoreImage, candidate_order, first_valid, load_slot, read_manifest, read_store,
+                       store_files, was_validated)
 from .files import LOCK, fsync_dir, store_name
 
 __all__ = ["SlotStore", "STORAGE_CHOICES", "DEFAULT_SSD_MODE"]
@@ -58,6 +60,11 @@ class SlotStore:
         # Distributed mode (pccheck.distributed): replaced slots are held for the coordinator,
         # not freed.
         self.hold_replaced = hold_replaced
+        # Background validation of the slot a reopened store continues from (see _recover).
+        self._guard_lock = threading.Lock()
+        self._guarded: list[int] = []  # fallback slots kept from reuse, of generation _guarded_gen
+        self._guarded_gen = 0
+        self._verifier: threading.Thread | None = None
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -138,12 +145,18 @@ class SlotStore:
     def _attach(self, file: Path, image: StoreImage, protect: list[int] | tuple[int, ...]) -> None:
         self.native = self._open_native(file)
         self.file = file
-        word = self._recover_word(image)
+        word, fallback = self._recover(image)
         try:
-            self.native.init(word, self._next_counter, list(protect))
+            self.native.init(word, self._next_counter, sorted(set(protect) | set(fallback)))
             self.native.set_hold_replaced(self.hold_replaced)
         except OSError as exc:
             raise storage_error_from_oserror(exc, f"opening {file}") from None
+        if fallback:
+            with self._guard_lock:
+                self._guarded, self._guarded_gen = list(fallback), self.generation
+            self._verifier = threading.Thread(target=self._verify, args=(image, _native.word_slot(word)),
+                                              name="pccheck-verify", daemon=True)
+            self._verifier.start()
         log.info("pccheck: writing to %s (mode %s, %d slots of %d bytes, next counter %d)", file,
                  self.native.mode, image.header["num_slots"], image.header["slot_capacity"],
                  self._next_counter)
@@ -172,24 +185,69 @@ class SlotStore:
         counters = [st.meta["counter"] for st in image.slots if st.meta]
         return max(counters + [_native.word_counter(image.check_word)])
 
-    @staticmethod
-    def _recover_word(image: StoreImage) -> int:
-        """The CHECK_ADDR to continue from: the newest slot that fully validates, by recovery's
-        one rule (CHECK_ADDR's slot first), else 0; a word that differs is repaired.
+    def _recover(self, image: StoreImage) -> tuple[int, tuple[int, ...]]:
+        """The CHECK_ADDR to continue from, and the fallback slots to keep from reuse while it is
+        validated in the background.
 
-        Full validation (array crcs, as load_latest does): keeping CHECK_ADDR on a slot whose data
-        is damaged would let the next checkpoint reuse the slot recovery actually falls back to,
-        the only good one."""
+        The word is the newest slot whose meta record and manifest check out (recovery's one
+        rule, CHECK_ADDR's slot first; a word that differs is repaired). Its array data is not
+        read here, on the caller's thread: if this process validated it already (load_latest),
+        nothing is left to do; else :meth:`_verify` reads it in the background.
+
+        Invariant: while the continued-from slot is unverified, the slot recovery would fall
+        back to if it were damaged (the next one in candidate order) is never reused: it is
+        protected in the native store until the data checks out or a newer checkpoint commits
+        (:meth:`after_commit`), whichever comes first. The continued-from slot itself is the
+        latest and is not reused before a newer checkpoint commits. So the guarded fallback
+        leaves one slot fewer to write into; with two slots only (max_concurrent=1) none would be
+        left, and in a group (hold_replaced) the coordinator owns the held list: then the data is
+        validated here, synchronously, and a damaged latest is skipped by repairing the word.
+        """
         with open(image.path, "rb", buffering=0) as f:
-            found = first_valid(image, lambda slot: load_slot(image, slot, fd=f.fileno()))
+            full = self.hold_replaced or image.header["num_slots"] <= 2
+            found = first_valid(image, lambda slot: (load_slot(image, slot, fd=f.fileno()) if full
+                                                     else read_manifest(image, slot, f.fileno())))
         if found is None:
-            return 0
-        slot, r, problems = found
-        word = _native.make_word(r.counter, slot)
+            return 0, ()
+        slot, man, problems = found
+        word = _native.make_word(man.counter, slot)
         if image.check_word and word != image.check_word:
-            log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d): %s", image.path, slot, r.step,
+            log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d): %s", image.path, slot, man.step,
                         "; ".join(problems))
-        return word
+        if full or was_validated(image, slot):
+            return word, ()
+        order = candidate_order(image)
+        fallback = order[order.index(slot) + 1:order.index(slot) + 2]
+        return word, tuple(fallback)
+
+    def _verify(self, image: StoreImage, slot: int) -> None:
+        """Background: validates every byte of the slot the store continued from; releases the
+        protected fallback if it checks out, else keeps it until a newer checkpoint commits."""
+        try:
+            with open(image.path, "rb", buffering=0) as f:
+                load_slot(image, slot, fd=f.fileno())
+        except (CorruptCheckpointError, OSError) as exc:
+            log.warning("pccheck: the latest checkpoint in %s (slot %d) is damaged (%s); slot(s) %s are kept "
+                        "from reuse until a new checkpoint commits", image.path, slot, exc, self._guarded)
+            return
+        self._release_guarded(image.generation)
+
+    def _release_guarded(self, generation: int) -> None:
+        with self._guard_lock:
+            guarded, self._guarded = self._guarded, []
+            if self.native is not None and self.generation == generation == self._guarded_gen:
+                for s in guarded:
+                    self.native.release_slot(s)
+
+    @property
+    def verifying(self) -> bool:
+        """Whether the background validation still runs (a guarded slot may free up soon)."""
+        return self._verifier is not None and self._verifier.is_alive()
+
+    def after_commit(self) -> None:
+        """A newer checkpoint is durable: recovery no longer needs the protected fallback."""
+        if self._guarded:
+            self._release_guarded(self.generation)
 
     # -- retiring and closing ------------------------------------------------------------------
 
@@ -222,11 +280,15 @@ class SlotStore:
             self.native.release_slot(slot)
 
     def _close_native(self) -> None:
-        if self.native is not None:
-            self.native.close()
-            self.native = None
+        with self._guard_lock:  # the verifier may be releasing a slot of this native store
+            if self.native is not None:
+                self.native.close()
+                self.native = None
 
     def close(self) -> None:
+        if self._verifier is not None:
+            self._verifier.join()  # it reads the file and may release a slot of the native store
+            self._verifier = None
         self._close_native()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
