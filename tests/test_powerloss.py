@@ -400,26 +400,33 @@ def _word_of_first_msync(sim: PowerLossSim) -> int:
     return struct.unpack_from("<Q", sim.msyncs[0].data, WORD_OFFSET)[0]
 
 
+def _two_steps_latest_damaged(d: Path, kw: dict) -> tuple[bytes, dict[int, int]]:
+    """Checkpoints steps 1 and 2, then flips a bit in array "w" of step 2 (the latest) on disk.
+    Returns the damaged image and counter -> step of what was written."""
+    state = expected(1)
+    with pccheck.Checkpointer(state, d, **kw) as ck:
+        for step in (1, 2):
+            fill(state, step)
+            ck.checkpoint(step, metadata={"step": step})
+            ck.wait()
+        written = {s.counter: s.step for s in finished(ck)}
+    raw = bytearray((d / STORE).read_bytes())
+    word = struct.unpack_from("<Q", raw, WORD_OFFSET)[0]
+    from pccheck.persist.recovery import read_store
+
+    image = read_store(d / STORE)
+    raw[image.header["slots_offset"] + (word & 0xFF) * image.header["slot_capacity"] + 64] ^= 0x10
+    write_image(d, bytes(raw))
+    return bytes(raw), written
+
+
 def test_reopen_with_a_damaged_latest_keeps_the_checkpoint_recovery_uses(tmp_path: Path, quiet_pccheck) -> None:
     """Regression (found by this file's compound tests): the latest checkpoint's array data is
     damaged (bit rot), so load_latest falls back to the older one. Reopening the store must not
     hand that older slot out for reuse before a newer checkpoint has committed: an I/O error in
     the next checkpoint must leave a loadable checkpoint behind."""
     d = tmp_path / "c"
-    state = expected(1)
-    with pccheck.Checkpointer(state, d, **{**KW, "max_concurrent": 1}) as ck:  # 2 slots
-        for step in (1, 2):
-            fill(state, step)
-            ck.checkpoint(step, metadata={"step": step})
-            ck.wait()
-    raw = bytearray((d / STORE).read_bytes())
-    word = struct.unpack_from("<Q", raw, WORD_OFFSET)[0]
-    from pccheck.persist.recovery import read_store
-
-    image = read_store(d / STORE)
-    off = image.header["slots_offset"] + (word & 0xFF) * image.header["slot_capacity"] + 64
-    raw[off] ^= 0x10  # inside array "w" of step 2
-    write_image(d, bytes(raw))
+    _two_steps_latest_damaged(d, {**KW, "max_concurrent": 1})  # 2 slots
     assert pccheck.load_latest(d).step == 1
     ck = pccheck.Checkpointer(expected(3), d, **{**KW, "max_concurrent": 1})
     try:
@@ -444,29 +451,15 @@ def test_power_loss_after_reopening_a_store_whose_latest_is_damaged(tmp_path: Pa
     must still find a checkpoint at least as new as the one it found before the reopen (the
     fallback, which the store must not reuse while the latest is unverified)."""
     d = tmp_path / "c"
-    state = expected(0)
-    with pccheck.Checkpointer(state, d, **KW) as ck:  # 4 slots; step 1 in slot 0, step 2 in slot 1
-        for step in (1, 2):
-            fill(state, step)
-            ck.checkpoint(step, metadata={"step": step})
-            ck.wait()
-        before = {s.counter: s.step for s in finished(ck)}
-    raw = bytearray((d / STORE).read_bytes())
-    word = struct.unpack_from("<Q", raw, WORD_OFFSET)[0]
-    from pccheck.persist.recovery import read_store
-
-    image = read_store(d / STORE)
-    off = image.header["slots_offset"] + (word & 0xFF) * image.header["slot_capacity"] + 64
-    raw[off] ^= 0x10  # inside array "w" of step 2
-    write_image(d, bytes(raw))
+    raw, before = _two_steps_latest_damaged(d, KW)  # 4 slots; step 1 in slot 0, step 2 in slot 1
     fallback = pccheck.load_latest(d)
     assert (fallback.step, fallback.slot) == (1, 0)  # slot 0: the first one a reopened store hands out
     # A fresh process would not have validated anything: forget what load_latest just checked.
     from pccheck.persist import recovery
 
     recovery._validated.clear()
-    rec = Recorded(d, first_step=200, initial=bytes(raw))
-    sim = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won, initial=bytes(raw), initial_floor=fallback.counter)
+    rec = Recorded(d, first_step=200, initial=raw)
+    sim = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won, initial=raw, initial_floor=fallback.counter)
     n, outcomes, failures = run_states(sim, scratch / "s", {**before, **rec.step_of}, seed=5, save_to=tmp_path,
                                        exhaustive_cap=int(16 * SCALE), torn=int(4 * SCALE))
     assert not failures, "\n".join(failures)
