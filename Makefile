@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 
 setup: $(VENV)/.deps
 	@# (Re)build and install the package with its native core; the CMake build dir is reused.
-	$(PIP) install --quiet ".[test,bench]"
+	$(PIP) install --quiet ".[test,bench,aio]"
 	@# Also put the built extension into the source tree, so `python -m pccheck.demo` and
 	@# `python -m bench...` work from the repo root (where ./pccheck shadows site-packages).
 	cd / && $(CURDIR)/$(PY) -c "import shutil, pccheck.native._native as m; shutil.copy2(m.__file__, '$(CURDIR)/pccheck/native/')"
@@ -23,7 +23,7 @@ $(VENV)/.deps:
 	$(PIP) install --quiet --upgrade pip
 	@# torch first and pinned, so pip takes the local CPU wheel instead of a CUDA build.
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "hypothesis>=6.80" "crc32c>=2.3" "safetensors>=0.4" "matplotlib>=3.7" "typer>=0.12" "rich>=13"
+	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "hypothesis>=6.80" "crc32c>=2.3" "safetensors>=0.4" "matplotlib>=3.7" "typer>=0.12" "rich>=13" "aiofiles>=23"
 	touch $@
 
 demo: setup

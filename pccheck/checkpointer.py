@@ -394,7 +394,8 @@ def _make_source(state: Any, optimizer: Any, extra_state: Mapping[str, Any] | No
     whether soft copy-on-write is on."""
     snap = options.snapshot
     if _is_module(state):
-        source: Any = TorchState(state, optimizer, extra_state, capture_rng=snap.capture_rng, eager=snap.eager)
+        source: Any = TorchState(state, optimizer, extra_state, capture_rng=snap.capture_rng, eager=snap.eager,
+                                 record_order=True)
         soft_cow = optimizer is not None if snap.soft_cow is None else snap.soft_cow
         if soft_cow and optimizer is None:
             raise ConfigError("soft_cow needs the optimizer: its step pre-hook guards the copy")

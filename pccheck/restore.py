@@ -15,6 +15,8 @@ from pathlib import Path
 
 from .distributed import Group, agree_and_load, detect_group
 from .errors import ConfigError, PCCheckError
+from .inventory import locate
+from .lazy import LazyRestore, restore_lazily
 from .persist import recovery
 from .persist.files import default_path, rank_dir
 from .persist.recovery import Restored
@@ -25,7 +27,8 @@ __all__ = ["load_latest"]
 
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
                 extra_state: Mapping[str, Any] | None = None, map_location: Any = None,
-                zero_copy: bool = False, verify: bool = True, distributed: bool = True) -> Restored:
+                zero_copy: bool = False, verify: bool = True, distributed: bool = True,
+                lazy: bool = False) -> Restored | LazyRestore:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
@@ -33,11 +36,19 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     how the checkpoint is picked and validated. In a torch.distributed group (every rank calls
     this at the same point) the ranks agree on the newest step all of them hold valid and each
     loads its own part (pccheck.distributed); every rank returns the same ``step``.
+
+    With ``lazy=True`` (needs ``model``) it returns a :class:`pccheck.lazy.LazyRestore` once the
+    metadata is read: the tensors load in the background, in first-use order, and each module's
+    forward (and the optimizer's step) waits only for what it needs; ``r.wait()`` waits for all
+    (pccheck/lazy/restore.py says what it does not cover). The array checksums are checked as
+    the tensors arrive; a mismatch raises at the next wait point.
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
     directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
+    if lazy:
+        return _load_lazily(directory, group, model, optimizer, extra_state, zero_copy, verify, map_location)
     if group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
@@ -66,6 +77,20 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         state = unwrap_extra(rebuild({"d": tree}, r.state, as_tensor))
     state["step"] = r.step
     return dataclasses.replace(r, state=state)
+
+
+def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: Any,
+                 extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
+                 map_location: Any) -> LazyRestore:
+    if model is None:
+        raise ConfigError("lazy=True restores a model in place: pass model= (and optimizer=)")
+    if zero_copy or not verify or map_location is not None:
+        raise ConfigError("lazy=True loads into the model's own tensors and checks every array: "
+                          "it takes no zero_copy=, verify=False or map_location=")
+    if group is not None:
+        raise ConfigError("lazy=True is not supported in a torch.distributed group yet; load eagerly")
+    located = locate(directory)  # recovery's rule, on meta records and manifests
+    return restore_lazily(located, TorchState(model, optimizer, extra_state))
 
 
 def _check_same_step(group: Group, step: int) -> None:

@@ -13,6 +13,11 @@ keys) as ``{"dk": [[key, value], ...]}``, tuples as ``{"t": [...]}``, lists as l
 dtypes/devices as ``{"dtype": "float32"}`` / ``{"device": "cuda:0"}``; ints, finite floats, str,
 bool and None as themselves. Anything else is refused with a ConfigError naming its path.
 
+The tree also holds ``"order"``: the array names in the order a lazy restore should read them
+(pccheck.lazy): each module's own parameters and buffers in the order the modules first ran
+forward (recorded once, during the first forward after the TorchState is made; registration order
+until then), then every other array. Restoring ignores it.
+
 Tensors that share storage (tied weights) are stored once; both paths refer to the same name.
 Module buffers (BatchNorm running stats and the like, which forward itself changes) and any name
 the user marks are *eager*: copied before ``maybe_checkpoint`` returns. Everything else is copied
@@ -141,7 +146,7 @@ class TorchState:
     """Takes snapshots of a model, an optimizer and extra state objects, and restores them."""
 
     def __init__(self, model: Any, optimizer: Any = None, extra_state: Mapping[str, Any] | None = None, *,
-                 capture_rng: bool = True, eager: Iterable[str] = ()) -> None:
+                 capture_rng: bool = True, eager: Iterable[str] = (), record_order: bool = False) -> None:
         import torch
 
         if not isinstance(model, torch.nn.Module):
@@ -156,6 +161,11 @@ class TorchState:
                 raise ConfigError(f"extra_state keys must be str, got {k!r}")
         self.capture_rng = capture_rng
         self.user_eager = set(eager)
+        # Module names in first-forward order, recorded once (a Checkpointer records; a restore
+        # does not), and the state_dict keys in load order, computed once recording is over.
+        self.forward_order: list[str] = []
+        self._order_hooks = _record_forward_order(model, self.forward_order) if record_order else []
+        self._key_order: list[str] | None = None
 
     def may_grow(self) -> bool:
         """True while the optimizer has no state yet: it will appear at its first step."""
@@ -185,10 +195,23 @@ class TorchState:
         tree["extra"] = {"d": extra}
         if self.capture_rng:
             tree["rng"] = f.encode("rng", _rng_state(torch))
+        tree["order"] = self._load_order(tree["model"], f.arrays)
         # Lazily copied tensors are validated by their version counters after the copy.
         versions = [(n, a, a._version) for i, (n, a) in enumerate(f.arrays.items())
                     if i >= n_eager and isinstance(a, torch.Tensor)]
         return Snapshot(f.arrays, n_eager, tree, versions)
+
+    def _load_order(self, model_tree: Any, arrays: Mapping[str, Any]) -> list[str]:
+        """Array names, first-use first: the model's, by module in first-forward order, then all
+        other arrays (pccheck.lazy reads them in this order)."""
+        keys = self._key_order
+        if keys is None:
+            keys = _keys_by_first_use(self.model, self.forward_order)
+            if not self._order_hooks:  # recording is over (or off): the order is final
+                self._key_order = keys
+        leaves = model_tree.get("d", {}) if isinstance(model_tree, dict) else {}
+        first = [leaf["T"] for k in keys if isinstance(leaf := leaves.get(k), dict) and isinstance(leaf.get("T"), str)]
+        return list(dict.fromkeys(first + list(arrays)))
 
     def restore(self, tree: Mapping[str, Any], arrays: Mapping[str, np.ndarray], torch_dtypes: Mapping[str, str],
                 map_location: Any = None) -> dict[str, Any]:
@@ -203,11 +226,27 @@ class TorchState:
             return t.to(map_location) if map_location is not None else t
 
         state = unwrap_extra(rebuild(_as_dict(tree), arrays, as_tensor))
+        self.apply(state)
+        return state
+
+    def apply(self, state: dict[str, Any]) -> None:
+        """Loads a rebuilt state (:func:`rebuild`, :func:`unwrap_extra`) into the model, the
+        optimizer, the extra objects and the RNGs."""
         self.model.load_state_dict(state["model"])
+        self.apply_optimizer(state)
+        self.apply_extra(state)
+
+    def apply_optimizer(self, state: dict[str, Any]) -> None:
+        """The optimizer's part of :meth:`apply`."""
         if self.optimizer is not None:
             if "optimizer" not in state:
                 raise ConfigError("the checkpoint holds no optimizer state; pass optimizer=None")
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def apply_extra(self, state: dict[str, Any]) -> None:
+        """The extra objects' and the RNGs' part of :meth:`apply`."""
+        import torch
+
         for name, obj in self.extra.items():
             if name not in state["extra"]:
                 raise ConfigError(f"the checkpoint holds no extra_state {name!r}")
@@ -215,13 +254,50 @@ class TorchState:
                 obj.load_state_dict(state["extra"][name])
         if "rng" in state:
             _set_rng_state(torch, state["rng"])
-        return state
 
 
 def unwrap_extra(state: dict[str, Any]) -> dict[str, Any]:
-    """``extra`` entries are stored as {"state_dict": ...} or {"value": ...}; return just that."""
+    """``extra`` entries are stored as {"state_dict": ...} or {"value": ...}; return just that.
+    The lazy-restore ``order`` is not part of the state."""
     state["extra"] = {k: v.get("state_dict", v.get("value")) for k, v in state.get("extra", {}).items()}
+    state.pop("order", None)
     return state
+
+
+def _record_forward_order(model: Any, order: list[str]) -> list[Any]:
+    """Forward pre-hooks that append each module's name the first time it runs; all of them are
+    removed when the model's first forward returns."""
+    seen: set[str] = set()
+    handles: list[Any] = []
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any) -> None:
+            if name not in seen:
+                seen.add(name)
+                order.append(name)
+        return hook
+
+    def done(module: Any, args: Any, output: Any) -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(pre(name)))
+    handles.append(model.register_forward_hook(done))
+    return handles
+
+
+def _keys_by_first_use(model: Any, forward_order: list[str]) -> list[str]:
+    """state_dict keys of each module's own parameters and buffers, modules in first-forward
+    order, then the modules that did not run, in registration order."""
+    modules = dict(model.named_modules())
+    out: list[str] = []
+    for mod_name in dict.fromkeys([n for n in forward_order if n in modules] + list(modules)):
+        module = modules[mod_name]
+        for k, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            out.append(f"{mod_name}.{k}" if mod_name else k)
+    return out
 
 
 def _as_dict(tree: Mapping[str, Any]) -> dict[str, Any]:

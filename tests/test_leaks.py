@@ -112,9 +112,6 @@ def test_torch_soft_cow_cycles_leave_no_fd_thread_or_hook(shm_dir):
     assert pccheck.load_latest(shm_dir).step == WARMUP + CYCLES
 
 
-@pytest.mark.xfail(strict=True, reason="a closed Checkpointer keeps its DRAM chunk pool until the cyclic GC "
-                                       "runs: Engine.close() does not unmap it and Checkpointer <-> "
-                                       "Orchestrator form a reference cycle (bound-method callbacks)")
 def test_close_releases_the_dram_pool_without_a_collection(store_dir):
     state = {"w": np.ones(8 * MIB, np.float32)}  # 32 MiB: a pool of 2 x 32 MiB, faulted in at open
     gc.collect()

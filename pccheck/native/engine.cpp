@@ -102,10 +102,7 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
   });
 }
 
-Engine::~Engine() {
-  close();
-  if (pool_) ::munmap(pool_, pool_len_);
-}
+Engine::~Engine() { close(); }
 
 void Engine::close() {
   if (closed_) return;
@@ -116,6 +113,11 @@ void Engine::close() {
   for (auto& t : writers_) t.join();
   writers_.clear();
   free_chunks_.close();
+  // Nothing reads or writes the pool any more (prefaulter and writers joined; the caller closes
+  // only with no job in flight, and a copy engine detaches first): give the memory back now, not
+  // when the Python object happens to be collected.
+  if (pool_) ::munmap(pool_, pool_len_);
+  pool_ = nullptr;
 }
 
 uint32_t Engine::free_chunks() {

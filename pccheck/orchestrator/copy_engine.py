@@ -64,7 +64,9 @@ class CopyEngine(ABC):
         self.native_engine = native_engine
 
     def detach(self) -> None:
-        """Called once when the Checkpointer closes."""
+        """Called once when the pool goes away (the Checkpointer closes, or the pool is remade);
+        the pool's memory must not be used afterwards."""
+        self.native_engine = None
 
     def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
         """Describes the arrays of one snapshot, on the training thread."""

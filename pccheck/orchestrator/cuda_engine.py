@@ -123,6 +123,8 @@ class TorchCudaCopyEngine(_DeviceEngine):
         if self.pinned:
             self._torch.cuda.cudart().cudaHostUnregister(self.native_engine.pool_address)
             self.pinned = False
+        self._pool = None  # a view of the pool, which the native engine unmaps at close
+        super().detach()
 
     def _ready_event(self) -> Any:
         # On the training thread: the copy stream must see everything queued so far (the update).
@@ -219,6 +221,8 @@ class CupyCopyEngine(_DeviceEngine):
         if self.pinned:
             self._cupy.cuda.runtime.hostUnregister(self.native_engine.pool_address)
             self.pinned = False
+        self._pool = None  # a view of the pool, which the native engine unmaps at close
+        super().detach()
 
     def _ready_event(self) -> Any:
         return self._cupy.cuda.get_current_stream().record()

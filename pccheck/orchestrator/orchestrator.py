@@ -101,6 +101,10 @@ class CommitInfo:
     store_file: Path
 
 
+def _closed_error(exc: PCCheckError) -> None:
+    log.error("pccheck: error after close: %s", exc)
+
+
 def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -> tuple[int, int]:
     """(chunk bytes, chunk count) for the pool: ``dram_budget`` (default 2x the state) carved
     into chunks of at most ``chunk_size``, each a multiple of 4096."""
@@ -484,6 +488,10 @@ class Orchestrator:
         try:
             self.reserve = None  # frees the device memory
             self.copy_engine.detach()
-            self.engine.close()
+            self.engine.close()  # unmaps the chunk pool
         finally:
             self.store.close()  # releases the store lock
+            # The callbacks are the front-end's bound methods: dropping them breaks the cycle, so
+            # a closed Checkpointer (and the model it holds) is freed without the cyclic GC.
+            self._on_commit = self._on_finished = None
+            self._on_error = _closed_error

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..native import _native
 
-__all__ = ["read_region", "crc32c", "prefault"]
+__all__ = ["read_region", "read_array", "crc32c", "prefault"]
 
 PIECE = 32 << 20
 
@@ -37,6 +37,22 @@ def prefault(view: memoryview) -> None:
     """Faults fresh memory in (writes one byte per page), so a later timed read or copy does not
     pay for it (for readers above persist: the tuner's scratch chunks)."""
     _native.prefault(view)
+
+
+def read_array(fd: int, offset: int, nbytes: int, piece: int = 8 << 20) -> tuple[np.ndarray, int]:
+    """Reads ``nbytes`` at ``offset`` (buffered) into a fresh uint8 array, checksumming each piece
+    while it is hot in cache; returns (array, crc32c). One array of a slot, for the lazy loader;
+    CorruptCheckpointError if the file ends early."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    view = memoryview(buf)
+    crc, done = 0, 0
+    while done < nbytes:
+        n = os.preadv(fd, [view[done:done + piece]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"short read at offset {offset + done}: the file is truncated")
+        crc = _native.crc32c(view[done:done + n], crc)
+        done += n
+    return buf, crc
 
 
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:

@@ -29,7 +29,7 @@ from .reader import read_region
 __all__ = [
     "Restored", "SlotState", "StoreImage", "Scanned", "read_store", "scan", "confirmed_slot", "candidate_order",
     "first_valid", "read_manifest", "load_slot", "load_newest", "store_files", "slot_was_written",
-    "was_validated",
+    "was_validated", "parse_header_block", "image_from", "manifest_region", "manifest_from", "slot_base",
 ]
 
 log = logging.getLogger("pccheck")
@@ -153,26 +153,62 @@ def read_store(path: Path) -> StoreImage:
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
-        if size < BLOCK:
-            raise CorruptCheckpointError(f"{path}: too short to be a pccheck store")
-        block0 = _pread_exact(fd, BLOCK, 0)
-        try:
-            header = _native.parse_header(block0)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{path}: {exc}") from None
-        if header["file_size"] > size:
-            raise CorruptCheckpointError(
-                f"{path}: header geometry needs {header['file_size']} bytes but the file has {size}")
-        n = header["num_slots"]
-        metas = _pread_exact(fd, n * BLOCK, BLOCK)
+        header = parse_header_block(path, size, _pread_exact(fd, BLOCK, 0) if size >= BLOCK else b"")
+        metas = _pread_exact(fd, header["num_slots"] * BLOCK, BLOCK)
+    return image_from(path, header, metas)
+
+
+# The parsing steps of read_store and read_manifest, without I/O: pccheck.aio reads the same
+# bytes with aiofiles and passes them here.
+
+def parse_header_block(path: Path, size: int, block0: bytes) -> dict[str, Any]:
+    """The header of a store file of ``size`` bytes from its first block, checked against the
+    file's real size. Raises CorruptCheckpointError."""
+    if size < BLOCK or len(block0) < BLOCK:
+        raise CorruptCheckpointError(f"{path}: too short to be a pccheck store")
+    try:
+        header = _native.parse_header(block0[:BLOCK])
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}") from None
+    if header["file_size"] > size:
+        raise CorruptCheckpointError(
+            f"{path}: header geometry needs {header['file_size']} bytes but the file has {size}")
+    return header
+
+
+def image_from(path: Path, header: dict[str, Any], metas: bytes) -> StoreImage:
+    """The StoreImage from a parsed header and the ``num_slots`` meta blocks that follow it."""
     slots = []
-    for s in range(n):
+    for s in range(header["num_slots"]):
         try:
             meta = _native.parse_meta(metas[s * BLOCK:(s + 1) * BLOCK], s, header["slot_capacity"])
             slots.append(SlotState(s, meta, None if meta else "empty"))
         except ValueError as exc:
             slots.append(SlotState(s, None, str(exc)))
+    header = dict(header)
     return StoreImage(path, header, header.pop("check_word"), tuple(slots))
+
+
+def manifest_region(image: StoreImage, slot: int) -> tuple[int, int]:
+    """(file offset, length) of a slot's manifest, as its meta record gives them (bounded)."""
+    meta = image.slots[slot].meta
+    if meta is None:
+        raise CorruptCheckpointError(f"slot {slot}: {image.slots[slot].problem}")
+    if meta["manifest_len"] > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"slot {slot}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    return slot_base(image, slot) + meta["manifest_offset"], meta["manifest_len"]
+
+
+def manifest_from(image: StoreImage, slot: int, raw: bytes) -> Manifest:
+    """Validates a slot's manifest bytes against its meta record and parses them."""
+    meta = image.slots[slot].meta
+    assert meta is not None  # manifest_region checked it
+    if len(raw) != meta["manifest_len"]:
+        raise CorruptCheckpointError(f"slot {slot}: short read of the manifest: the file is truncated")
+    if _native.crc32c(raw) != meta["manifest_crc"]:
+        raise CorruptCheckpointError(f"slot {slot}: manifest checksum mismatch")
+    return parse_manifest(raw, step=meta["step"], counter=meta["counter"],
+                          data_len_limit=meta["manifest_offset"])
 
 
 def confirmed_slot(image: StoreImage) -> tuple[int | None, str | None]:
@@ -207,19 +243,12 @@ def candidate_order(image: StoreImage) -> list[int]:
 
 def read_manifest(image: StoreImage, slot: int, fd: int) -> Manifest:
     """Reads and validates one slot's manifest against its meta record (not the array data)."""
-    meta = image.slots[slot].meta
-    if meta is None:
-        raise CorruptCheckpointError(f"slot {slot}: {image.slots[slot].problem}")
-    if meta["manifest_len"] > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"slot {slot}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
-    raw = _pread_exact(fd, meta["manifest_len"], _slot_base(image, slot) + meta["manifest_offset"])
-    if _native.crc32c(raw) != meta["manifest_crc"]:
-        raise CorruptCheckpointError(f"slot {slot}: manifest checksum mismatch")
-    return parse_manifest(raw, step=meta["step"], counter=meta["counter"],
-                          data_len_limit=meta["manifest_offset"])
+    off, n = manifest_region(image, slot)
+    return manifest_from(image, slot, _pread_exact(fd, n, off))
 
 
-def _slot_base(image: StoreImage, slot: int) -> int:
+def slot_base(image: StoreImage, slot: int) -> int:
+    """The file offset of a slot (its data region starts there)."""
     return image.header["slots_offset"] + slot * image.header["slot_capacity"]
 
 
@@ -231,7 +260,7 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
     reuses the slot (i.e. while training is not running on this store).
     """
     man = read_manifest(image, slot, fd)
-    base = _slot_base(image, slot)
+    base = slot_base(image, slot)
     state: dict[str, np.ndarray] = {}
     copy = not (zero_copy and mm is not None)
     if copy:  # one parallel O_DIRECT read of the data region, checksummed on the way
@@ -336,4 +365,4 @@ def load_newest(path: str | os.PathLike[str] | None = None, *, zero_copy: bool =
 
 def slot_was_written(image: StoreImage, slot: int, fd: int) -> bool:
     """Whether the slot's first block holds anything (a cleared slot vs a never-written one)."""
-    return any(os.pread(fd, BLOCK, _slot_base(image, slot)))
+    return any(os.pread(fd, BLOCK, slot_base(image, slot)))

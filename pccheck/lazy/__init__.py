@@ -1,0 +1,5 @@
+"""Lazy (on-demand) restore: ``pccheck.load_latest(..., lazy=True)`` and ``pccheck.aio``."""
+
+from .restore import LazyRestore, restore_lazily
+
+__all__ = ["LazyRestore", "restore_lazily"]

@@ -1,0 +1,84 @@
+"""The background reader of a lazy restore: the arrays of one slot, in a given order.
+
+Each array is read (buffered ``preadv``), its crc32c checked against the manifest, and handed to
+``deliver(name, array)`` on the loader thread; then its event is set. A mismatch or an I/O error
+stops the loader: the error is kept and every event is set, so each waiter wakes up and raises it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError, PCCheckError
+from ..persist.layout import ArrayEntry
+from ..persist.reader import read_array
+
+__all__ = ["Loader", "read_entry"]
+
+log = logging.getLogger("pccheck")
+
+
+def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int) -> np.ndarray:
+    """One array of a slot at ``base``, checked against its crc32c, with its dtype and shape."""
+    if not entry.nbytes:
+        return np.empty(entry.shape, dtype=entry.dtype)
+    buf, got = read_array(fd, base + entry.offset, entry.nbytes)
+    if got != crc:
+        raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch")
+    return buf.view(entry.dtype).reshape(entry.shape)
+
+
+class Loader:
+    """Reads ``order`` (array names of ``entries``) from ``path`` at slot offset ``base``."""
+
+    def __init__(self, path: Path, base: int, entries: Mapping[str, tuple[ArrayEntry, int]],
+                 order: Iterable[str], deliver: Callable[[str, np.ndarray], None], what: str) -> None:
+        self.path, self.base, self.entries = path, base, entries
+        self.order = list(order)
+        self.deliver = deliver
+        self.what = what  # names the checkpoint in error messages
+        self.events = {name: threading.Event() for name in self.order}
+        self.error: PCCheckError | None = None
+        self.finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pccheck-lazy-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                for name in self.order:
+                    self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name]))
+                    self.events[name].set()
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiters
+            self.error = self._explain(exc)
+            log.error("pccheck: %s", self.error)
+        finally:
+            for ev in self.events.values():
+                ev.set()  # waiters wake up and see `error`
+            self.finished.set()
+
+    def _explain(self, exc: Exception) -> PCCheckError:
+        why = str(exc) if isinstance(exc, PCCheckError) else f"{type(exc).__name__}: {exc}"
+        return CorruptCheckpointError(
+            f"{self.what}: {why} while restoring lazily. The model and optimizer are only partly "
+            "restored: do not train on them. Load again with pccheck.load_latest(..., lazy=False), "
+            "which validates every array first and falls back to the previous valid checkpoint.")
+
+    def wait(self, names: Iterable[str]) -> None:
+        """Returns once every name is in; raises the loader's error if it failed."""
+        for name in names:
+            self.events[name].wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait_all(self) -> None:
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error

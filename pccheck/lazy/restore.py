@@ -1,0 +1,213 @@
+"""Soft on-demand restore (PhoenixOS §5): training starts while the tensors are still loading.
+
+``pccheck.load_latest(path, model=..., optimizer=..., lazy=True)``:
+
+1. Picks the checkpoint by recovery's rule on meta records and manifests (no array data read),
+   reads the small parts (extra state, RNG states) and puts them back, and loads the optimizer's
+   structure and hyperparameters with placeholder tensors. It returns a :class:`LazyRestore`.
+2. A loader thread (:mod:`.loader`) reads the tensors in first-use order (the ``order`` the
+   Checkpointer recorded: each module's own parameters and buffers in the order the modules first
+   ran forward, then the rest) and copies each into its place: the model's own parameter or
+   buffer, the optimizer state tensor.
+3. A forward pre-hook on each module that owns parameters or buffers waits for those only; an
+   optimizer step pre-hook waits for everything (the step mutates every parameter and the state).
+   ``r.wait()`` waits for everything and removes the hooks; ``r.done`` says whether all is in.
+4. A crc32c mismatch stops the loader; the next wait point (a forward, the step, ``r.wait()``)
+   raises CorruptCheckpointError saying to load again eagerly (which falls back to the previous
+   valid checkpoint), and keeps raising: a half-loaded model is never used silently.
+
+Not covered: a parameter or buffer read outside a module's forward or the optimizer step (e.g.
+by a custom function, an EMA copy, a state_dict() export) before ``r.wait()`` returns may see
+the value it had before the restore. Call ``r.wait()`` before such code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..arrays import torch_dtype
+from ..errors import ConfigError, CorruptCheckpointError
+from ..inventory import Located
+from ..persist.recovery import slot_base
+from ..torch_state import TorchState, rebuild, unwrap_extra
+from .loader import Loader, read_entry
+
+__all__ = ["LazyRestore", "restore_lazily"]
+
+_EAGER_PREFIXES = ("extra/", "rng/")  # small, and put back before load_latest returns
+
+
+@dataclass
+class LazyRestore:
+    """A checkpoint being put back in place in the background. ``state`` holds the step and the
+    extra state; the model and the optimizer are restored in place."""
+
+    step: int
+    state: dict[str, Any]
+    metadata: dict[str, Any]
+    counter: int
+    generation: int
+    slot: int
+    path: Path
+    _loader: Loader
+    _handles: list[Any]
+
+    @property
+    def done(self) -> bool:
+        """Whether every tensor is in place (False while loading, and after a failure)."""
+        return self._loader.finished.is_set() and self._loader.error is None
+
+    def wait(self) -> None:
+        """Blocks until every tensor is in place, then removes the hooks. Raises
+        CorruptCheckpointError if a tensor failed to load (call from the training thread)."""
+        self._loader.wait_all()
+        self._remove_hooks()
+
+    async def wait_async(self) -> None:
+        """``wait`` for asyncio hosts: the event loop keeps running while the tensors load. The
+        hooks, which no longer wait, remove themselves at their next call."""
+        await asyncio.to_thread(self._loader.wait_all)
+
+    def _remove_hooks(self) -> None:
+        handles, self._handles[:] = list(self._handles), []
+        for h in handles:
+            h.remove()
+
+
+def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
+    """Starts a lazy restore of ``located`` into ``source``'s model, optimizer and extra state."""
+    import torch
+
+    man = located.manifest
+    if man.tree is None:
+        raise ConfigError(f"the checkpoint at step {man.step} holds arrays, not a PyTorch model; "
+                          "load it without model=")
+    entries = {e.name: (e, crc) for e, crc in zip(man.arrays, man.crcs)}
+    path, base = located.image.path, slot_base(located.image, located.slot)
+    try:
+        small = _read_small(path, base, entries)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{path} slot {located.slot} (step {man.step}): {exc}; load with "
+                                     "lazy=False to fall back to the previous valid checkpoint") from None
+    placeholders: dict[str, Any] = {}
+
+    def as_tensor(name: str) -> Any:
+        if name in small:
+            return _tensor(torch, small[name], entries[name][0].torch_dtype)
+        e = entries[name][0]
+        dt = torch_dtype(e.torch_dtype) if e.torch_dtype else torch.from_numpy(np.empty(0, e.dtype)).dtype
+        return placeholders.setdefault(name, torch.empty(e.shape, dtype=dt))
+
+    tree = {k: v for k, v in man.tree.items() if k != "order"}
+    state = unwrap_extra(rebuild({"d": tree}, {**{n: None for n in entries}, **small}, as_tensor))
+    dests = _model_destinations(source.model, tree.get("model"), state["model"])
+    source.apply_optimizer(state)  # structure and hyperparameters now; tensors hold placeholders
+    if source.optimizer is not None:
+        _optimizer_destinations(source.optimizer, state["optimizer"], tree["optimizer"], dests)
+    source.apply_extra(state)
+    order = [n for n in _order(man.tree, entries) if n in dests]
+    loader = Loader(path, base, entries, order, _deliverer(torch, dests, entries),
+                    f"{path} slot {located.slot} (step {man.step})")
+    handles = _hooks(source, loader, tree.get("model"))
+    loader.start()
+    return LazyRestore(man.step, {"step": man.step, "extra": state["extra"]}, man.metadata, man.counter,
+                       located.generation, located.slot, path, loader, handles)
+
+
+def _order(tree: Mapping[str, Any], entries: Mapping[str, Any]) -> list[str]:
+    """The recorded first-use order (checked against the manifest), then any array it misses."""
+    recorded = tree.get("order")
+    first = [n for n in recorded if isinstance(n, str) and n in entries] if isinstance(recorded, list) else []
+    return list(dict.fromkeys(first + list(entries)))
+
+
+def _read_small(path: Path, base: int, entries: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The extra-state and RNG arrays, read and checked now (a mismatch raises here)."""
+    names = [n for n in entries if n.startswith(_EAGER_PREFIXES)]
+    with open(path, "rb", buffering=0) as f:
+        return {n: read_entry(f.fileno(), base, *entries[n]) for n in names}
+
+
+def _tensor(torch: Any, arr: np.ndarray, tdt: str | None) -> Any:
+    t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    return t.view(torch_dtype(tdt)) if tdt else t
+
+
+def _leaf_names(node: Any) -> dict[str, str]:
+    """key -> array name of a ``{"d": {key: {"T": name}}}`` tree node."""
+    d = node.get("d", {}) if isinstance(node, dict) else {}
+    return {k: v["T"] for k, v in d.items() if isinstance(v, dict) and isinstance(v.get("T"), str)}
+
+
+def _model_destinations(model: Any, model_tree: Any, saved: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """array name -> the model's own tensors it goes into; the same checks as a strict
+    ``load_state_dict`` (keys and shapes), before anything is changed."""
+    live = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise ConfigError(f"the checkpoint does not match the model: missing keys {missing[:5]}, "
+                          f"unexpected keys {unexpected[:5]}")
+    for k, t in live.items():
+        if tuple(t.shape) != tuple(saved[k].shape):
+            raise ConfigError(f"the checkpoint does not match the model: {k!r} has shape "
+                              f"{tuple(saved[k].shape)} there and {tuple(t.shape)} here")
+    dests: dict[str, list[Any]] = {}
+    for k, name in _leaf_names(model_tree).items():
+        dests.setdefault(name, []).append(live[k])
+    return dests
+
+
+def _optimizer_destinations(optimizer: Any, saved: Mapping[str, Any], opt_tree: Any,
+                            dests: dict[str, list[Any]]) -> None:
+    """Adds the optimizer's state tensors (as load_state_dict left them) to ``dests``."""
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_id = dict(zip(ids, params))
+    state_node = opt_tree.get("d", {}).get("state", {}) if isinstance(opt_tree, dict) else {}
+    for idx, per_param in state_node.get("dk", []):
+        for k, name in _leaf_names(per_param).items():
+            dests.setdefault(name, []).append(optimizer.state[by_id[idx]][k])
+
+
+def _deliverer(torch: Any, dests: Mapping[str, list[Any]], entries: Mapping[str, Any]) -> Any:
+    def deliver(name: str, arr: np.ndarray) -> None:
+        t = _tensor(torch, arr, entries[name][0].torch_dtype)
+        with torch.no_grad():
+            for d in dests[name]:
+                d.copy_(t)
+    return deliver
+
+
+def _hooks(source: TorchState, loader: Loader, model_tree: Any) -> list[Any]:
+    """A forward pre-hook per module owning tensors (waits for those), a step pre-hook (waits
+    for all). Once everything is in, a hook removes every hook at its next call."""
+    handles: list[Any] = []
+    names = _leaf_names(model_tree)
+
+    def remove_all() -> None:
+        for h in list(handles):
+            h.remove()
+        handles.clear()
+
+    def waiter(wanted: list[str]) -> Any:
+        def hook(*_: Any) -> None:
+            if loader.finished.is_set() and loader.error is None:
+                remove_all()
+                return
+            loader.wait(wanted)
+        return hook
+
+    for mod_name, module in source.model.named_modules():
+        own = [k for k, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+        wanted = [names[key] for k in own if (key := f"{mod_name}.{k}" if mod_name else k) in names]
+        wanted = [n for n in wanted if n in loader.events]
+        if wanted:
+            handles.append(module.register_forward_pre_hook(waiter(wanted)))
+    if source.optimizer is not None:
+        handles.append(source.optimizer.register_step_pre_hook(waiter(list(loader.events))))
+    return handles

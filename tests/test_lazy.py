@@ -1,0 +1,210 @@
+"""Lazy (on-demand) restore and pccheck.aio (issue 13, parts 2 and 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import pccheck
+import pccheck.aio
+from pccheck.lazy import loader as lazy_loader
+from pccheck.persist.recovery import read_manifest, read_store, store_files
+
+BLOCKS = 8
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)  # registered first, runs second
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.lin(x)))
+
+
+def _make(width: int = 32):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[Block(width) for _ in range(BLOCKS)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    return model, opt, sched
+
+
+def _step(model, opt, sched, x):
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item().hex()
+
+
+def _trained_store(path, steps=(1, 2, 3), width: int = 32):
+    model, opt, sched = _make(width)
+    x = torch.randn(8, width)
+    with pccheck.Checkpointer(model, opt, path, extra_state={"sched": sched}, interval=1) as ck:
+        for s in steps:
+            _step(model, opt, sched, x)
+            ck.maybe_checkpoint(s)
+    return x
+
+
+def test_lazy_restore_trains_bit_for_bit_like_an_eager_one(tmp_path):
+    x = _trained_store(tmp_path)
+    runs = []
+    for lazy in (False, True):
+        model, opt, sched = _make()
+        r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched}, lazy=lazy)
+        assert r.step == 3 and r.state["step"] == 3
+        torch.manual_seed(7)
+        losses = [_step(model, opt, sched, x) for _ in range(10)]  # lazy: starts before r.wait()
+        if lazy:
+            r.wait()
+            assert r.done
+            assert not any(m._forward_pre_hooks for m in model.modules()) and not opt._optimizer_step_pre_hooks
+        runs.append((losses, model.state_dict(), opt.state_dict(), sched.last_epoch))
+    (l0, m0, o0, e0), (l1, m1, o1, e1) = runs
+    assert l0 == l1 and e0 == e1
+    assert all(torch.equal(m0[k], m1[k]) for k in m0)
+    for i, st in o0["state"].items():
+        assert all(torch.equal(v, o1["state"][i][k]) if torch.is_tensor(v) else v == o1["state"][i][k]
+                   for k, v in st.items())
+
+
+def test_the_first_use_order_is_recorded_at_save_time(tmp_path):
+    _trained_store(tmp_path, steps=(1,))
+    image = read_store(store_files(tmp_path)[0][1])
+    slot = next(s.slot for s in image.slots if s.meta)
+    with open(image.path, "rb") as f:
+        order = read_manifest(image, slot, f.fileno()).tree["order"]
+    # Block registers norm before lin but runs lin first: forward order wins.
+    assert order[:4] == ["model/0.lin.weight", "model/0.lin.bias", "model/0.norm.weight", "model/0.norm.bias"]
+    assert order.index("model/7.norm.bias") < min(i for i, n in enumerate(order) if n.startswith("optimizer/"))
+
+
+def test_a_module_waits_only_for_its_own_tensors(tmp_path, monkeypatch):
+    x = _trained_store(tmp_path)
+    gate = threading.Event()
+    real = lazy_loader.read_entry
+
+    def gated(fd, base, entry, crc):
+        if entry.name.startswith(f"model/{BLOCKS - 1}.") or entry.name.startswith("optimizer/"):
+            assert gate.wait(30), "the test's gate was never opened"
+        return real(fd, base, entry, crc)
+
+    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    model, opt, sched = _make()
+    r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched}, lazy=True)
+    try:
+        with torch.no_grad():
+            first = model[0](x)  # block 0's tensors arrive while the last block's are held back
+        assert not r.done
+    finally:
+        gate.set()
+    r.wait()
+    eager, _, _ = _make()
+    pccheck.load_latest(tmp_path, model=eager)
+    with torch.no_grad():
+        assert torch.equal(first, eager[0](x))
+
+
+def _flip_a_byte_of(path, name: str) -> None:
+    """Flips one byte of array ``name`` in the latest slot."""
+    file = store_files(path)[0][1]
+    image = read_store(file)
+    slot = image.word_slot
+    with open(file, "rb") as f:
+        entry = next(e for e in read_manifest(image, slot, f.fileno()).arrays if e.name == name)
+    off = image.header["slots_offset"] + slot * image.header["slot_capacity"] + entry.offset
+    with open(file, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(struct.pack("B", b[0] ^ 0x40))
+
+
+def test_a_damaged_tensor_raises_at_the_next_wait_point_and_keeps_raising(tmp_path):
+    x = _trained_store(tmp_path)
+    _flip_a_byte_of(tmp_path, "optimizer/state/3/exp_avg")
+    model, opt, sched = _make()
+    r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched}, lazy=True)
+    assert r.step == 3
+    with pytest.raises(pccheck.CorruptCheckpointError, match="lazy=False") as exc:
+        # the first wait point after the loader met the damaged array raises: a forward if the
+        # loader got there first, else the step (which waits for the optimizer state)
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert "optimizer/state/3/exp_avg" in str(exc.value)
+    with pytest.raises(pccheck.CorruptCheckpointError):
+        model(x)  # never silently in use afterwards
+    with pytest.raises(pccheck.CorruptCheckpointError):
+        r.wait()
+    assert not r.done
+    m2, o2, s2 = _make()  # the eager load falls back to the previous checkpoint
+    assert pccheck.load_latest(tmp_path, model=m2, optimizer=o2, extra_state={"sched": s2}).step == 2
+
+
+def test_lazy_argument_errors(tmp_path):
+    _trained_store(tmp_path, steps=(1,))
+    model, opt, _ = _make()
+    with pytest.raises(pccheck.ConfigError, match="model="):
+        pccheck.load_latest(tmp_path, lazy=True)
+    with pytest.raises(pccheck.ConfigError, match="zero_copy"):
+        pccheck.load_latest(tmp_path, model=model, lazy=True, zero_copy=True)
+    with pccheck.Checkpointer({"w": np.ones(4, np.float32)}, tmp_path / "arrays") as ck:
+        ck.checkpoint(1)
+    with pytest.raises(pccheck.ConfigError, match="holds arrays"):
+        pccheck.load_latest(tmp_path / "arrays", model=model, lazy=True)
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(pccheck.ConfigError, match="does not match the model"):
+        pccheck.load_latest(tmp_path, model=other, lazy=True)
+    assert all(not m._forward_pre_hooks for m in other.modules())
+
+
+def test_aio_event_loop_keeps_running_while_1GiB_loads(tmp_path):
+    """1 GiB of state (AdamW: parameters are a third), loaded from asyncio while a heartbeat
+    task ticks every 5 ms: the loop is never blocked for long, and every tensor arrives."""
+    width, blocks = 2048, 21  # 21 x (2048 x 2048 + 2048) float32 ~ 336 MiB of parameters
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    with pccheck.Checkpointer(model, opt, tmp_path) as ck:
+        ck.checkpoint(1)
+    assert ck.stats().checkpoints[-1].nbytes >= (1 << 30) - (64 << 20)
+    target = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
+    topt = torch.optim.AdamW(target.parameters(), lr=1e-3)
+
+    async def main():
+        ticks: list[float] = []
+        stop = asyncio.Event()
+
+        async def heartbeat():
+            while not stop.is_set():
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.005)
+
+        hb = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0.02)
+        r = await pccheck.aio.load_latest(tmp_path, model=target, optimizer=topt)
+        t0 = time.perf_counter()
+        await r.wait_async()
+        waited = time.perf_counter() - t0
+        stop.set()
+        await hb
+        return r, ticks, waited
+
+    r, ticks, waited = asyncio.run(main())
+    gaps = np.diff(ticks)
+    assert r.done and r.step == 1
+    assert len(ticks) >= 5 and gaps.max() < 0.5, (len(ticks), gaps.max(), waited)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+    r.wait()  # removes the hooks (on this thread)
