@@ -94,10 +94,10 @@ def test_a_module_waits_only_for_its_own_tensors(tmp_path, monkeypatch):
     gate = threading.Event()
     real = lazy_loader.read_entry
 
-    def gated(fd, base, entry, crc):
+    def gated(fd, base, entry, crc, into=None):
         if entry.name.startswith(f"model/{BLOCKS - 1}.") or entry.name.startswith("optimizer/"):
             assert gate.wait(30), "the test's gate was never opened"
-        return real(fd, base, entry, crc)
+        return real(fd, base, entry, crc, into=into)
 
     monkeypatch.setattr(lazy_loader, "read_entry", gated)
     model, opt, sched = _make()

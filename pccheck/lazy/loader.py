@@ -23,11 +23,12 @@ __all__ = ["Loader", "read_entry"]
 log = logging.getLogger("pccheck")
 
 
-def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int) -> np.ndarray:
-    """One array of a slot at ``base``, checked against its crc32c, with its dtype and shape."""
+def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int, into: np.ndarray | None = None) -> np.ndarray:
+    """One array of a slot at ``base``, checked against its crc32c, with its dtype and shape
+    (read into ``into``, a uint8 array of ``entry.nbytes``, when given)."""
     if not entry.nbytes:
         return np.empty(entry.shape, dtype=entry.dtype)
-    buf, got = read_array(fd, base + entry.offset, entry.nbytes)
+    buf, got = read_array(fd, base + entry.offset, entry.nbytes, into=into)
     if got != crc:
         raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch")
     return buf.view(entry.dtype).reshape(entry.shape)
@@ -37,10 +38,12 @@ class Loader:
     """Reads ``order`` (array names of ``entries``) from ``path`` at slot offset ``base``."""
 
     def __init__(self, path: Path, base: int, entries: Mapping[str, tuple[ArrayEntry, int]],
-                 order: Iterable[str], deliver: Callable[[str, np.ndarray], None], what: str) -> None:
+                 order: Iterable[str], deliver: Callable[[str, np.ndarray, bool], None], what: str,
+                 target: Callable[[str], np.ndarray | None] = lambda name: None) -> None:
         self.path, self.base, self.entries = path, base, entries
         self.order = list(order)
-        self.deliver = deliver
+        self.deliver = deliver  # (name, array, read straight into the target?)
+        self.target = target    # where to read an array directly (its destination's bytes), or None
         self.what = what  # names the checkpoint in error messages
         self.events = {name: threading.Event() for name in self.order}
         self.error: PCCheckError | None = None
@@ -54,7 +57,9 @@ class Loader:
         try:
             with open(self.path, "rb", buffering=0) as f:
                 for name in self.order:
-                    self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name]))
+                    into = self.target(name)
+                    self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name], into=into),
+                                 into is not None)
                     self.events[name].set()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the waiters
             self.error = self._explain(exc)

@@ -112,7 +112,7 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
     source.apply_extra(state)
     order = [n for n in _order(man.tree, entries) if n in dests]
     loader = Loader(path, base, entries, order, _deliverer(torch, dests, entries),
-                    f"{path} slot {located.slot} (step {man.step})")
+                    f"{path} slot {located.slot} (step {man.step})", _targeter(torch, dests, entries))
     handles = _hooks(source, loader, tree.get("model"))
     loader.start()
     return LazyRestore(man.step, {"step": man.step, "extra": state["extra"]}, man.metadata, man.counter,
@@ -174,12 +174,30 @@ def _optimizer_destinations(optimizer: Any, saved: Mapping[str, Any], opt_tree: 
             dests.setdefault(name, []).append(optimizer.state[by_id[idx]][k])
 
 
+def _targeter(torch: Any, dests: Mapping[str, list[Any]], entries: Mapping[str, Any]) -> Any:
+    """Where the loader may read an array straight into: the first destination's own bytes, when
+    it is a contiguous CPU tensor of the stored dtype and size (no staging buffer to fault in and
+    copy from). Else None: the array is staged and copied (other devices, dtype casts)."""
+    def target(name: str) -> np.ndarray | None:
+        d = dests[name][0].detach()
+        e = entries[name][0]
+        stored = torch_dtype(e.torch_dtype) if e.torch_dtype else torch.from_numpy(np.empty(0, e.dtype)).dtype
+        if (d.device.type != "cpu" or d.dtype != stored or not d.is_contiguous()
+                or d.numel() * d.element_size() != e.nbytes or not e.nbytes):
+            return None
+        return d.view(-1).view(torch.uint8).numpy()
+    return target
+
+
 def _deliverer(torch: Any, dests: Mapping[str, list[Any]], entries: Mapping[str, Any]) -> Any:
-    def deliver(name: str, arr: np.ndarray) -> None:
-        t = _tensor(torch, arr, entries[name][0].torch_dtype)
+    def deliver(name: str, arr: np.ndarray, direct: bool) -> None:
+        targets = dests[name][1:] if direct else dests[name]  # direct: the first one holds it already
+        if not targets:
+            return
+        src = dests[name][0] if direct else _tensor(torch, arr, entries[name][0].torch_dtype)
         with torch.no_grad():
-            for d in dests[name]:
-                d.copy_(t)
+            for d in targets:
+                d.copy_(src)
     return deliver
 
 

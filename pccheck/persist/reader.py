@@ -39,11 +39,13 @@ def prefault(view: memoryview) -> None:
     _native.prefault(view)
 
 
-def read_array(fd: int, offset: int, nbytes: int, piece: int = 8 << 20) -> tuple[np.ndarray, int]:
-    """Reads ``nbytes`` at ``offset`` (buffered) into a fresh uint8 array, checksumming each piece
-    while it is hot in cache; returns (array, crc32c). One array of a slot, for the lazy loader;
-    CorruptCheckpointError if the file ends early."""
-    buf = np.empty(nbytes, dtype=np.uint8)
+def read_array(fd: int, offset: int, nbytes: int, piece: int = 8 << 20,
+               into: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """Reads ``nbytes`` at ``offset`` (buffered) into ``into`` (a uint8 array of that size: e.g.
+    the destination tensor's own memory, already faulted in) or a fresh uint8 array, checksumming
+    each piece while it is hot in cache; returns (array, crc32c). One array of a slot, for the
+    lazy loader; CorruptCheckpointError if the file ends early."""
+    buf = np.empty(nbytes, dtype=np.uint8) if into is None else into
     view = memoryview(buf)
     crc, done = 0, 0
     while done < nbytes:
