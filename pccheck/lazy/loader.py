@@ -39,11 +39,13 @@ class Loader:
 
     def __init__(self, path: Path, base: int, entries: Mapping[str, tuple[ArrayEntry, int]],
                  order: Iterable[str], deliver: Callable[[str, np.ndarray, bool], None], what: str,
-                 target: Callable[[str], np.ndarray | None] = lambda name: None) -> None:
+                 target: Callable[[str], np.ndarray | None] = lambda name: None,
+                 on_success: Callable[[], None] = lambda: None) -> None:
         self.path, self.base, self.entries = path, base, entries
         self.order = list(order)
         self.deliver = deliver  # (name, array, read straight into the target?)
         self.target = target    # where to read an array directly (its destination's bytes), or None
+        self.on_success = on_success  # every array read and checked (before waiters are woken)
         self.what = what  # names the checkpoint in error messages
         self.events = {name: threading.Event() for name in self.order}
         self.error: PCCheckError | None = None
@@ -61,6 +63,7 @@ class Loader:
                     self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name], into=into),
                                  into is not None)
                     self.events[name].set()
+            self.on_success()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the waiters
             self.error = self._explain(exc)
             log.error("pccheck: %s", self.error)

@@ -33,7 +33,7 @@ import numpy as np
 from ..arrays import torch_dtype
 from ..errors import ConfigError, CorruptCheckpointError
 from ..inventory import Located
-from ..persist.recovery import slot_base
+from ..persist.recovery import mark_validated, slot_base
 from ..torch_state import TorchState, rebuild, unwrap_extra
 from .loader import Loader, read_entry
 
@@ -112,7 +112,10 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
     source.apply_extra(state)
     order = [n for n in _order(man.tree, entries) if n in dests]
     loader = Loader(path, base, entries, order, _deliverer(torch, dests, entries),
-                    f"{path} slot {located.slot} (step {man.step})", _targeter(torch, dests, entries))
+                    f"{path} slot {located.slot} (step {man.step})", _targeter(torch, dests, entries),
+                    # Only the arrays of dests were read; the extra/RNG ones were read above.
+                    lambda: mark_validated(located.image, located.slot, man.counter)
+                    if set(order) | set(small) == set(entries) else None)
     handles = _hooks(source, loader, tree.get("model"))
     loader.start()
     return LazyRestore(man.step, {"step": man.step, "extra": state["extra"]}, man.metadata, man.counter,

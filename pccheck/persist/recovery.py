@@ -29,7 +29,7 @@ from .reader import read_region
 __all__ = [
     "Restored", "SlotState", "StoreImage", "Scanned", "read_store", "scan", "confirmed_slot", "candidate_order",
     "first_valid", "read_manifest", "load_slot", "load_newest", "store_files", "slot_was_written",
-    "was_validated", "parse_header_block", "image_from", "manifest_region", "manifest_from", "slot_base",
+    "was_validated", "mark_validated", "parse_header_block", "image_from", "manifest_region", "manifest_from", "slot_base",
 ]
 
 log = logging.getLogger("pccheck")
@@ -48,6 +48,13 @@ _validated_lock = threading.Lock()
 
 def _validation_key(image: "StoreImage", slot: int, counter: int) -> tuple[str, int, int, int, int]:
     return (os.path.realpath(image.path), int(image.header["created_unix_ns"]), image.generation, slot, counter)
+
+
+def mark_validated(image: "StoreImage", slot: int, counter: int) -> None:
+    """Records that every array of ``slot`` (holding ``counter``) checked out, e.g. after a lazy
+    restore read them all (load_slot records its own)."""
+    with _validated_lock:
+        _validated.add(_validation_key(image, slot, counter))
 
 
 def was_validated(image: "StoreImage", slot: int) -> bool:
@@ -289,8 +296,7 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
             arr.flags.writeable = False
         state[entry.name] = arr
     if verify:
-        with _validated_lock:
-            _validated.add(_validation_key(image, slot, man.counter))
+        mark_validated(image, slot, man.counter)
     return Restored(man.step, state, man.metadata, man.counter, image.generation, slot, image.path,
                     {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype}, man.tree, man.epoch)
 
