@@ -265,3 +265,32 @@ def test_summary_command_rebuilds_from_saved_results(quick_run):
     md.unlink()
     assert main(["summary", "--quick", "--out", str(quick_run)]) == 0
     assert "goodput / CheckFreq" in md.read_text(encoding="utf-8")
+
+
+# -- bench.restart (its own processes: not part of the quick run above) ------------------------------------
+
+
+def test_restart_quick_and_a_failing_system(tmp_path):
+    """``python -m bench.restart --quick`` for pccheck and torch.load: every phase measured, the checkpoint
+    the killed run made durable is the one loaded, JSON (with its command) and PNG written; a restart
+    that raises (nothing to load) comes back as an error, not a crash."""
+    from bench import restart
+
+    out = tmp_path / "restart.json"
+    systems = ["pccheck_eager", "torch_load"]
+    assert restart.main(["--quick", "--size", "16MiB", "--iters", "5", "--quiet-wait", "0", "--systems",
+                         ",".join(systems), "--json", str(out), "--dir", str(tmp_path / "scratch")]) == 0
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert doc["command"].startswith("python -m bench.restart --quick") and doc["cache"] in ("fadvise", "drop_caches")
+    for name in systems:
+        s = doc["results"][name]["summary"]
+        assert set(s["phases_s"]) == set(restart.PHASES) and all(v >= 0 for v in s["phases_s"].values()), name
+        assert s["to_first_step_s"] >= s["phases_s"]["load"] > 0 and s["it_s_restart"] > 0 and s["it_s_fresh"] > 0
+        run = doc["results"][name]["runs"][0]
+        assert run["restart"]["loaded_step"] == run["durable_step"] == 10
+    assert doc["results"]["pccheck_eager"]["runs"][0]["restart"]["first_checkpoint"]["outcome"] == "committed"
+    png = out.with_suffix(".png")
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    cfg = restart.Config(nbytes=1 << 20, quiet_wait_s=0)
+    failed = restart.run_child(restart.child_spec("restart", "torch_load", tmp_path / "empty", cfg), cfg)
+    assert failed["error"].startswith("FileNotFoundError"), failed
