@@ -32,7 +32,7 @@ default: see ``staging``), the next ``optimizer.step`` waiting for ``staging_com
 ``upload_completion`` awaited before a save; ``torch_save`` = ``torch.save(sd, f)`` + flush + ``fsync``. Window per
 (system, interval I in 10, 50): step s0 (a multiple of I) and its checkpoint c0 untimed, ``iters`` steps timed (40 /
 100; torch_save 20 / 50), then a drain. Slowdown = window / (iters x t_none); extra/iter = window / iters - t_none;
-stall per checkpoint, median over c0..c(k-1): pccheck ``stall_s + blocked_copy_s + cow_wait_s``, DCP call + staging
+stall per checkpoint, median over c0..c(k-1): pccheck ``stall_s + prepare_s + blocked_copy_s + cow_wait_s``, DCP call + staging
 wait, torch_save the save. Targets (met None if unmeasured): D2H/peak >= 0.9; pccheck_N2 slowdown at 10 <= 1.03, its
 extra/iter / dcp_async's <= 0.3; median stall with reserve / without <= 0.2.
 """

@@ -137,7 +137,7 @@ class PCCheck(System):
     def details(self, lo: int, hi: int) -> dict[str, Any]:
         d = self.ck.stats().as_dict()
         win = [c for c in d["checkpoints"] if lo <= c["step"] < hi and c["outcome"] != "failed"]
-        stalls = [c["stall_s"] + c["blocked_copy_s"] + c["cow_wait_s"] for c in win]
+        stalls = [c["stall_s"] + c["prepare_s"] + c["blocked_copy_s"] + c["cow_wait_s"] for c in win]
         return {"median_stall_s": _med(stalls), "stall_s": stalls, "reserve_bytes": [c.get("reserve_bytes") for c in win],
                 **{f"median_{k}": _med([c[k] for c in win]) for k in ("cow_wait_s", "copy_s", "persist_s")},
                 "checkpoints_in_window": win, "summary": d["summary"], "copy_engine": engine_info(self.ck)}

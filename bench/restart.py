@@ -38,7 +38,7 @@ step, in phases: ``start`` (interpreter start-up), ``imports`` (torch, the syste
 on the reopened store; peers: their saver, next to nothing), ``first_step``; then
 ``first_checkpoint``: a checkpoint taken right after the first step, the time it blocked training
 (the call's wall time, plus pccheck's ``cow_wait_s``, which falls in the next step; pccheck's own
-account, ``stall_s + blocked_copy_s + cow_wait_s`` from ``ck.stats()``, is beside it as
+account, ``stall_s + prepare_s + blocked_copy_s + cow_wait_s`` from ``ck.stats()``, is beside it as
 ``stats_block_s``: it leaves out what the call spends opening the store). Then it trains
 ``--iters`` steps with checkpoints every ``--interval`` steps: the it/s after a restart. A *fresh*
 child does the same without a load into an empty directory: the it/s of a fresh start. Reported:

@@ -250,7 +250,7 @@ def _blocking(ls: "LoopSystem", first: Mapping[str, Any]) -> dict[str, Any]:
     if ck is None:
         return {**first, "block_s": first["call_s"]}
     c = ck.stats().as_dict()["checkpoints"][0]
-    parts = {k: c[k] for k in ("stall_s", "blocked_copy_s", "cow_wait_s")}
+    parts = {k: c[k] for k in ("stall_s", "prepare_s", "blocked_copy_s", "cow_wait_s")}
     return {**first, **parts, "stats_block_s": sum(parts.values()), "block_s": first["call_s"] + c["cow_wait_s"],
             "outcome": c["outcome"]}
 

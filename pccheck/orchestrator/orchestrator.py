@@ -68,6 +68,7 @@ class _Flight:
     t0: float
     stall: float
     blocked_copy: float = 0.0
+    prepare: float = 0.0
     cow_wait: float = 0.0
     reserve_bytes: int = 0
     copied: threading.Event = field(default_factory=threading.Event)  # every chunk is in host memory
@@ -303,6 +304,7 @@ class Orchestrator:
             native.release_slot(slot)
             self._inflight.release()
             raise
+        fl.prepare = t1 - t0 - stall
         fl.blocked_copy = time.perf_counter() - t1
         if n_eager is None:
             fl.copied.set()
@@ -439,7 +441,7 @@ class Orchestrator:
             st = CheckpointStats(
                 step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
                 job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
-                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes)
+                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare)
             self.stats.append(st)
             if self._on_finished is not None:
                 try:

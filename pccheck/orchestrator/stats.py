@@ -14,8 +14,8 @@ __all__ = ["CheckpointStats", "StatsReport"]
 
 @dataclass(frozen=True)
 class CheckpointStats:
-    """Timings of one checkpoint, in seconds. Training was blocked for ``stall_s + blocked_copy_s
-    + cow_wait_s`` in all."""
+    """Timings of one checkpoint, in seconds. Training was blocked for ``stall_s + prepare_s +
+    blocked_copy_s + cow_wait_s`` in all (:attr:`blocked_s`)."""
 
     step: int
     counter: int
@@ -28,6 +28,14 @@ class CheckpointStats:
     persist_s: float       # from the start until durable (or failed)
     outcome: str           # "committed", "superseded" (a newer one won first) or "failed"
     reserve_bytes: int = 0  # bytes staged into the device reserve instead of waited for
+    # inside the call, before the copy: opening the store (the first checkpoint) or a new
+    # generation, regrowing the chunk pool, waiting for a free slot, describing the arrays
+    prepare_s: float = 0.0
+
+    @property
+    def blocked_s(self) -> float:
+        """Everything the training thread waited for this checkpoint."""
+        return self.stall_s + self.prepare_s + self.blocked_copy_s + self.cow_wait_s
 
     @property
     def gbps(self) -> float:
@@ -60,7 +68,7 @@ class StatsReport:
                 "count": len(self.checkpoints),
                 "failed": sum(c.outcome == "failed" for c in self.checkpoints),
                 "skipped": self.skipped,
-                "median_stall_s": med([c.stall_s + c.blocked_copy_s + c.cow_wait_s for c in done]),
+                "median_stall_s": med([c.blocked_s for c in done]),
                 "median_copy_s": med([c.copy_s for c in done]),
                 "median_persist_s": med([c.persist_s for c in done]),
                 "median_gbps": med([c.gbps for c in done]),
