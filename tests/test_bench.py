@@ -294,3 +294,17 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     cfg = restart.Config(nbytes=1 << 20, quiet_wait_s=0)
     failed = restart.run_child(restart.child_spec("restart", "torch_load", tmp_path / "empty", cfg), cfg)
     assert failed["error"].startswith("FileNotFoundError"), failed
+
+
+def test_lazy_bench_small(tmp_path):
+    """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written."""
+    from bench import lazy
+
+    out = tmp_path / "lazy.json"
+    assert lazy.main(["--size", "16MiB", "--repeats", "1", "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    m = doc["median"]
+    assert doc["command"].startswith("python -m bench.lazy") and doc["blocks"] == 8
+    assert 0 < m["lazy_return_s"] <= m["first_block_s"] <= m["first_forward_s"] <= m["lazy_all_s"]
+    assert m["eager_s"] > 0 and m["param_read_s"] > 0 and doc["param_bytes"] * 3 <= doc["state_bytes"] * 1.05
+    assert set(doc["targets"]) == {"first_block_vs_eager", "first_forward_vs_param_read"}
