@@ -19,12 +19,13 @@ from .checkpointer import Checkpointer  # loads the native core: fails early, wi
 from .options import EngineOptions, GroupOptions, HistoryOptions, Options, SnapshotOptions
 from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
+from .lazy import LazyRestore
 from .restore import load_latest
 from .version import __version__
 
 __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions",
-    "CheckpointStats", "StatsReport", "Restored", "load_latest", "SnapshotError",
+    "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "__version__",

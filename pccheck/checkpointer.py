@@ -23,6 +23,7 @@ import numpy as np
 
 from .distributed import GroupCoordinator, detect_group
 from .errors import ConfigError, PCCheckError, StorageError
+from .lazy import wait_for_pending
 from .options import Options
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.engine_choice import select_copy_engine
@@ -247,6 +248,8 @@ class Checkpointer:
         _check_step(step)
         if self._orch is None:  # a replica that does not write
             return False
+        if isinstance(self._source, TorchState):
+            wait_for_pending(self.state)  # never snapshot a model a lazy restore is still filling
         snap = self._source.snapshot()
         meta = {**self.metadata, **_check_metadata(metadata)}
         try:

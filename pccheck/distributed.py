@@ -231,14 +231,15 @@ class GroupCoordinator(Retention):
         if orch is None:
             return
         self._sync_generation_locked()
-        self._held.update(orch.take_held())
+        gen = self._gen
+        self._held.update(orch.take_held(gen))
         g = self.global_step
         for s in sorted(self._held):
             step = self._slot_step.get(s)
             if step is None or (g is not None and step < g):
                 self._held.discard(s)
                 self._slot_step.pop(s, None)
-                orch.release_slot(s)
+                orch.release_slot(s, gen)
 
     # -- the logs -------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ bool and None as themselves. Anything else is refused with a ConfigError naming 
 The tree also holds ``"order"``: the array names in the order a lazy restore should read them
 (pccheck.lazy): each module's own parameters and buffers in the order the modules first ran
 forward (recorded once, during the first forward after the TorchState is made; registration order
-until then), then every other array. Restoring ignores it.
+until then), then every other array; and ``"order_forward"``: how many leading names belong to
+modules that ran forward (0 before it was recorded). Restoring ignores both.
 
 Tensors that share storage (tied weights) are stored once; both paths refer to the same name.
 Module buffers (BatchNorm running stats and the like, which forward itself changes) and any name
@@ -166,6 +167,7 @@ class TorchState:
         self.forward_order: list[str] = []
         self._order_hooks = _record_forward_order(model, self.forward_order) if record_order else []
         self._key_order: list[str] | None = None
+        self._keys_ran = 0
 
     def may_grow(self) -> bool:
         """True while the optimizer has no state yet: it will appear at its first step."""
@@ -195,23 +197,28 @@ class TorchState:
         tree["extra"] = {"d": extra}
         if self.capture_rng:
             tree["rng"] = f.encode("rng", _rng_state(torch))
-        tree["order"] = self._load_order(tree["model"], f.arrays)
+        tree["order"], tree["order_forward"] = self._load_order(tree["model"], f.arrays)
         # Lazily copied tensors are validated by their version counters after the copy.
         versions = [(n, a, a._version) for i, (n, a) in enumerate(f.arrays.items())
                     if i >= n_eager and isinstance(a, torch.Tensor)]
         return Snapshot(f.arrays, n_eager, tree, versions)
 
-    def _load_order(self, model_tree: Any, arrays: Mapping[str, Any]) -> list[str]:
+    def _load_order(self, model_tree: Any, arrays: Mapping[str, Any]) -> tuple[list[str], int]:
         """Array names, first-use first: the model's, by module in first-forward order, then all
-        other arrays (pccheck.lazy reads them in this order)."""
-        keys = self._key_order
-        if keys is None:
-            keys = _keys_by_first_use(self.model, self.forward_order)
+        other arrays (pccheck.lazy reads them in this order); and how many of the leading names
+        belong to modules that ran forward (0 before the first forward was recorded)."""
+        if self._key_order is None or self._order_hooks:
+            keys, ran = _keys_by_first_use(self.model, self.forward_order)
             if not self._order_hooks:  # recording is over (or off): the order is final
-                self._key_order = keys
+                self._key_order, self._keys_ran = keys, ran
+        else:
+            keys, ran = self._key_order, self._keys_ran
         leaves = model_tree.get("d", {}) if isinstance(model_tree, dict) else {}
-        first = [leaf["T"] for k in keys if isinstance(leaf := leaves.get(k), dict) and isinstance(leaf.get("T"), str)]
-        return list(dict.fromkeys(first + list(arrays)))
+        names = [leaf["T"] if isinstance(leaf := leaves.get(k), dict) and isinstance(leaf.get("T"), str) else None
+                 for k in keys]
+        n_ran = len({n for n in names[:ran] if n is not None})
+        order = list(dict.fromkeys([n for n in names if n is not None] + list(arrays)))
+        return order, n_ran
 
     def restore(self, tree: Mapping[str, Any], arrays: Mapping[str, np.ndarray], torch_dtypes: Mapping[str, str],
                 map_location: Any = None) -> dict[str, Any]:
@@ -261,6 +268,7 @@ def unwrap_extra(state: dict[str, Any]) -> dict[str, Any]:
     The lazy-restore ``order`` is not part of the state."""
     state["extra"] = {k: v.get("state_dict", v.get("value")) for k, v in state.get("extra", {}).items()}
     state.pop("order", None)
+    state.pop("order_forward", None)
     return state
 
 
@@ -288,16 +296,21 @@ def _record_forward_order(model: Any, order: list[str]) -> list[Any]:
     return handles
 
 
-def _keys_by_first_use(model: Any, forward_order: list[str]) -> list[str]:
+def _keys_by_first_use(model: Any, forward_order: list[str]) -> tuple[list[str], int]:
     """state_dict keys of each module's own parameters and buffers, modules in first-forward
-    order, then the modules that did not run, in registration order."""
+    order, then the modules that did not run, in registration order; and how many keys belong to
+    modules that ran."""
     modules = dict(model.named_modules())
+    ran = [n for n in forward_order if n in modules]
     out: list[str] = []
-    for mod_name in dict.fromkeys([n for n in forward_order if n in modules] + list(modules)):
+    n_ran = 0
+    for i, mod_name in enumerate(dict.fromkeys(ran + list(modules))):
         module = modules[mod_name]
         for k, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             out.append(f"{mod_name}.{k}" if mod_name else k)
-    return out
+        if i < len(ran):
+            n_ran = len(out)
+    return out, n_ran
 
 
 def _as_dict(tree: Mapping[str, Any]) -> dict[str, Any]:

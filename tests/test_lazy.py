@@ -208,3 +208,101 @@ def test_aio_event_loop_keeps_running_while_1GiB_loads(tmp_path):
     assert len(ticks) >= 5 and gaps.max() < 0.5, (len(ticks), gaps.max(), waited)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
     r.wait()  # removes the hooks (on this thread)
+
+
+def test_the_step_hook_never_removes_hooks_while_torch_runs_them(tmp_path, monkeypatch):
+    """Regression: with another step pre-hook registered after the restore's (here a
+    Checkpointer's), a step taken once loading is done (it finished after the forward) must not
+    mutate the hook dict torch is iterating over."""
+    x = _trained_store(tmp_path)
+    gate = threading.Event()
+    real = lazy_loader.read_entry
+
+    def gated(fd, base, entry, crc, into=None):
+        if entry.name.startswith("optimizer/"):
+            gate.wait(30)
+        return real(fd, base, entry, crc, into=into)
+
+    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    model, opt, sched = _make()
+    r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched}, lazy=True)
+    with pccheck.Checkpointer(model, opt, tmp_path / "again", interval=1) as ck:
+        model(x).pow(2).mean().backward()  # model tensors are in; the optimizer state is held back
+        gate.set()
+        assert r._loader.finished.wait(30)
+        opt.step()  # the restore's step hook runs first, sees everything in, and must not remove
+        ck.maybe_checkpoint(4)
+    r.wait()
+    assert r.done
+
+
+def test_tensors_outside_the_hooks_reach_are_read_before_returning(tmp_path):
+    """A tensor hyperparameter (Adam's lr as a tensor) lives in param_groups, which no hook
+    guards: it is read before load_latest returns, not left a placeholder."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.001))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with pccheck.Checkpointer(model, opt, tmp_path) as ck:
+        ck.checkpoint(1)
+    model2 = torch.nn.Linear(4, 4)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=torch.tensor(0.5))
+    r = pccheck.load_latest(tmp_path, model=model2, optimizer=opt2, lazy=True)
+    assert float(opt2.param_groups[0]["lr"]) == pytest.approx(0.001)
+    r.wait()
+
+
+def test_a_refused_lazy_load_changes_nothing(tmp_path):
+    _trained_store(tmp_path)
+    model, opt, sched = _make()
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+    with pytest.raises(pccheck.ConfigError, match="no extra_state 'other'"):
+        pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched, "other": sched},
+                            lazy=True)
+    after = opt.state[next(iter(model.parameters()))]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class UsesHeadWeight(torch.nn.Module):
+    """The root reads its head's weight directly; the head's own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.body(x), self.head.weight)
+
+
+def test_the_root_waits_for_tensors_of_modules_that_never_ran_forward(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = UsesHeadWeight()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    with pccheck.Checkpointer(model, opt, tmp_path, interval=1) as ck:
+        model(x).sum().backward()
+        opt.step()
+        ck.maybe_checkpoint(1)
+        want = model(x).detach()
+    gate = threading.Event()
+    real = lazy_loader.read_entry
+
+    def gated(fd, base, entry, crc, into=None):
+        if entry.name.startswith("model/head."):
+            gate.wait(30)
+        return real(fd, base, entry, crc, into=into)
+
+    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    torch.manual_seed(1)
+    target = UsesHeadWeight()
+    r = pccheck.load_latest(tmp_path, model=target, optimizer=torch.optim.SGD(target.parameters(), lr=0.1),
+                            lazy=True)
+    threading.Timer(0.2, gate.set).start()
+    with torch.no_grad():
+        got = target(x)  # the root's hook waits for head.weight (head never ran forward)
+    assert torch.equal(got, want)
+    r.wait()

@@ -1,5 +1,5 @@
 """Lazy (on-demand) restore: ``pccheck.load_latest(..., lazy=True)`` and ``pccheck.aio``."""
 
-from .restore import LazyRestore, restore_lazily
+from .restore import LazyRestore, restore_lazily, wait_for_pending
 
-__all__ = ["LazyRestore", "restore_lazily"]
+__all__ = ["LazyRestore", "restore_lazily", "wait_for_pending"]

@@ -30,7 +30,6 @@ from .restore import LazyRestore, restore_lazily
 __all__ = ["load_latest", "locate"]
 
 
-
 async def locate(path: str | os.PathLike[str] | None = None) -> Located:
     """The latest checkpoint whose meta record and manifest validate (recovery's order:
     generations newest first, CHECK_ADDR's slot, then by counter), read with aiofiles."""
@@ -54,7 +53,8 @@ async def locate(path: str | os.PathLike[str] | None = None) -> Located:
                     try:
                         off, n = manifest_region(image, slot)
                         await f.seek(off)
-                        return Located(image, slot, manifest_from(image, slot, await f.read(n)))
+                        raw = await f.read(n)  # crc + JSON parse of up to 64 MiB: off the loop
+                        return Located(image, slot, await asyncio.to_thread(manifest_from, image, slot, raw))
                     except CorruptCheckpointError as exc:
                         problems.append(f"{file}: {exc}")
         except (CorruptCheckpointError, OSError) as exc:

@@ -24,6 +24,7 @@ the value it had before the restore. Call ``r.wait()`` before such code.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -39,7 +40,8 @@ from .loader import Loader, read_entry
 
 __all__ = ["LazyRestore", "restore_lazily"]
 
-_EAGER_PREFIXES = ("extra/", "rng/")  # small, and put back before load_latest returns
+# model -> the loader of a lazy restore into it (Checkpointer snapshots wait for it)
+_pending: "weakref.WeakKeyDictionary[Any, Loader]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -80,17 +82,20 @@ class LazyRestore:
 
 
 def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
-    """Starts a lazy restore of ``located`` into ``source``'s model, optimizer and extra state."""
+    """Starts a lazy restore of ``located`` into ``source``'s model, optimizer and extra state.
+    Everything that can fail is checked before the model, optimizer or extra objects change."""
     import torch
 
     man = located.manifest
-    if man.tree is None:
+    if not isinstance(man.tree, dict):
         raise ConfigError(f"the checkpoint at step {man.step} holds arrays, not a PyTorch model; "
                           "load it without model=")
     entries = {e.name: (e, crc) for e, crc in zip(man.arrays, man.crcs)}
     path, base = located.image.path, slot_base(located.image, located.slot)
-    try:
-        small = _read_small(path, base, entries)
+    tree = {k: v for k, v in man.tree.items() if k not in ("order", "order_forward")}
+    lazy = _lazy_names(tree) & set(entries)
+    try:  # everything else (extra state, RNG, tensors in param_groups, nested state) now
+        small = _read_now(path, base, entries, [n for n in entries if n not in lazy])
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{path} slot {located.slot} (step {man.step}): {exc}; load with "
                                      "lazy=False to fall back to the previous valid checkpoint") from None
@@ -103,23 +108,62 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
         dt = torch_dtype(e.torch_dtype) if e.torch_dtype else torch.from_numpy(np.empty(0, e.dtype)).dtype
         return placeholders.setdefault(name, torch.empty(e.shape, dtype=dt))
 
-    tree = {k: v for k, v in man.tree.items() if k != "order"}
     state = unwrap_extra(rebuild({"d": tree}, {**{n: None for n in entries}, **small}, as_tensor))
+    _check_fits(source, state)
     dests = _model_destinations(source.model, tree.get("model"), state["model"])
     source.apply_optimizer(state)  # structure and hyperparameters now; tensors hold placeholders
     if source.optimizer is not None:
         _optimizer_destinations(source.optimizer, state["optimizer"], tree["optimizer"], dests)
     source.apply_extra(state)
     order = [n for n in _order(man.tree, entries) if n in dests]
+    complete = set(order) | set(small) == set(entries)  # then a clean load validated every array
     loader = Loader(path, base, entries, order, _deliverer(torch, dests, entries),
                     f"{path} slot {located.slot} (step {man.step})", _targeter(torch, dests, entries),
-                    # Only the arrays of dests were read; the extra/RNG ones were read above.
-                    lambda: mark_validated(located.image, located.slot, man.counter)
-                    if set(order) | set(small) == set(entries) else None)
-    handles = _hooks(source, loader, tree.get("model"))
+                    lambda: mark_validated(located.image, located.slot, man.counter) if complete else None)
+    handles = _hooks(source, loader, tree.get("model"), _unrun_model_names(man.tree, order))
+    _pending[source.model] = loader
     loader.start()
     return LazyRestore(man.step, {"step": man.step, "extra": state["extra"]}, man.metadata, man.counter,
                        located.generation, located.slot, path, loader, handles)
+
+
+def wait_for_pending(model: Any) -> None:
+    """Blocks until a lazy restore into ``model`` (if any) has every tensor in place; raises its
+    error. A Checkpointer calls it before a snapshot, so a half-loaded model is never saved."""
+    loader = _pending.get(model)
+    if loader is not None:
+        loader.wait_all()
+
+
+def _lazy_names(tree: Mapping[str, Any]) -> set[str]:
+    """The arrays a lazy restore may load in the background: the model's tensors and each
+    optimizer parameter's own state tensors (what the hooks guard); the rest is read at once."""
+    names = set(_leaf_names(tree.get("model")).values())
+    opt = tree.get("optimizer")
+    state_node = opt.get("d", {}).get("state", {}) if isinstance(opt, dict) else {}
+    for item in state_node.get("dk", []) if isinstance(state_node, dict) else []:
+        if isinstance(item, list) and len(item) == 2:
+            names |= set(_leaf_names(item[1]).values())
+    return names
+
+
+def _unrun_model_names(tree: Mapping[str, Any], order: list[str]) -> set[str]:
+    """Model tensors of modules that had not run forward when the checkpoint was taken (all of
+    them when the order was never recorded): the root's forward waits for these."""
+    model = set(_leaf_names(tree.get("model")).values())
+    ran = tree.get("order_forward")
+    ran = ran if type(ran) is int and ran >= 0 else 0
+    recorded = tree.get("order") if isinstance(tree.get("order"), list) else []
+    return model - set(recorded[:ran]) if ran else set(n for n in order if n in model)
+
+
+def _check_fits(source: TorchState, state: Mapping[str, Any]) -> None:
+    """What apply_optimizer / apply_extra would refuse, refused before anything changes."""
+    if source.optimizer is not None and "optimizer" not in state:
+        raise ConfigError("the checkpoint holds no optimizer state; pass optimizer=None")
+    missing = [n for n in source.extra if n not in state.get("extra", {})]
+    if missing:
+        raise ConfigError(f"the checkpoint holds no extra_state {missing[0]!r}")
 
 
 def _order(tree: Mapping[str, Any], entries: Mapping[str, Any]) -> list[str]:
@@ -129,9 +173,8 @@ def _order(tree: Mapping[str, Any], entries: Mapping[str, Any]) -> list[str]:
     return list(dict.fromkeys(first + list(entries)))
 
 
-def _read_small(path: Path, base: int, entries: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The extra-state and RNG arrays, read and checked now (a mismatch raises here)."""
-    names = [n for n in entries if n.startswith(_EAGER_PREFIXES)]
+def _read_now(path: Path, base: int, entries: Mapping[str, Any], names: list[str]) -> dict[str, np.ndarray]:
+    """These arrays, read and checked now (a mismatch raises here)."""
     with open(path, "rb", buffering=0) as f:
         return {n: read_entry(f.fileno(), base, *entries[n]) for n in names}
 
@@ -204,21 +247,22 @@ def _deliverer(torch: Any, dests: Mapping[str, list[Any]], entries: Mapping[str,
     return deliver
 
 
-def _hooks(source: TorchState, loader: Loader, model_tree: Any) -> list[Any]:
-    """A forward pre-hook per module owning tensors (waits for those), a step pre-hook (waits
-    for all). Once everything is in, a hook removes every hook at its next call."""
+def _hooks(source: TorchState, loader: Loader, model_tree: Any, unrun: set[str]) -> list[Any]:
+    """A forward pre-hook per module owning tensors (waits for those; the root's also for the
+    tensors of modules that had not run forward at save time, which may be read by others), and
+    a step pre-hook (waits for all). Once everything is in, a forward pre-hook removes them all:
+    torch iterates a copy of the forward hooks, but not of the step hooks, so the step hook
+    never removes anything itself."""
     handles: list[Any] = []
     names = _leaf_names(model_tree)
 
-    def remove_all() -> None:
-        for h in list(handles):
-            h.remove()
-        handles.clear()
-
-    def waiter(wanted: list[str]) -> Any:
+    def waiter(wanted: list[str], remove: bool) -> Any:
         def hook(*_: Any) -> None:
             if loader.finished.is_set() and loader.error is None:
-                remove_all()
+                if remove:
+                    for h in list(handles):
+                        h.remove()
+                    handles.clear()
                 return
             loader.wait(wanted)
         return hook
@@ -226,9 +270,11 @@ def _hooks(source: TorchState, loader: Loader, model_tree: Any) -> list[Any]:
     for mod_name, module in source.model.named_modules():
         own = [k for k, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         wanted = [names[key] for k in own if (key := f"{mod_name}.{k}" if mod_name else k) in names]
-        wanted = [n for n in wanted if n in loader.events]
+        if module is source.model:
+            wanted += sorted(unrun)
+        wanted = list(dict.fromkeys(n for n in wanted if n in loader.events))
         if wanted:
-            handles.append(module.register_forward_pre_hook(waiter(wanted)))
+            handles.append(module.register_forward_pre_hook(waiter(wanted, remove=True)))
     if source.optimizer is not None:
-        handles.append(source.optimizer.register_step_pre_hook(waiter(list(loader.events))))
+        handles.append(source.optimizer.register_step_pre_hook(waiter(list(loader.events), remove=False)))
     return handles

@@ -136,6 +136,9 @@ class Orchestrator:
         self.retention = retention if retention is not None else Retention()
         # N+1 slots: N in flight plus the latest (+ the policy's: a group's global latest).
         self.num_slots = self.max_concurrent + 1 + self.retention.extra_slots
+        if self.num_slots > 255:  # a slot number is one byte of CHECK_ADDR (FORMAT.md §4)
+            raise ConfigError(f"max_concurrent={self.max_concurrent} needs {self.num_slots} slots here; "
+                              f"at most 255 fit: lower max_concurrent")
         self.copy_engine = copy_engine
         self._on_error = on_error
         self._on_commit = on_commit
@@ -225,6 +228,8 @@ class Orchestrator:
         policy allows it: the one place that decides. Called after each commit, and by a group
         coordinator when a new global step arrives."""
         with self._store_lock:
+            if self._closed:  # the LOCK may be released: another writer may own the directory
+                return
             if self.store.retire_pending and self.retention.may_retire(self.store.generation):
                 self.store.retire_older_generations()
 
@@ -238,13 +243,14 @@ class Orchestrator:
         """The write mode in use: "odirect", "mmap" or "pmem" ("closed" when not open)."""
         return self.store.mode
 
-    def take_held(self) -> list[int]:
-        """Replaced slots held for the retention policy since the last call (hold_replaced)."""
-        return self.store.take_held()
+    def take_held(self, generation: int) -> list[int]:
+        """Replaced slots of ``generation`` held for the retention policy since the last call
+        (hold_replaced); none once another generation is open."""
+        return self.store.take_held(generation)
 
-    def release_slot(self, slot: int) -> None:
-        """Gives a held slot back for reuse."""
-        self.store.release_slot(slot)
+    def release_slot(self, slot: int, generation: int) -> None:
+        """Gives a held slot of ``generation`` back for reuse (a no-op in another generation)."""
+        self.store.release_slot(slot, generation)
 
     def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
               tree: Any = None, epoch: int | None = None, n_eager: int | None = None,
@@ -376,6 +382,9 @@ class Orchestrator:
             with self._lock:
                 busy = bool(self._futures)
             if not busy and not self.store.verifying:  # else a slot frees up once verified
+                slot = native.acquire_slot(0.0)  # one more look: one may have come back meanwhile
+                if slot is not None:
+                    return slot
                 raise StorageError(0, "no free slot: earlier commit barriers failed and no checkpoint "
                                       "in flight can free one; check the device, then reopen the store")
 
@@ -492,7 +501,8 @@ class Orchestrator:
             self.copy_engine.detach()
             self.engine.close()  # unmaps the chunk pool
         finally:
-            self.store.close()  # releases the store lock
+            with self._store_lock:  # retire_if_allowed (a coordinator's thread) sees _closed first
+                self.store.close()  # releases the store lock
             # The callbacks are the front-end's bound methods: dropping them breaks the cycle, so
             # a closed Checkpointer (and the model it holds) is freed without the cyclic GC.
             self._on_commit = self._on_finished = None

@@ -219,6 +219,8 @@ def _own_fields(doc: dict[str, Any], fmt: int, metadata: dict[str, Any]) -> tupl
     the metadata a reader sees is the user's in both."""
     if fmt == 1:
         doc = {"tree": metadata.pop(LEGACY_TREE_KEY, None), "epoch": metadata.pop(LEGACY_EPOCH_KEY, None)}
+    if doc.get("tree") is not None and not isinstance(doc.get("tree"), dict):
+        raise CorruptCheckpointError("manifest: 'tree' is not a JSON object")
     epoch = doc.get("epoch")
     if epoch is not None and (type(epoch) is not int or not 0 <= epoch <= _MAX_EPOCH):
         raise CorruptCheckpointError("manifest: 'epoch' is not a non-negative integer")

@@ -207,18 +207,31 @@ class SlotStore:
             full = self.hold_replaced or image.header["num_slots"] <= 2
             found = first_valid(image, lambda slot: (load_slot(image, slot, fd=f.fileno()) if full
                                                      else read_manifest(image, slot, f.fileno())))
-        if found is None:
-            return 0, ()
-        slot, man, problems = found
-        word = _native.make_word(man.counter, slot)
-        if image.check_word and word != image.check_word:
-            log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d): %s", image.path, slot, man.step,
-                        "; ".join(problems))
-        if full or was_validated(image, slot):
-            return word, ()
-        order = candidate_order(image)
-        fallback = order[order.index(slot) + 1:order.index(slot) + 2]
-        return word, tuple(fallback)
+            if found is None:
+                return 0, ()
+            slot, man, problems = found
+            word = _native.make_word(man.counter, slot)
+            if image.check_word and word != image.check_word:
+                log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d): %s", image.path, slot,
+                            man.step, "; ".join(problems))
+            if full or was_validated(image, slot):
+                return word, ()
+            return word, self._fallback(image, slot, man.counter, f.fileno())
+
+    @staticmethod
+    def _fallback(image: StoreImage, latest: int, counter: int, fd: int) -> tuple[int, ...]:
+        """The slot recovery falls back to if ``latest`` is damaged: the newest older one whose
+        meta record and manifest check out. (A slot with a higher counter is a commit that never
+        completed: its data is not trusted, and recovery passes it by when its crcs fail.)"""
+        for s in candidate_order(image):
+            if s == latest or image.slots[s].meta["counter"] > counter:
+                continue
+            try:
+                read_manifest(image, s, fd)
+                return (s,)
+            except CorruptCheckpointError:
+                continue
+        return ()
 
     def _verify(self, image: StoreImage, slot: int) -> None:
         """Background: validates every byte of the slot the store continued from; releases the
@@ -226,9 +239,13 @@ class SlotStore:
         try:
             with open(image.path, "rb", buffering=0) as f:
                 load_slot(image, slot, fd=f.fileno())
-        except (CorruptCheckpointError, OSError) as exc:
-            log.warning("pccheck: the latest checkpoint in %s (slot %d) is damaged (%s); slot(s) %s are kept "
-                        "from reuse until a new checkpoint commits", image.path, slot, exc, self._guarded)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the fallback stays protected
+            with self._guard_lock:
+                guarded = list(self._guarded)
+            if guarded:  # else a newer checkpoint committed first: the slot may be rewritten by now
+                log.warning("pccheck: the latest checkpoint in %s (slot %d) is damaged or unreadable (%s); "
+                            "slot(s) %s are kept from reuse until a new checkpoint commits", image.path, slot,
+                            exc, guarded)
             return
         self._release_guarded(image.generation)
 
@@ -270,14 +287,20 @@ class SlotStore:
         """The write mode in use: "odirect", "mmap" or "pmem" ("closed" before open)."""
         return self.native.mode if self.native is not None else "closed"
 
-    def take_held(self) -> list[int]:
-        """Replaced slots held since the last call (``hold_replaced``)."""
-        return list(self.native.take_held()) if self.native is not None else []
+    def take_held(self, generation: int) -> list[int]:
+        """Replaced slots held since the last call (``hold_replaced``), if ``generation`` is still
+        the open one (else none: slot numbers start over in a new generation)."""
+        with self._guard_lock:  # a new generation swaps native under it
+            if self.native is None or self.generation != generation:
+                return []
+            return list(self.native.take_held())
 
-    def release_slot(self, slot: int) -> None:
-        """Frees a held slot for reuse."""
-        if self.native is not None:
-            self.native.release_slot(slot)
+    def release_slot(self, slot: int, generation: int) -> None:
+        """Frees a held slot of ``generation`` for reuse; a no-op once another generation is open
+        (the slot number would name a slot of the new one)."""
+        with self._guard_lock:
+            if self.native is not None and self.generation == generation:
+                self.native.release_slot(slot)
 
     def _close_native(self) -> None:
         with self._guard_lock:  # the verifier may be releasing a slot of this native store
