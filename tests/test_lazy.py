@@ -56,6 +56,21 @@ def _trained_store(path, steps=(1, 2, 3), width: int = 32):
     return x
 
 
+def _hold_back(monkeypatch, *prefixes: str) -> threading.Event:
+    """Makes the lazy loader wait, before reading any array whose name starts with one of
+    ``prefixes``, until the returned event is set (at most 30 s)."""
+    gate = threading.Event()
+    real = lazy_loader.read_entry
+
+    def gated(fd, base, entry, crc, into=None):
+        if entry.name.startswith(prefixes):
+            gate.wait(30)
+        return real(fd, base, entry, crc, into=into)
+
+    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    return gate
+
+
 def test_lazy_restore_trains_bit_for_bit_like_an_eager_one(tmp_path):
     x = _trained_store(tmp_path)
     runs = []
@@ -91,15 +106,7 @@ def test_the_first_use_order_is_recorded_at_save_time(tmp_path):
 
 def test_a_module_waits_only_for_its_own_tensors(tmp_path, monkeypatch):
     x = _trained_store(tmp_path)
-    gate = threading.Event()
-    real = lazy_loader.read_entry
-
-    def gated(fd, base, entry, crc, into=None):
-        if entry.name.startswith(f"model/{BLOCKS - 1}.") or entry.name.startswith("optimizer/"):
-            assert gate.wait(30), "the test's gate was never opened"
-        return real(fd, base, entry, crc, into=into)
-
-    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    gate = _hold_back(monkeypatch, f"model/{BLOCKS - 1}.", "optimizer/")
     model, opt, sched = _make()
     r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched}, lazy=True)
     try:
@@ -215,15 +222,7 @@ def test_the_step_hook_never_removes_hooks_while_torch_runs_them(tmp_path, monke
     Checkpointer's), a step taken once loading is done (it finished after the forward) must not
     mutate the hook dict torch is iterating over."""
     x = _trained_store(tmp_path)
-    gate = threading.Event()
-    real = lazy_loader.read_entry
-
-    def gated(fd, base, entry, crc, into=None):
-        if entry.name.startswith("optimizer/"):
-            gate.wait(30)
-        return real(fd, base, entry, crc, into=into)
-
-    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    gate = _hold_back(monkeypatch, "optimizer/")
     model, opt, sched = _make()
     r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, extra_state={"sched": sched}, lazy=True)
     with pccheck.Checkpointer(model, opt, tmp_path / "again", interval=1) as ck:
@@ -288,15 +287,7 @@ def test_the_root_waits_for_tensors_of_modules_that_never_ran_forward(tmp_path, 
         opt.step()
         ck.maybe_checkpoint(1)
         want = model(x).detach()
-    gate = threading.Event()
-    real = lazy_loader.read_entry
-
-    def gated(fd, base, entry, crc, into=None):
-        if entry.name.startswith("model/head."):
-            gate.wait(30)
-        return real(fd, base, entry, crc, into=into)
-
-    monkeypatch.setattr(lazy_loader, "read_entry", gated)
+    gate = _hold_back(monkeypatch, "model/head.")
     torch.manual_seed(1)
     target = UsesHeadWeight()
     r = pccheck.load_latest(tmp_path, model=target, optimizer=torch.optim.SGD(target.parameters(), lr=0.1),
