@@ -133,6 +133,7 @@ def wait_for_pending(model: Any) -> None:
     loader = _pending.get(model)
     if loader is not None:
         loader.wait_all()
+        _pending.pop(model, None)  # done: later snapshots need not look again
 
 
 def _lazy_names(tree: Mapping[str, Any]) -> set[str]:
