@@ -193,6 +193,11 @@ class GroupCoordinator(Retention):
     def protected_slots(self) -> tuple[int, ...]:
         return self._protect
 
+    def may_free_slots(self) -> bool:
+        """Held slots come back as the global step moves on: while the followers run, a rank
+        that ran ahead of the others waits for them instead of failing."""
+        return not self._stop.is_set()
+
     def may_retire(self, generation: int) -> bool:
         """Older generations may go once a globally committed step lives in ``generation``."""
         with self._lock:

@@ -381,7 +381,8 @@ class Orchestrator:
                 return slot
             with self._lock:
                 busy = bool(self._futures)
-            if not busy and not self.store.verifying:  # else a slot frees up once verified
+            # else a slot frees up once verified, or once the group's global step moves on
+            if not busy and not self.store.verifying and not self.retention.may_free_slots():
                 slot = native.acquire_slot(0.0)  # one more look: one may have come back meanwhile
                 if slot is not None:
                     return slot

@@ -29,6 +29,11 @@ class Retention:
         """Slots of the newest generation that must not be reused when it is reopened."""
         return ()
 
+    def may_free_slots(self) -> bool:
+        """Whether slots this policy holds may come back (a writer waits for them instead of
+        failing with "no free slot")."""
+        return False
+
     def may_retire(self, generation: int) -> bool:
         """Whether generations older than ``generation`` (which has a durable commit) may go."""
         return True
