@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import ConfigError, UnsupportedDtypeError
 
-__all__ = ["ArrayInfo", "describe", "is_torch_tensor", "is_cupy_array", "TORCH_DTYPES", "torch_dtype"]
+__all__ = ["ArrayInfo", "describe", "is_torch_tensor", "is_cupy_array", "TORCH_DTYPES", "TORCH_ONLY", "torch_dtype"]
 
 # torch dtype name -> numpy dtype holding the same bytes. Names are torch's (str(dtype)[6:]).
 TORCH_DTYPES: dict[str, str] = {
@@ -28,7 +28,7 @@ TORCH_DTYPES: dict[str, str] = {
     "float8_e4m3fn": "|u1", "float8_e5m2": "|u1", "float8_e4m3fnuz": "|u1", "float8_e5m2fnuz": "|u1",
 }
 # The ones whose numpy carrier is not the same type: the manifest must name them.
-_TORCH_ONLY = {"bfloat16", "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+TORCH_ONLY = {"bfloat16", "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _torch_carrier(name: str, dtype: Any) -> tuple[np.dtype, int, str | None]:
         if carrier is None:
             raise UnsupportedDtypeError(f"tensor {name!r} has dtype {dtype}, which pccheck cannot store")
         got = _TORCH_CARRIERS[dtype] = (np.dtype(carrier), np.dtype(carrier).itemsize,
-                                        tname if tname in _TORCH_ONLY else None)
+                                        tname if tname in TORCH_ONLY else None)
     return got
 
 

@@ -16,22 +16,11 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, PCCheckError
 from ..persist.layout import ArrayEntry
-from ..persist.reader import read_array
+from ..persist.reader import read_entry
 
-__all__ = ["Loader", "read_entry"]
+__all__ = ["Loader", "read_entry"]  # read_entry: persist.reader's, looked up here (tests patch it)
 
 log = logging.getLogger("pccheck")
-
-
-def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int, into: np.ndarray | None = None) -> np.ndarray:
-    """One array of a slot at ``base``, checked against its crc32c, with its dtype and shape
-    (read into ``into``, a uint8 array of ``entry.nbytes``, when given)."""
-    if not entry.nbytes:
-        return np.empty(entry.shape, dtype=entry.dtype)
-    buf, got = read_array(fd, base + entry.offset, entry.nbytes, into=into)
-    if got != crc:
-        raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch")
-    return buf.view(entry.dtype).reshape(entry.shape)
 
 
 class Loader:

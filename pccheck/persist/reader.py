@@ -27,8 +27,9 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..native import _native
+from .layout import ArrayEntry
 
-__all__ = ["read_region", "read_array", "crc32c", "prefault"]
+__all__ = ["read_region", "read_array", "read_entry", "crc32c", "prefault"]
 
 PIECE = 32 << 20
 
@@ -55,6 +56,17 @@ def read_array(fd: int, offset: int, nbytes: int, piece: int = 8 << 20,
         crc = _native.crc32c(view[done:done + n], crc)
         done += n
     return buf, crc
+
+
+def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int, into: np.ndarray | None = None) -> np.ndarray:
+    """One array of a slot at ``base``, checked against its crc32c, with its dtype and shape
+    (read into ``into``, a uint8 array of ``entry.nbytes``, when given)."""
+    if not entry.nbytes:
+        return np.empty(entry.shape, dtype=entry.dtype)
+    buf, got = read_array(fd, base + entry.offset, entry.nbytes, into=into)
+    if got != crc:
+        raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch")
+    return buf.view(entry.dtype).reshape(entry.shape)
 
 
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
