@@ -1,0 +1,320 @@
+"""The rank stores a DCP Writer writes through: one Orchestrator per (directory, rank) per process,
+opened lazily in the process that writes (a PROCESS-mode daemon opens its own), and the retention
+rule that keeps the newest finished save loadable.
+
+A DCP save of W ranks is a *set* (FORMAT.md §9): every rank commits its slot for the same
+(epoch, step); the set is complete once the last rank's local commit is durable. The coordinator's
+``finish`` then records it as *finished*, durably, in ``PATH/GLOBAL`` (FORMAT.md §8's format).
+
+Retention invariant (:class:`SetRetention`): a rank never reuses the slot holding the newest
+finished step F it knows, nor any slot holding a step newer than F (that save may still complete,
+or be complete and not yet finished); it frees a replaced slot once F has moved past its step.
+With at most N saves unfinished, N in flight need N slots, plus the latest unfinished, plus F:
+each rank store has N+2 slots. So a crash at any point, including between ``write_data`` and
+``finish``, leaves F complete on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from ..distributed import read_global
+from ..errors import ConfigError, CorruptCheckpointError, PCCheckError
+from ..orchestrator.engine_choice import select_copy_engine
+from ..orchestrator.options import EngineOptions
+from ..orchestrator.orchestrator import CommitInfo, Orchestrator
+from ..orchestrator.retention import Retention
+from ..orchestrator.stats import CheckpointStats
+from ..persist.files import GLOBAL, rank_dir, write_durably
+from ..persist.layout import plan
+from ..persist.recovery import read_manifest, scan
+
+__all__ = ["SetRetention", "RankStore", "rank_store", "next_save", "record_finished", "close_stores"]
+
+log = logging.getLogger("pccheck")
+
+_registry: dict[tuple[Path, int, int], "RankStore"] = {}
+_steps: dict[Path, list[int]] = {}  # root -> [epoch, next step], the coordinator's allocator
+_registry_lock = threading.Lock()
+
+
+def _slot_keys(directory: Path) -> list[tuple[int, int, int, int]]:
+    """(generation, slot, epoch, step) of every slot of ``directory`` whose manifest checks out."""
+    out = []
+    for gen in scan(directory) if directory.is_dir() else []:
+        if gen.image is None:
+            continue
+        with open(gen.path, "rb", buffering=0) as f:
+            for st in gen.image.slots:
+                if st.meta is None:
+                    continue
+                try:
+                    man = read_manifest(gen.image, st.slot, f.fileno())
+                except CorruptCheckpointError:
+                    continue
+                out.append((gen.image.header["generation"], st.slot, man.epoch or 0, man.step))
+    return out
+
+
+def next_save(root: Path, world_size: int) -> tuple[int, int]:
+    """(epoch, step) for the next save under ``root`` (coordinator). The epoch is fixed per process
+    and root: the wall clock in microseconds, above any epoch in rank 0's store, so a slot left
+    by an earlier incarnation never pairs with a new one; steps start above any step rank 0 holds,
+    so a new set is newer than every complete set (each includes rank 0)."""
+    with _registry_lock:
+        st = _steps.get(root)
+        if st is None:
+            keys = _slot_keys(rank_dir(root, 0) if world_size > 1 else root)
+            epoch = max([time.time_ns() // 1000] + [k[2] + 1 for k in keys])
+            st = _steps[root] = [epoch, max([k[3] for k in keys] + [0]) + 1]
+        out = (st[0], st[1])
+        st[1] += 1
+        return out
+
+
+def record_finished(root: Path, epoch: int, step: int, world_size: int) -> None:
+    """Coordinator, in ``finish``: the set (epoch, step) is complete; record it durably in
+    ``root/GLOBAL`` (temp, fsync, rename, fsync dir), then tell this process's rank stores."""
+    doc = {"step": step, "epoch": epoch, "world_size": world_size, "unix_time": time.time()}
+    import json
+
+    write_durably(root / GLOBAL, lambda f: f.write(json.dumps(doc).encode()))
+    _publish_finished(root, step)
+    with _registry_lock:
+        stores = [s for (d, _, _), s in _registry.items() if s.root == root]
+    for s in stores:
+        s.retention.set_finished(step)
+
+
+def _store_key(root: Path) -> str:
+    return f"pccheck.dcp/{root}/finished"
+
+
+def _publish_finished(root: Path, step: int) -> None:
+    """Puts the finished step into the process group's key-value store (if any), so a rank that
+    waits for a slot learns it before its next plan arrives."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed import distributed_c10d as c10d
+
+            c10d._get_default_store().set(_store_key(root), str(step))
+    except Exception:  # noqa: BLE001 - an optimisation only: plans carry it too
+        log.debug("pccheck: could not publish the finished step", exc_info=True)
+
+
+def _poll_finished(root: Path) -> int | None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed import distributed_c10d as c10d
+
+            store = c10d._get_default_store()
+            if store.check([_store_key(root)]):
+                return int(store.get(_store_key(root)).decode())
+    except Exception:  # noqa: BLE001
+        log.debug("pccheck: could not read the finished step", exc_info=True)
+    return None
+
+
+class SetRetention(Retention):
+    """The retention policy of one rank store of a DCP job (see the invariant in the module
+    docstring). Call order: :meth:`prepare` (before the store opens) → :meth:`attach` →
+    :meth:`on_commit` per local commit, :meth:`set_finished` as finished steps become known."""
+
+    extra_slots = 1       # the newest finished save, beside N in flight and the latest
+    hold_replaced = True  # replaced slots come back through take_held; this class frees them
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.finished: int | None = None
+        self._slot_step: dict[int, int] = {}
+        self._held: set[int] = set()
+        self._gen = 0
+        self._protect: tuple[int, ...] = ()
+        self._lock = threading.Lock()
+        self.orch: Orchestrator | None = None
+
+    def prepare(self, directory: Path) -> None:
+        """Finds the slot of the newest generation holding the finished set GLOBAL names, and
+        keeps it from reuse (the reopened store keeps its CHECK_ADDR slot by itself)."""
+        doc = read_global(self.root)
+        keys = _slot_keys(directory)
+        self._gen = max([k[0] for k in keys] + [1])
+        if doc is not None:
+            self.finished = doc["step"]
+            for gen, slot, epoch, step in keys:
+                if gen == self._gen and (epoch, step) == (doc.get("epoch"), doc["step"]):
+                    self._protect = (slot,)
+                    self._slot_step[slot] = step
+
+    def protected_slots(self) -> tuple[int, ...]:
+        return self._protect
+
+    def may_free_slots(self) -> bool:
+        """A writer short of a slot waits while held slots may come back: it looks for a newer
+        finished step in the process group's store meanwhile."""
+        polled = _poll_finished(self.root)
+        if polled is not None:
+            self.set_finished(polled)
+        with self._lock:
+            return bool(self._held)
+
+    def may_retire(self, generation: int) -> bool:
+        """Older generations may go once the finished step lives in ``generation``."""
+        with self._lock:
+            return (generation == self._gen and self.finished is not None
+                    and self.finished in self._slot_step.values())
+
+    def attach(self, orch: Orchestrator) -> None:
+        self.orch = orch
+
+    def on_commit(self, step: int, slot: int) -> None:
+        with self._lock:
+            self._sync_generation_locked()
+            self._slot_step[slot] = step
+            self._settle_locked()
+
+    def set_finished(self, step: int) -> None:
+        with self._lock:
+            if self.finished is not None and step <= self.finished:
+                return
+            self.finished = step
+            self._settle_locked()
+        if self.orch is not None:
+            self.orch.retire_if_allowed()  # outside our lock: it takes ours (may_retire)
+
+    def _sync_generation_locked(self) -> None:
+        if self.orch is not None and self.orch.generation != self._gen:  # slot numbers start over
+            self._gen, self._held, self._slot_step = self.orch.generation, set(), {}
+
+    def _settle_locked(self) -> None:
+        """Frees held slots whose step is older than the finished one (the invariant above)."""
+        orch = self.orch
+        if orch is None:
+            return
+        self._sync_generation_locked()
+        self._held.update(orch.take_held(self._gen))
+        f = self.finished
+        for s in sorted(self._held):
+            step = self._slot_step.get(s)
+            if step is None or (f is not None and step < f):
+                self._held.discard(s)
+                self._slot_step.pop(s, None)
+                orch.release_slot(s, self._gen)
+
+
+class RankStore:
+    """One rank's store of a DCP checkpoint directory, in the process that writes it."""
+
+    def __init__(self, root: Path, world_size: int, rank: int, engine: EngineOptions) -> None:
+        self.root = root
+        self.world_size, self.rank = world_size, rank
+        self.directory = rank_dir(root, rank) if world_size > 1 else root
+        self.engine = engine
+        self.retention = SetRetention(root)
+        self.orch: Orchestrator | None = None
+        self.lock = threading.Lock()  # orders starts: counters follow steps on this rank
+        self._last_started: int | None = None
+        self._pending: dict[int, Future] = {}
+        self._errors = threading.local()
+
+    def _open(self, arrays: dict[str, Any], tree: Any, epoch: int) -> Orchestrator:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.retention.prepare(self.directory)
+        layout = plan(arrays)
+        orch = Orchestrator(self.directory, layout, self.engine, copy_engine=select_copy_engine(arrays),
+                            on_error=self._on_error, retention=self.retention, world_size=self.world_size,
+                            rank=self.rank, on_commit=self._on_commit, on_finished=self._on_finished)
+        self.retention.attach(orch)
+        orch.open_store(orch.slot_bytes(layout, None, tree, epoch))
+        return orch
+
+    def write(self, epoch: int | None, step: int | None, arrays: dict[str, Any], tree: Any) -> tuple[int, int, Future]:
+        """Starts the checkpoint of ``arrays`` (copied into DRAM chunks before this returns) and
+        returns (epoch, step, a future set once its local commit is durable). With ``step`` None
+        (a job of one rank) the step is taken here, under the lock that orders the starts."""
+        with self.lock:
+            if step is None:
+                epoch, step = next_save(self.root, 1)
+            assert epoch is not None
+            if self._last_started is not None and step <= self._last_started:
+                raise PCCheckError(
+                    f"rank {self.rank}: the save of step {step} began writing after step {self._last_started}: "
+                    "concurrent dcp saves of a multi-rank job must reach write_data in the order they were "
+                    "planned; wait for the previous save's staging before starting the next one")
+            if self.orch is None:
+                self.orch = self._open(arrays, tree, epoch)
+            fut: Future = Future()
+            self._pending[step] = fut
+            try:
+                self.orch.start(step, arrays, None, tree=tree, epoch=epoch)
+            except BaseException:
+                self._pending.pop(step, None)
+                raise
+            self._last_started = step
+        return epoch, step, fut
+
+    def _on_error(self, exc: PCCheckError) -> None:
+        self._errors.exc = exc  # the same commit thread reports the outcome next (_on_finished)
+
+    def _on_commit(self, info: CommitInfo) -> None:
+        self.retention.on_commit(info.step, info.slot)
+
+    def _on_finished(self, st: CheckpointStats) -> None:
+        exc = getattr(self._errors, "exc", None)
+        self._errors.exc = None
+        with self.lock:
+            fut = self._pending.pop(st.step, None)
+        if fut is None:
+            return
+        if st.outcome == "committed":
+            fut.set_result(st)
+        else:
+            fut.set_exception(exc or PCCheckError(
+                f"the checkpoint of step {st.step} was {st.outcome} on rank {self.rank}: a newer save "
+                "committed first; start saves one after another"))
+
+    def close(self) -> None:
+        if self.orch is not None:
+            self.orch.close()
+            self.orch = None
+
+
+def rank_store(root: Path, world_size: int, rank: int, engine: EngineOptions) -> RankStore:
+    """This process's store for (root, rank), opened at its first write."""
+    key = (root, world_size, rank)
+    with _registry_lock:
+        for (r, w, k), s in _registry.items():
+            if r == root and k == rank and w != world_size:
+                raise ConfigError(f"{root} is written by a job of {w} ranks in this process; a save of "
+                                  f"{world_size} ranks cannot write there too: use another checkpoint_id")
+        s = _registry.get(key)
+        if s is None:
+            s = _registry[key] = RankStore(root, world_size, rank, engine)
+        return s
+
+
+def close_stores(root: Path | None = None) -> None:
+    """Waits for every checkpoint in flight and closes the stores (of ``root``, or all)."""
+    with _registry_lock:
+        keys = [k for k in _registry if root is None or k[0] == root]
+        stores = [_registry.pop(k) for k in keys]
+        if root is None:
+            _steps.clear()
+    for s in stores:
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001 - at exit, closing the others matters more
+            log.exception("pccheck: closing %s failed", s.directory)
+
+
+atexit.register(close_stores)
