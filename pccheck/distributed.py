@@ -39,7 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .errors import CorruptCheckpointError, NoCheckpointError
 from .orchestrator.retention import Retention
 from .persist.files import GLOBAL, rank_dir, write_durably
 from .persist.recovery import Restored, load_slot, read_manifest, read_store, scan, store_files
@@ -79,44 +79,48 @@ def detect_group() -> Group | None:
     return Group(dist.get_rank(), dist.get_world_size(), pg, store)
 
 
-def _valid_checkpoints(directory: Path, full: bool, world_size: int) -> dict[tuple[int, int], tuple[Path, int]]:
+def _valid_checkpoints(directory: Path, full: bool,
+                       world_size: int) -> tuple[dict[tuple[int, int], tuple[Path, int]], int]:
     """(epoch, step) -> (store file, slot) of every checkpoint in a rank's store that validates
-    (meta + manifest; with ``full`` also every array's crc32c)."""
+    (meta + manifest; with ``full`` also every array's crc32c), and the highest epoch of any
+    generation, including those a job of another world size wrote (they pair with no rank of
+    this job: a sharded one is loaded through pccheck.sharded, and retired like any older
+    generation once this job's first global step is in)."""
     found: dict[tuple[int, int], tuple[Path, int]] = {}
+    top_epoch = 0
     for gen in scan(directory):
         image = gen.image
         if image is None:
             log.warning("pccheck: %s", gen.problem)
             continue
-        if image.header["world_size"] != world_size:
-            raise ConfigError(f"{gen.path} was written by a job of {image.header['world_size']} ranks, this one "
-                              f"has {world_size}; resharding on load is not supported yet")
+        ours = image.header["world_size"] == world_size
         with open(gen.path, "rb", buffering=0) as f:
             for st in image.slots:
                 if st.meta is None:
                     continue
                 try:
-                    man = (load_slot(image, st.slot, fd=f.fileno()) if full
+                    man = (load_slot(image, st.slot, fd=f.fileno()) if full and ours
                            else read_manifest(image, st.slot, f.fileno()))
                 except CorruptCheckpointError as exc:
                     log.warning("pccheck: %s slot %d: %s", gen.path, st.slot, exc)
                     continue
+                top_epoch = max(top_epoch, man.epoch or 0)
                 key = (man.epoch or 0, man.step)
-                if key not in found or found[key][0] < gen.path:
+                if ours and (key not in found or found[key][0] < gen.path):
                     found[key] = (gen.path, st.slot)
-    return found
+    return found, top_epoch
 
 
-def _agree(group: Group, mine: dict[tuple[int, int], Any]) -> tuple[tuple[int, int] | None, int]:
+def _agree(group: Group, mine: dict[tuple[int, int], Any], seen_epoch: int = 0) -> tuple[tuple[int, int] | None, int]:
     """The newest (epoch, step) every rank holds, and the highest epoch any rank has seen."""
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * group.world_size
-    dist.all_gather_object(everyone, sorted(mine), group=group.pg)
-    common = set(map(tuple, everyone[0]))
-    for keys in everyone[1:]:
+    dist.all_gather_object(everyone, (sorted(mine), seen_epoch), group=group.pg)
+    common = set(map(tuple, everyone[0][0]))
+    for keys, _ in everyone[1:]:
         common &= set(map(tuple, keys))
-    top_epoch = max([k[0] for keys in everyone for k in keys] + [0])
+    top_epoch = max([k[0] for keys, _ in everyone for k in keys] + [e for _, e in everyone] + [0])
     best = max(common, key=lambda k: (k[1], k[0])) if common else None
     return best, top_epoch
 
@@ -124,8 +128,9 @@ def _agree(group: Group, mine: dict[tuple[int, int], Any]) -> tuple[tuple[int, i
 def agree_and_load(path: Path, group: Group, *, verify: bool = True) -> Restored:
     """Every rank loads its part of the newest checkpoint that every rank holds valid."""
     directory = rank_dir(path, group.rank)
-    mine = _valid_checkpoints(directory, full=verify, world_size=group.world_size) if directory.is_dir() else {}
-    best, _ = _agree(group, mine)
+    mine, seen = _valid_checkpoints(directory, full=verify, world_size=group.world_size) \
+        if directory.is_dir() else ({}, 0)
+    best, _ = _agree(group, mine, seen)
     if best is None:
         raise NoCheckpointError(f"no checkpoint under {path} is valid on all {group.world_size} ranks")
     newest = max(mine, key=lambda k: (k[1], k[0]))
@@ -173,9 +178,9 @@ class GroupCoordinator(Retention):
     def prepare(self, directory: Path) -> None:
         """Agrees on this incarnation's epoch and the global step to keep, and finds the slots of
         this rank's newest store file that hold it (:meth:`protected_slots`). Collective."""
-        mine = _valid_checkpoints(directory, full=False, world_size=self.group.world_size) \
-            if directory.is_dir() else {}
-        best, top_epoch = _agree(self.group, mine)
+        mine, seen = _valid_checkpoints(directory, full=False, world_size=self.group.world_size) \
+            if directory.is_dir() else ({}, 0)
+        best, top_epoch = _agree(self.group, mine, seen)
         self.epoch = top_epoch + 1
         files = store_files(directory)
         self._gen = files[0][0] if files else 1  # the generation the store will open (or create)

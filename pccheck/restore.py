@@ -20,7 +20,9 @@ from .lazy import LazyRestore, restore_lazily
 from .persist import recovery
 from .persist.files import default_path, rank_dir
 from .persist.recovery import Restored
-from .torch_state import TorchState, rebuild, unwrap_extra
+from .sharded.dtensor import has_dtensors
+from .sharded.load import load_sharded, newest_is_sharded
+from .torch_state import TorchState, rebuild, state_tree, unwrap_extra
 
 __all__ = ["load_latest"]
 
@@ -49,6 +51,15 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     group = detect_group() if distributed else None
     if lazy:
         return _load_lazily(directory, group, model, optimizer, extra_state, zero_copy, verify, map_location)
+    # A sharded checkpoint (FORMAT.md §9) loads on any number of ranks: each rank builds what its
+    # own model holds from every saved rank's shards (pccheck.sharded.load).
+    # A model with DTensor parameters takes any checkpoint the same way (its own box of each).
+    if (model is not None and has_dtensors(model)) or newest_is_sharded(directory):
+        if zero_copy or not verify:
+            raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
+                              "load it without zero_copy= or verify=False")
+        state = TorchState(model, optimizer, extra_state) if model is not None else None
+        return load_sharded(directory, group, state, map_location)
     if group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
@@ -74,7 +85,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
                 t = t.view(torch_dtype(r.torch_dtypes[name]))
             return t.to(map_location) if map_location is not None else t
 
-        state = unwrap_extra(rebuild({"d": tree}, r.state, as_tensor))
+        state = unwrap_extra(rebuild(state_tree(tree), r.state, as_tensor))
     state["step"] = r.step
     return dataclasses.replace(r, state=state)
 
@@ -90,6 +101,8 @@ def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: An
     if group is not None:
         raise ConfigError("lazy=True is not supported in a torch.distributed group yet; load eagerly")
     located = locate(directory)  # recovery's rule, on meta records and manifests
+    if isinstance(located.manifest.tree, dict) and "shards" in located.manifest.tree or has_dtensors(model):
+        raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
     return restore_lazily(located, TorchState(model, optimizer, extra_state))
 
 

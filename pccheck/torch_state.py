@@ -37,8 +37,10 @@ import numpy as np
 
 from .arrays import torch_dtype
 from .errors import ConfigError, CorruptCheckpointError
+from .sharded.dtensor import check_placements, global_rank, has_dtensors, is_dtensor, local_part
+from .sharded.geometry import full_box
 
-__all__ = ["Snapshot", "TorchState", "rebuild", "unwrap_extra"]
+__all__ = ["Snapshot", "TorchState", "rebuild", "unwrap_extra", "state_tree"]
 
 
 @dataclass
@@ -61,21 +63,54 @@ class Snapshot:
         return None
 
 
+def _identity(t: Any) -> tuple | None:
+    """What names a tensor's bytes (tied tensors share it); None for an empty tensor."""
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+            tuple(t.shape), tuple(t.stride()), t.dtype) if t.numel() else None
+
+
 class _Flattener:
-    def __init__(self) -> None:
+    """``rank`` set: a sharded state (FORMAT.md §9): the model's and the optimizer's tensors
+    become ``{"S": fqn}`` leaves with an entry in :attr:`shards`, each rank storing only its
+    local shards, and a replicated tensor stored by the lowest rank holding it."""
+
+    def __init__(self, rank: int | None = None) -> None:
         self.arrays: dict[str, Any] = {}
-        self._seen: dict[tuple, str] = {}  # storage identity -> array name (tied tensors)
+        self.rank = rank
+        self.shards: dict[str, Any] = {}
+        self._seen: dict[tuple, dict[str, str]] = {}  # storage identity -> its leaf (tied tensors)
 
     def tensor(self, path: str, t: Any) -> dict[str, str]:
+        if self.rank is not None and path.split("/", 1)[0] in ("model", "optimizer"):
+            return self._shard(path, t.detach())
         t = t.detach()
-        key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
-               tuple(t.shape), tuple(t.stride()), t.dtype) if t.numel() else None
+        key = _identity(t)
         if key is not None and key in self._seen:
-            return {"T": self._seen[key]}
+            return self._seen[key]
         self.arrays[path] = t
+        leaf = {"T": path}
         if key is not None:
-            self._seen[key] = path
-        return {"T": path}
+            self._seen[key] = leaf
+        return leaf
+
+    def _shard(self, path: str, t: Any) -> dict[str, str]:
+        if is_dtensor(t):
+            part = local_part(t, path)
+            local, box, stores = part.local, part.box, part.stores
+        else:  # a plain tensor of a sharded state is replicated on every rank: rank 0 stores it
+            local, box, stores = t, full_box(tuple(t.shape)), self.rank == 0
+        key = _identity(local)
+        if key is not None and key in self._seen:
+            return self._seen[key]
+        entry: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "chunks": []}
+        self.shards[path] = entry
+        if stores:
+            self.arrays[path] = local
+            entry["chunks"].append([path, list(box.offsets)])
+        leaf = {"S": path}
+        if key is not None:
+            self._seen[key] = leaf
+        return leaf
 
     def encode(self, path: str, x: Any) -> Any:
         torch = sys.modules.get("torch")
@@ -109,23 +144,27 @@ class _Flattener:
                           "numpy arrays and plain values (int, float, str, bool, None, list, tuple, dict)")
 
 
-def rebuild(tree: Any, arrays: Mapping[str, Any], as_tensor: Callable[[str], Any]) -> Any:
-    """Inverse of the tree encoding; ``as_tensor(name)`` makes the tensor for a ``{"T": name}`` leaf."""
+def rebuild(tree: Any, arrays: Mapping[str, Any], as_tensor: Callable[[str], Any],
+            as_shard: Callable[[str], Any] | None = None) -> Any:
+    """Inverse of the tree encoding; ``as_tensor(name)`` makes the tensor for a ``{"T": name}``
+    leaf, ``as_shard(fqn)`` the one for a ``{"S": fqn}`` leaf of a sharded state (FORMAT.md §9)."""
     if isinstance(tree, list):
-        return [rebuild(v, arrays, as_tensor) for v in tree]
+        return [rebuild(v, arrays, as_tensor, as_shard) for v in tree]
     if not isinstance(tree, dict):
         return tree
     if len(tree) != 1:
         raise CorruptCheckpointError("malformed state tree")
     (tag, v), = tree.items()
     if tag == "d" and isinstance(v, dict):
-        return {k: rebuild(x, arrays, as_tensor) for k, x in v.items()}
+        return {k: rebuild(x, arrays, as_tensor, as_shard) for k, x in v.items()}
     if tag == "dk" and isinstance(v, list):
-        return {kv[0]: rebuild(kv[1], arrays, as_tensor) for kv in v}
+        return {kv[0]: rebuild(kv[1], arrays, as_tensor, as_shard) for kv in v}
     if tag == "t" and isinstance(v, list):
-        return tuple(rebuild(x, arrays, as_tensor) for x in v)
+        return tuple(rebuild(x, arrays, as_tensor, as_shard) for x in v)
     if tag == "T" and isinstance(v, str) and v in arrays:
         return as_tensor(v)
+    if tag == "S" and isinstance(v, str) and as_shard is not None:
+        return as_shard(v)
     if tag == "A" and isinstance(v, str) and v in arrays:
         return arrays[v]
     if tag == "f" and v in ("nan", "inf", "-inf"):
@@ -162,6 +201,12 @@ class TorchState:
                 raise ConfigError(f"extra_state keys must be str, got {k!r}")
         self.capture_rng = capture_rng
         self.user_eager = set(eager)
+        # A model with DTensor parameters (FSDP2, tensor parallel) is saved as shards (FORMAT.md
+        # §9); a placement pccheck cannot store is refused here, before anything is written.
+        self.sharded = has_dtensors(model)
+        if self.sharded:
+            check_placements(model)
+        self._rank = global_rank() if self.sharded else None
         # Module names in first-forward order, recorded once (a Checkpointer records; a restore
         # does not), and the state_dict keys in load order, computed once recording is over.
         self.forward_order: list[str] = []
@@ -176,7 +221,7 @@ class TorchState:
     def snapshot(self) -> Snapshot:
         import torch
 
-        f = _Flattener()
+        f = _Flattener(self._rank)
         # Eager first: buffers (forward changes them) and user-marked tensors, then the RNG states.
         sd = self.model.state_dict()
         buffers = {name for name, _ in self.model.named_buffers(remove_duplicate=False)}  # one walk
@@ -197,6 +242,8 @@ class TorchState:
         tree["extra"] = {"d": extra}
         if self.capture_rng:
             tree["rng"] = f.encode("rng", _rng_state(torch))
+        if self.sharded:
+            tree["shards"] = f.shards
         tree["order"], tree["order_forward"] = self._load_order(tree["model"], f.arrays)
         # Lazily copied tensors are validated by their version counters after the copy.
         versions = [(n, a, a._version) for i, (n, a) in enumerate(f.arrays.items())
@@ -214,8 +261,8 @@ class TorchState:
         else:
             keys, ran = self._key_order, self._keys_ran
         leaves = model_tree.get("d", {}) if isinstance(model_tree, dict) else {}
-        names = [leaf["T"] if isinstance(leaf := leaves.get(k), dict) and isinstance(leaf.get("T"), str) else None
-                 for k in keys]
+        names = [name if isinstance(leaf := leaves.get(k), dict) and (name := leaf.get("T", leaf.get("S"))) in arrays
+                 else None for k in keys]
         n_ran = len({n for n in names[:ran] if n is not None})
         order = list(dict.fromkeys([n for n in names if n is not None] + list(arrays)))
         return order, n_ran
@@ -232,7 +279,7 @@ class TorchState:
                 t = t.view(torch_dtype(torch_dtypes[name]))
             return t.to(map_location) if map_location is not None else t
 
-        state = unwrap_extra(rebuild(_as_dict(tree), arrays, as_tensor))
+        state = unwrap_extra(rebuild(state_tree(tree), arrays, as_tensor))
         self.apply(state)
         return state
 
@@ -269,6 +316,7 @@ def unwrap_extra(state: dict[str, Any]) -> dict[str, Any]:
     state["extra"] = {k: v.get("state_dict", v.get("value")) for k, v in state.get("extra", {}).items()}
     state.pop("order", None)
     state.pop("order_forward", None)
+    state.pop("shards", None)
     return state
 
 
@@ -313,8 +361,9 @@ def _keys_by_first_use(model: Any, forward_order: list[str]) -> tuple[list[str],
     return out, n_ran
 
 
-def _as_dict(tree: Mapping[str, Any]) -> dict[str, Any]:
-    return {"d": dict(tree)}
+def state_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """The top level as an encoded dict; the shards section is not part of the state."""
+    return {"d": {k: v for k, v in tree.items() if k != "shards"}}
 
 
 def _rng_state(torch: Any) -> dict[str, Any]:

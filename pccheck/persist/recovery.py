@@ -92,6 +92,7 @@ class Restored:
     torch_dtypes: dict[str, str] = field(default_factory=dict, repr=False)
     tree: Any = field(default=None, repr=False)  # a PyTorch checkpoint's state tree (manifest "tree")
     epoch: int | None = None  # the job incarnation that wrote it (distributed runs)
+    bytes_read: int | None = None  # a resharded load: array bytes this rank read (pccheck.sharded)
 
 
 @dataclass(frozen=True)

@@ -112,11 +112,17 @@ class SlotStore:
                 image = read_store(file)
                 self._next_counter = max(self._next_counter, self._max_counter(image) + 1)
                 h = image.header
-                if h["num_slots"] >= num_slots and h["slot_capacity"] >= slot_bytes:
+                if (h["world_size"], h["rank"]) != (self.world_size, self.rank):
+                    # Written by a job of another size (a resharded restart): a new generation for
+                    # this job; the old one is retired like any older generation.
+                    log.info("pccheck: %s belongs to rank %d of %d, this writer is rank %d of %d: new generation",
+                             file, h["rank"], h["world_size"], self.rank, self.world_size)
+                elif h["num_slots"] >= num_slots and h["slot_capacity"] >= slot_bytes:
                     self._attach(file, image, protect)
                     return
-                log.info("pccheck: %s has %d slots of %d bytes; need %d of %d: new generation",
-                         file, h["num_slots"], h["slot_capacity"], num_slots, slot_bytes)
+                else:
+                    log.info("pccheck: %s has %d slots of %d bytes; need %d of %d: new generation",
+                             file, h["num_slots"], h["slot_capacity"], num_slots, slot_bytes)
             except CorruptCheckpointError as exc:
                 log.warning("pccheck: cannot reuse %s (%s); starting a new generation beside it", file, exc)
         self.new_generation(num_slots, slot_bytes)

@@ -113,13 +113,14 @@ class CheckpointSet:
 
 
 def rank_dirs(path: Path) -> list[tuple[int, Path]]:
-    """(rank, directory) of every rank store under ``path``, or [(0, path)] for a single store."""
-    found = []
+    """(rank, directory) of every store under ``path``: ``path`` itself (a job of one rank) and
+    each ``rank-<r>/``. Both may hold stores (a job resharded to one process writes ``path``)."""
+    found = [(0, path)]
     if path.is_dir():
         for d in path.iterdir():
             if d.is_dir() and d.name.startswith("rank-") and d.name[5:].isdigit():
                 found.append((int(d.name[5:]), d))
-    return sorted(found) if found else [(0, path)]
+    return sorted(found)
 
 
 def _slots(directory: Path, rank: int) -> Iterator[tuple[int, int, int, Member]]:

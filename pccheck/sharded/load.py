@@ -1,0 +1,207 @@
+"""Resharded load: a sharded checkpoint of W ranks into a job of W' ranks, any W' >= 1.
+
+Every loading rank finds the same newest complete set (``index.find_sets``: the directory must be
+visible to every loading rank), then builds each tensor it needs: for a model entry the layout of
+the model's own tensor (a DTensor: the box its placements give this rank; a plain tensor: the
+whole), for optimizer state the layout of its parameter (same global shape) or the whole. Each
+saved chunk that overlaps that box is read once, checked against its crc32c, and its overlap
+copied in. Nothing is put into the model, the optimizer or the RNGs until every rank has built
+its state: a rank that meets a damaged chunk makes the whole group fall back to the next older
+set together (the ranks vote after building).
+
+Per-rank state (RNG, extra_state) comes from the saved rank of the same number; a loading rank
+beyond the saved world size takes rank 0's extra state and keeps its own RNG state.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..arrays import TORCH_ONLY, torch_dtype
+from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from ..persist.recovery import Restored
+from .dtensor import Destination, destination, is_dtensor
+from .geometry import numel, overlap
+from .index import CheckpointSet, Member, TensorInfo, check_visible, find_sets
+
+__all__ = ["load_sharded", "newest_is_sharded"]
+
+log = logging.getLogger("pccheck")
+
+
+def newest_is_sharded(path: Path) -> bool:
+    """True if the newest complete set under ``path`` was written as shards (FORMAT.md §9)."""
+    sets = find_sets(path)
+    return bool(sets) and sets[0].sharded
+
+
+def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -> Restored:
+    """Loads the newest complete sharded set that every loading rank can build; with ``state``
+    (a :class:`pccheck.torch_state.TorchState`) puts it in place. ``group``: the loading job's
+    :class:`pccheck.distributed.Group`, or None for one process."""
+    rank = group.rank if group is not None else 0
+    problems: list[str] = []
+    for cand in _candidates(path, group):
+        check_visible(path, cand.world_size)
+        try:
+            built = _build(cand, rank, state, map_location)
+            why = None
+        except CorruptCheckpointError as exc:
+            built, why = None, str(exc)
+        failed = _failures(group, why)
+        if failed:
+            problems.append(f"step {cand.step}: {'; '.join(failed)}")
+            log.warning("pccheck: sharded checkpoint of step %d cannot be loaded (%s); trying an older one",
+                        cand.step, "; ".join(failed))
+            continue
+        assert built is not None
+        nested, member = built
+        if state is not None:
+            if rank >= cand.world_size:
+                nested.pop("rng", None)  # no saved rank of this number: this rank keeps its own streams
+            state.apply(nested)
+        nested["step"] = cand.step
+        if cand.world_size != (group.world_size if group is not None else 1):
+            log.info("pccheck: resharded step %d from %d ranks to %d; this rank read %d bytes", cand.step,
+                     cand.world_size, group.world_size if group is not None else 1, cand.bytes_read)
+        man = member.manifest
+        return Restored(cand.step, nested, man.metadata, man.counter, member.image.generation, member.slot,
+                        member.image.path, {}, man.tree, man.epoch, bytes_read=cand.bytes_read)
+    detail = f" ({'; '.join(problems)})" if problems else ""
+    raise NoCheckpointError(f"no sharded checkpoint under {path} could be loaded{detail}")
+
+
+def _candidates(path: Path, group: Any) -> list[CheckpointSet]:
+    """The complete sets, newest first; in a group, only those every rank found."""
+    sets = find_sets(path)
+    if group is not None:
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * group.world_size
+        dist.all_gather_object(everyone, [(s.epoch, s.step, s.world_size) for s in sets], group=group.pg)
+        common = set.intersection(*(set(map(tuple, keys)) for keys in everyone))
+        sets = [s for s in sets if (s.epoch, s.step, s.world_size) in common]
+    return sets
+
+
+def _failures(group: Any, why: str | None) -> list[str]:
+    """Every rank's problem with the candidate (empty: all built it)."""
+    if group is None:
+        return [why] if why else []
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * group.world_size
+    dist.all_gather_object(everyone, why, group=group.pg)
+    return [f"rank {r}: {w}" for r, w in enumerate(everyone) if w]
+
+
+def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tuple[dict[str, Any], Any]:
+    """The nested state of ``cand`` as this rank needs it (tensors built, nothing applied), and
+    the member whose tree it follows."""
+    import torch
+
+    from ..torch_state import rebuild, state_tree, unwrap_extra
+
+    member = cand.members[rank if rank < cand.world_size else 0]
+    tree = member.manifest.tree
+    tensors = cand.tensors() if cand.sharded else {}
+    layouts = _Layouts(state)
+    built: dict[str, Any] = {}
+
+    def as_tensor(name: str) -> Any:  # this member's own array: per-rank state, or a whole tensor
+        entry = member.entries[name][0]
+        t = torch.from_numpy(cand.read(member.rank, name))
+        t = t.view(torch_dtype(entry.torch_dtype)) if entry.torch_dtype else t
+        like = layouts.like(name, tuple(t.shape))
+        if is_dtensor(like):  # an unsharded checkpoint going into a sharded model: this rank's box
+            dest = destination(like, t.dtype, tuple(t.shape))
+            dest.local.copy_(t[dest.box.slices()])
+            return dest.wrap(dest.local)
+        return t.to(map_location) if map_location is not None else t
+
+    def as_shard(fqn: str) -> Any:
+        if fqn not in built:
+            info = tensors.get(fqn)
+            if info is None:
+                raise CorruptCheckpointError(f"the tree names tensor {fqn!r}, which no rank's shards section lists")
+            dest = destination(layouts.like(fqn, info.shape), torch_dtype(info.dtype), info.shape)
+            _fill(cand, info, dest)
+            t = dest.wrap(dest.local)
+            built[fqn] = t.to(map_location) if map_location is not None and state is None else t
+        return built[fqn]
+
+    if "model" not in tree:  # written by pccheck.dcp.Writer: a flat set of tensors, no model tree
+        if state is not None:
+            raise ConfigError("this checkpoint was written through pccheck.dcp.Writer (no model tree): load it "
+                              "with torch.distributed.checkpoint.load(..., storage_reader=pccheck.dcp.Reader(path)), "
+                              "or with pccheck.load_latest(path) without model=")
+        return {fqn: as_shard(fqn) for fqn in tensors}, member
+    nested = unwrap_extra(rebuild(state_tree(tree), _MemberArrays(cand, member), as_tensor, as_shard))
+    return nested, member
+
+
+class _MemberArrays(Mapping[str, Any]):
+    """One member's arrays by name, each read (and crc-checked) when the tree asks for it."""
+
+    def __init__(self, cand: CheckpointSet, member: Member) -> None:
+        self.cand, self.member, self.names = cand, member, list(member.entries)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.member.entries:
+            raise KeyError(name)
+        return self.cand.read(self.member.rank, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class _Layouts:
+    """The tensor each fqn goes into, whose layout the destination copies (FORMAT.md §9 fqns)."""
+
+    def __init__(self, state: Any) -> None:
+        self.model = state.model.state_dict() if state is not None else {}
+        self.params = ([p for g in state.optimizer.param_groups for p in g["params"]]
+                       if state is not None and state.optimizer is not None else [])
+
+    def like(self, fqn: str, shape: tuple[int, ...]) -> Any:
+        """The tensor whose layout tensor ``fqn`` of global ``shape`` takes, or None (whole)."""
+        head, _, rest = fqn.partition("/")
+        if head == "model" and rest in self.model:
+            like = self.model[rest]
+            if tuple(like.shape) != shape:
+                raise ConfigError(f"model tensor {rest!r}: the checkpoint holds shape {list(shape)}, the model "
+                                  f"has {list(like.shape)}; load into a model built with the same shapes")
+            return like
+        parts = rest.split("/")
+        if head == "optimizer" and len(parts) == 3 and parts[0] == "state" and parts[1].isdigit():
+            i = int(parts[1])
+            if i < len(self.params) and tuple(self.params[i].shape) == shape:
+                return self.params[i]  # state shaped like its parameter is laid out like it
+        return None
+
+
+def _fill(cand: CheckpointSet, info: TensorInfo, dest: Destination) -> None:
+    """Copies the overlap of every saved chunk of ``info`` into ``dest``; CorruptCheckpointError
+    if the chunks leave part of the destination box uncovered."""
+    import torch
+
+    covered = 0
+    for chunk in info.chunks:
+        ov = overlap(chunk.box, dest.box)
+        if ov is None or numel(ov) == 0:
+            continue
+        src = torch.from_numpy(cand.read(chunk.rank, chunk.array))
+        if info.dtype in TORCH_ONLY:
+            src = src.view(torch_dtype(info.dtype))
+        dest.local[ov.slices(dest.box.offsets)].copy_(src[ov.slices(chunk.box.offsets)])
+        covered += numel(ov)
+    if covered < numel(dest.box):
+        raise CorruptCheckpointError(f"tensor {info.fqn!r}: the saved chunks cover {covered} of the {numel(dest.box)} "
+                                     "elements this rank needs (a rank's shards are missing)")
+

@@ -1,0 +1,190 @@
+"""Sharded state (FSDP2, DTensor) and resharded loads (issue 14; FORMAT.md §9).
+
+Real torch.distributed (gloo on CPU, FileStore rendezvous in a tmp dir) and real FSDP2: each job
+is a set of tests/_sharded_child.py processes. A job saved on 2 ranks is loaded on 1, 2, 3 and 4;
+the gathered model and optimizer state must be torch.equal to the state at the saved step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pccheck.persist.recovery import read_manifest, read_store, slot_base, store_files
+from pccheck.sharded.geometry import Box, chunk_range, local_box, overlap
+
+CHILD = str(Path(__file__).with_name("_sharded_child.py"))
+
+
+def run_job(mode: str, kind: str, path: Path, world: int, ref: Path, *extra: str,
+            timeout: float = 240) -> list[str]:
+    """Runs WORLD ranks of the child to completion; their stdout, rank by rank."""
+    init = path.parent / f"init-{random.random()}"
+    procs = [subprocess.Popen([sys.executable, CHILD, mode, kind, str(path), str(r), str(world), str(init), str(ref),
+                               *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [o for o, _ in outs]
+
+
+def loaded(out: str) -> tuple[int, int]:
+    line = next(l for l in out.splitlines() if l.startswith("LOADED"))
+    return int(line.split()[1]), int(line.split()[2])
+
+
+@pytest.fixture(scope="module")
+def fsdp_saved(tmp_path_factory) -> tuple[Path, Path]:
+    """An FSDP2 job of 2 ranks that checkpointed steps 3 and 4; the gathered state of step 4."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    run_job("save", "fsdp", tmp / "ck", 2, tmp / "ref.pt")
+    return tmp / "ck", tmp / "ref.pt"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp_saved_on_two_loads_on_any_world_size(fsdp_saved, tmp_path, world):
+    saved, ref = fsdp_saved
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    outs = run_job("load", "fsdp", path, world, ref)
+    assert "EQUAL" in outs[0]
+    assert {loaded(o)[0] for o in outs} == {4}
+    # Every rank reads what its own shards need (plus the replicated tensors); together they
+    # read at least the whole state once.
+    assert all(loaded(o)[1] > 0 for o in outs)
+    # Two more steps ran and were checkpointed: the job of `world` ranks continues the store.
+    losses = {l.split()[1]: l.split()[2] for o in outs for l in o.splitlines() if l.startswith("LOSS")}
+    assert sorted(losses) == ["5", "6"]
+    again = run_job("load", "fsdp", path, 1, ref, "--no-compare", timeout=120) if world != 1 else None
+    if again is not None:
+        assert loaded(again[0])[0] == 6
+
+
+def test_saved_shards_are_local_and_replicated_tensors_stored_once(fsdp_saved):
+    saved, _ = fsdp_saved
+    trees = []
+    for r in range(2):
+        image = read_store(store_files(saved / f"rank-{r}")[0][1])
+        slot = max((st for st in image.slots if st.meta), key=lambda st: st.meta["counter"]).slot
+        with open(image.path, "rb") as f:
+            trees.append(read_manifest(image, slot, f.fileno()))
+    shards = [m.tree["shards"] for m in trees]
+    # The 13x10 tied embedding is split 7 + 6 rows; the head shares it (one tensor).
+    assert shards[0]["model/emb.weight"]["chunks"][0][1] == [0, 0]
+    assert shards[1]["model/emb.weight"]["chunks"][0][1] == [7, 0]
+    assert "model/head.weight" not in shards[0]
+    # The plain buffer and AdamW's step counters are stored by rank 0 only.
+    assert shards[0]["model/scale"]["chunks"] and not shards[1]["model/scale"]["chunks"]
+    assert "model/scale" not in {e.name for e in trees[1].arrays}
+    assert not shards[1]["optimizer/state/0/step"]["chunks"]
+
+
+def test_dtensor_by_hand_shard_and_replicate(tmp_path):
+    path, ref = tmp_path / "ck", tmp_path / "ref.pt"
+    run_job("save", "dtensor", path, 2, ref)
+    outs = run_job("load", "dtensor", path, 3, ref)
+    assert "EQUAL" in outs[0] and {loaded(o)[0] for o in outs} == {4}
+
+
+def test_partial_placement_is_refused_at_construction(tmp_path):
+    outs = run_job("partial", "fsdp", tmp_path / "ck", 2, tmp_path / "ref.pt", timeout=120)
+    for o in outs:
+        assert "REFUSED" in o and "Partial" in o and "Shard" in o
+    assert not Path("/nonexistent-never-created").exists()
+
+
+def test_load_into_a_model_of_another_shape_names_the_tensor(fsdp_saved, tmp_path):
+    saved, ref = fsdp_saved
+    outs = run_job("shape", "fsdp", saved, 2, ref, timeout=120)
+    for o in outs:
+        assert "REFUSED" in o and "blocks.0.weight" in o and "[7, 10]" in o
+
+
+def _corrupt_newest(rank_dir: Path) -> int:
+    """Flips one byte of the first array of the newest slot; returns its step."""
+    image = read_store(store_files(rank_dir)[0][1])
+    st = max((st for st in image.slots if st.meta), key=lambda st: st.meta["counter"])
+    with open(image.path, "r+b") as f:
+        man = read_manifest(image, st.slot, f.fileno())
+        entry = next(e for e in man.arrays if e.nbytes)
+        off = slot_base(image, st.slot) + entry.offset
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return st.meta["step"]
+
+
+def test_a_damaged_chunk_makes_every_rank_fall_back_together(fsdp_saved, tmp_path):
+    saved, ref = fsdp_saved
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    assert _corrupt_newest(path / "rank-1") == 4
+    outs = run_job("load", "fsdp", path, 3, ref, "--no-compare")
+    assert {loaded(o)[0] for o in outs} == {3}
+
+
+def test_sigkill_mid_checkpoint_every_rank_loads_the_same_committed_step(tmp_path):
+    path = tmp_path / "ck"
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, CHILD, "train", "fsdp", str(path), str(r), "2", str(init),
+                               str(tmp_path / "ref.pt")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for r in range(2)]
+    # Kill rank 1 while checkpoints are in flight (one every step), then rank 0.
+    deadline = time.monotonic() + 120
+    for line in procs[1].stdout:  # type: ignore[union-attr]
+        if line.startswith("STEP") and int(line.split()[1]) >= 6 or time.monotonic() > deadline:
+            break
+    os.kill(procs[1].pid, signal.SIGKILL)
+    time.sleep(0.2)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(30)
+    outs = run_job("load", "fsdp", path, 2, tmp_path / "ref.pt", "--no-compare")
+    steps = {loaded(o)[0] for o in outs}
+    assert len(steps) == 1 and steps.pop() >= 1
+
+
+# -- geometry (pure) --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,parts", [(10, 3), (13, 2), (7, 4), (3, 4), (0, 2), (1, 1)])
+def test_chunk_range_follows_torch_chunk(n, parts):
+    pieces = torch.arange(n).chunk(parts) if n else ()
+    for i in range(parts):
+        start, length = chunk_range(n, parts, i)
+        want = pieces[i].tolist() if i < len(pieces) else []
+        assert list(range(start, start + length)) == want
+
+
+def test_local_box_matches_nested_torch_chunk_on_a_2d_mesh():
+    """DTensor cuts mesh dimension by mesh dimension with torch.chunk: the box of each coordinate
+    must hold exactly the elements that nested chunking gives."""
+    full = torch.arange(11 * 7).reshape(11, 7)
+    for coord in [(0, 0), (1, 2), (0, 1), (1, 0)]:
+        for dims in [(0, 1), (None, 0), (1, 1), (None, None), (0, 0)]:
+            piece = full
+            for mesh_dim, d in enumerate(dims):
+                if d is not None:
+                    parts = piece.chunk((2, 3)[mesh_dim], dim=d)
+                    piece = parts[coord[mesh_dim]] if coord[mesh_dim] < len(parts) else piece.narrow(d, 0, 0)
+            box = local_box((11, 7), (2, 3), coord, dims)
+            assert box.sizes == tuple(piece.shape), (coord, dims)
+            if piece.numel():
+                assert torch.equal(full[box.slices()], piece), (coord, dims)
+
+
+def test_overlap():
+    a, b = Box((0, 0), (4, 6)), Box((2, 3), (5, 5))
+    assert overlap(a, b) == Box((2, 3), (2, 3))
+    assert overlap(a, Box((4, 0), (1, 1))) is None
+    assert overlap(Box((), ()), Box((), ())) == Box((), ())
