@@ -137,7 +137,7 @@ class StagingPool:
 
         out = [torch.empty(_local(t).shape, dtype=_local(t).dtype, device="cpu").share_memory_() for t in tensors]
         for t in out:  # touch every page once, here, not inside a save
-            t.view(torch.uint8).zero_() if t.numel() and t.dtype != torch.bool else t.zero_()
+            t.zero_()
         lease = torch.ones(1, dtype=torch.uint8).share_memory_()
         return _Buffer(sig, out, lease)
 

@@ -42,6 +42,8 @@ log = logging.getLogger("pccheck")
 _registry: dict[tuple[Path, int, int], "RankStore"] = {}
 _steps: dict[Path, list[int]] = {}  # root -> [epoch, next step], the coordinator's allocator
 _registry_lock = threading.Lock()
+_finished: dict[Path, int] = {}  # root -> newest step recorded in GLOBAL by this process
+_finish_lock = threading.Lock()  # one GLOBAL write at a time (saves in flight finish in threads)
 
 
 def _slot_keys(directory: Path) -> list[tuple[int, int, int, int]]:
@@ -81,10 +83,14 @@ def next_save(root: Path, world_size: int) -> tuple[int, int]:
 def record_finished(root: Path, epoch: int, step: int, world_size: int) -> None:
     """Coordinator, in ``finish``: the set (epoch, step) is complete; record it durably in
     ``root/GLOBAL`` (temp, fsync, rename, fsync dir), then tell this process's rank stores."""
-    doc = {"step": step, "epoch": epoch, "world_size": world_size, "unix_time": time.time()}
     import json
 
-    write_durably(root / GLOBAL, lambda f: f.write(json.dumps(doc).encode()))
+    doc = {"step": step, "epoch": epoch, "world_size": world_size, "unix_time": time.time()}
+    with _finish_lock:
+        if _finished.get(root, -1) >= step:  # a newer save finished first: GLOBAL only moves forward
+            return
+        write_durably(root / GLOBAL, lambda f: f.write(json.dumps(doc).encode()))
+        _finished[root] = step
     _publish_finished(root, step)
     with _registry_lock:
         stores = [s for (d, _, _), s in _registry.items() if s.root == root]
@@ -225,6 +231,9 @@ class RankStore:
         self.lock = threading.Lock()  # orders starts: counters follow steps on this rank
         self._last_started: int | None = None
         self._pending: dict[int, Future] = {}
+        # Guards _pending only. Never self.lock: a start holding it may wait for a slot or a
+        # permit that this commit thread's _on_finished gives back.
+        self._pending_lock = threading.Lock()
         self._errors = threading.local()
 
     def _open(self, arrays: dict[str, Any], tree: Any, epoch: int) -> Orchestrator:
@@ -254,11 +263,13 @@ class RankStore:
             if self.orch is None:
                 self.orch = self._open(arrays, tree, epoch)
             fut: Future = Future()
-            self._pending[step] = fut
+            with self._pending_lock:
+                self._pending[step] = fut
             try:
                 self.orch.start(step, arrays, None, tree=tree, epoch=epoch)
             except BaseException:
-                self._pending.pop(step, None)
+                with self._pending_lock:
+                    self._pending.pop(step, None)
                 raise
             self._last_started = step
         return epoch, step, fut
@@ -272,7 +283,7 @@ class RankStore:
     def _on_finished(self, st: CheckpointStats) -> None:
         exc = getattr(self._errors, "exc", None)
         self._errors.exc = None
-        with self.lock:
+        with self._pending_lock:
             fut = self._pending.pop(st.step, None)
         if fut is None:
             return
