@@ -173,9 +173,9 @@ class Writer(StorageWriter, AsyncStager):
             epoch, step, committed = store.write(data.epoch, data.step, arrays, tree)
         finally:
             release_lease(state)  # every byte is in DRAM chunks now (or the save failed)
-        committed.result()  # raises the commit's error
+        kept = committed.result()  # raises the commit's error
         return _done([WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
-                                  storage_data=Written(epoch, step, self.rank, names[item.index]))
+                                  storage_data=Written(epoch, step, self.rank, names[item.index], kept))
                       for item in plan.items])
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
@@ -185,6 +185,11 @@ class Writer(StorageWriter, AsyncStager):
         if len(keys) != 1:
             raise CorruptCheckpointError(f"the ranks report different saves {sorted(keys)}: nothing recorded")
         (epoch, step), = keys
+        if not all(w.storage_data.kept for rs in results for w in rs):
+            # A newer save committed first on some rank and freed that rank's slot: this set is
+            # incomplete, and must not be recorded as finished (the newer one will be).
+            log.info("pccheck: save of step %d was superseded by a newer one; not recorded as finished", step)
+            return
         record_finished(_path(self.path, "Writer"), epoch, step, len(results))
 
     # -- AsyncStager ----------------------------------------------------------------------------

@@ -31,12 +31,14 @@ DCP_VERSION = 1
 
 @dataclass(frozen=True)
 class Written:
-    """``WriteResult.storage_data``: where one item went (the set's (epoch, step), rank, array)."""
+    """``WriteResult.storage_data``: where one item went (the set's (epoch, step), rank, array);
+    ``kept`` is False when a newer save of that rank committed first and the slot was freed."""
 
     epoch: int
     step: int
     rank: int
     array: str
+    kept: bool = True
 
 
 @dataclass(frozen=True)

@@ -287,12 +287,12 @@ class RankStore:
             fut = self._pending.pop(st.step, None)
         if fut is None:
             return
-        if st.outcome == "committed":
-            fut.set_result(st)
+        if st.outcome in ("committed", "superseded"):
+            # superseded: a newer save of this rank committed first (saves in flight commit in
+            # parallel) and the native store freed this slot; the save is not kept (Written.kept)
+            fut.set_result(st.outcome == "committed")
         else:
-            fut.set_exception(exc or PCCheckError(
-                f"the checkpoint of step {st.step} was {st.outcome} on rank {self.rank}: a newer save "
-                "committed first; start saves one after another"))
+            fut.set_exception(exc or PCCheckError(f"the checkpoint of step {st.step} failed on rank {self.rank}"))
 
     def close(self) -> None:
         if self.orch is not None:
