@@ -36,7 +36,7 @@ from ..orchestrator.options import EngineOptions
 from ..sharded.index import CheckpointSet, find_sets
 from ..tuner.config import resolve_auto
 from .dcp_format import Located, Written, set_metadata, slot_contents
-from .dcp_stage import LEASE_KEY, StagingPool, release_lease
+from .dcp_stage import LEASE_KEY, ORDER_KEY, StagingPool, release_lease, staged_order
 from .dcp_store import close_stores, next_save, rank_store, record_finished
 
 __all__ = ["Writer", "Reader"]
@@ -144,8 +144,8 @@ class Writer(StorageWriter, AsyncStager):
         self.rank = int(kwargs.get("rank", 0) or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # The staging lease (dcp_stage) rides in the staged state_dict; it is never saved.
-        return dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != LEASE_KEY])
+        # The staging lease and order (dcp_stage) ride in the staged state_dict; never saved.
+        return dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn not in (LEASE_KEY, ORDER_KEY)])
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         root = _path(self.path, "Writer")
@@ -170,10 +170,15 @@ class Writer(StorageWriter, AsyncStager):
             items = [(item, planner.resolve_data(item)) for item in plan.items]
             arrays, tree, names = slot_contents(items, planner, self.rank)
             del items
-            epoch, step, committed = store.write(data.epoch, data.step, arrays, tree)
+            started = store.write(data.epoch, data.step, arrays, tree, staged_order(state))
         finally:
             release_lease(state)  # every byte is in DRAM chunks now (or the save failed)
-        kept = committed.result()  # raises the commit's error
+        if started is None:  # a newer save started first: this one is not written (not kept)
+            log.info("pccheck: rank %d: a newer save started first; this older one is not written", self.rank)
+            epoch, step, kept = data.epoch or 0, data.step or 0, False
+        else:
+            epoch, step, committed = started
+            kept = committed.result()  # raises the commit's error
         return _done([WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
                                   storage_data=Written(epoch, step, self.rank, names[item.index], kept))
                       for item in plan.items])

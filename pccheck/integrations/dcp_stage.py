@@ -24,11 +24,14 @@ from typing import Any
 
 from ..errors import PCCheckError
 
-__all__ = ["StagingPool", "LEASE_KEY", "release_lease"]
+__all__ = ["StagingPool", "LEASE_KEY", "ORDER_KEY", "release_lease", "staged_order"]
 
 log = logging.getLogger("pccheck")
 
 LEASE_KEY = "_pccheck_dcp_lease"
+# The save's place in the order of stage calls (an int): upload threads may reach write_data in
+# another order, and a save that arrives after a later-staged one started is not written.
+ORDER_KEY = "_pccheck_dcp_order"
 _WAIT_S = 600.0
 
 
@@ -93,6 +96,7 @@ class StagingPool:
         self.limit = max(1, int(limit))
         self._buffers: list[_Buffer] = []
         self._lock = threading.Lock()
+        self._order = 0
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state_dict`` in a free buffer (waiting for one while ``limit`` are in use)."""
@@ -108,6 +112,9 @@ class StagingPool:
             buf.lease.fill_(0)
             raise
         staged[LEASE_KEY] = buf.lease
+        with self._lock:
+            self._order += 1
+            staged[ORDER_KEY] = self._order
         assert isinstance(buf.lease, torch.Tensor)
         return staged
 
@@ -145,6 +152,12 @@ class StagingPool:
         """Forgets every buffer (a save still using one keeps it alive through its tensors)."""
         with self._lock:
             self._buffers = []
+
+
+def staged_order(state_dict: Any) -> int | None:
+    """The stage-call order a staged state_dict carries (None if it was not staged)."""
+    v = state_dict.get(ORDER_KEY) if isinstance(state_dict, dict) else None
+    return v if isinstance(v, int) else None
 
 
 def release_lease(state_dict: Any) -> None:

@@ -230,6 +230,7 @@ class RankStore:
         self.orch: Orchestrator | None = None
         self.lock = threading.Lock()  # orders starts: counters follow steps on this rank
         self._last_started: int | None = None
+        self._last_order: int | None = None
         self._pending: dict[int, Future] = {}
         # Guards _pending only. Never self.lock: a start holding it may wait for a slot or a
         # permit that this commit thread's _on_finished gives back.
@@ -247,19 +248,23 @@ class RankStore:
         orch.open_store(orch.slot_bytes(layout, None, tree, epoch))
         return orch
 
-    def write(self, epoch: int | None, step: int | None, arrays: dict[str, Any], tree: Any) -> tuple[int, int, Future]:
+    def write(self, epoch: int | None, step: int | None, arrays: dict[str, Any], tree: Any,
+              order: int | None = None) -> tuple[int, int, Future] | None:
         """Starts the checkpoint of ``arrays`` (copied into DRAM chunks before this returns) and
-        returns (epoch, step, a future set once its local commit is durable). With ``step`` None
-        (a job of one rank) the step is taken here, under the lock that orders the starts."""
+        returns (epoch, step, a future of whether its local commit is durable and kept). With
+        ``step`` None (a job of one rank) the step is taken here, under the lock that orders the
+        starts. Returns None, writing nothing, for a save older than one already started here
+        (a lower stage ``order``, or a lower planned step): an older save never replaces a newer
+        one, and counters must follow steps on this rank (else the native store would free the
+        newer slot as superseded)."""
         with self.lock:
+            if order is not None and self._last_order is not None and order < self._last_order:
+                return None
             if step is None:
                 epoch, step = next_save(self.root, 1)
             assert epoch is not None
             if self._last_started is not None and step <= self._last_started:
-                raise PCCheckError(
-                    f"rank {self.rank}: the save of step {step} began writing after step {self._last_started}: "
-                    "concurrent dcp saves of a multi-rank job must reach write_data in the order they were "
-                    "planned; wait for the previous save's staging before starting the next one")
+                return None
             if self.orch is None:
                 self.orch = self._open(arrays, tree, epoch)
             fut: Future = Future()
@@ -272,6 +277,8 @@ class RankStore:
                     self._pending.pop(step, None)
                 raise
             self._last_started = step
+            if order is not None:
+                self._last_order = order
         return epoch, step, fut
 
     def _on_error(self, exc: PCCheckError) -> None:
