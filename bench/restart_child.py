@@ -34,6 +34,7 @@ _T0_WALL, _T0 = time.time(), time.perf_counter()  # before any import: this proc
 
 import importlib  # noqa: E402  (after the clock, on purpose)
 import json  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -233,26 +234,38 @@ def _first_checkpoint(ls: "LoopSystem", step: int) -> dict[str, Any]:
 
 def _window(wl: "Workload", ls: "LoopSystem", first: int, iters: int) -> dict[str, Any]:
     """``iters`` steps from ``first`` on, checkpointing as the interval says: their it/s."""
-    count, t0 = 0, time.perf_counter()
+    calls: dict[int, float] = {}  # step -> wall time of the maybe_checkpoint call that checkpointed it
+    t0 = time.perf_counter()
     for s in range(first, first + iters):
         wl.step()
-        count += ls.after_step(s)
+        c0 = time.perf_counter()
+        if ls.after_step(s):
+            calls[s] = time.perf_counter() - c0
     window = time.perf_counter() - t0
-    return {"iters": iters, "window_s": window, "it_s": iters / window, "checkpoints_in_window": count}
+    return {"iters": iters, "window_s": window, "it_s": iters / window, "checkpoints_in_window": len(calls),
+            "window_calls_s": calls}
 
 
-def _blocking(ls: "LoopSystem", first: Mapping[str, Any]) -> dict[str, Any]:
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _blocking(ls: "LoopSystem", first: Mapping[str, Any], window_calls: Mapping[int, float]) -> dict[str, Any]:
     """How long the first checkpoint blocked training: the call, plus (pccheck) the copy-on-write
     wait it left to the next step. pccheck's own account (``stats_block_s``: stall + blocked copy +
     copy-on-write wait from ``ck.stats()``) is reported beside it; what the call spends outside it
-    (opening the store, say) is the difference."""
+    (opening the store, say) is the difference. ``steady_block_s``: the median of the same measure
+    over the window's later checkpoints (the steady state the first one is compared with)."""
     ck = getattr(ls, "ck", None)
     if ck is None:
-        return {**first, "block_s": first["call_s"]}
-    c = ck.stats().as_dict()["checkpoints"][0]
+        return {**first, "block_s": first["call_s"], "steady_block_s": _median(list(window_calls.values()))}
+    stats = ck.stats().as_dict()["checkpoints"]
+    c = stats[0]
     parts = {k: c[k] for k in ("stall_s", "prepare_s", "blocked_copy_s", "cow_wait_s")}
+    cow = {x["step"]: x["cow_wait_s"] for x in stats[1:]}
+    steady = [call + cow[s] for s, call in window_calls.items() if s in cow]
     return {**first, **parts, "stats_block_s": sum(parts.values()), "block_s": first["call_s"] + c["cow_wait_s"],
-            "outcome": c["outcome"]}
+            "outcome": c["outcome"], "steady_block_s": _median(steady)}
 
 
 def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -284,7 +297,7 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
     first = _first_checkpoint(ls, step + 1)
     out.update(_window(wl, ls, step + 2, spec["iters"]))
     ls.drain()
-    out["first_checkpoint"] = _blocking(ls, first)
+    out["first_checkpoint"] = _blocking(ls, first, out["window_calls_s"])
     marks["first_checkpoint"] = out["first_checkpoint"]["block_s"]
     ls.close()
     return {"role": spec["role"], "system": spec["system"], "phases": marks, **out, "versions": _versions()}
