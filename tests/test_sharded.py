@@ -188,3 +188,43 @@ def test_overlap():
     assert overlap(a, b) == Box((2, 3), (2, 3))
     assert overlap(a, Box((4, 0), (1, 1))) is None
     assert overlap(Box((), ()), Box((), ())) == Box((), ())
+
+
+def test_hostile_shards_sections_are_refused_cleanly():
+    """Offsets and sizes read from a shards section are bounds-checked: every malformed entry is
+    a CorruptCheckpointError, never another exception or an accepted chunk outside the tensor."""
+    import random as rnd
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.persist.layout import ArrayEntry
+    from pccheck.sharded.index import _parse_tensor
+
+    arrays = {"a": ArrayEntry("a", np.dtype("<f4"), (4, 6), 0, 96),
+              "b": ArrayEntry("b", np.dtype("<u2"), (2,), 128, 4, "bfloat16")}
+    member = SimpleNamespace(image=SimpleNamespace(path=Path("x")), slot=0, rank=1)
+    good = {"dtype": "float32", "shape": [10, 6], "chunks": [["a", [6, 0]]]}
+    dtype, shape, chunks = _parse_tensor("t", good, arrays, member)
+    assert (dtype, shape, chunks[0].box) == ("float32", (10, 6), Box((6, 0), (4, 6)))
+    bad = [None, [], {"dtype": "float32"}, {**good, "shape": [10]}, {**good, "shape": [9, 6]},
+           {**good, "shape": [10, -1]}, {**good, "shape": "10"}, {**good, "shape": [True, 6]},
+           {**good, "dtype": "float64"}, {**good, "dtype": "nope"}, {**good, "chunks": [["zz", [0, 0]]]},
+           {**good, "chunks": [["a", [7, 0]]]}, {**good, "chunks": [["a", [0]]]}, {**good, "chunks": [["a"]]},
+           {**good, "chunks": [["a", [0, 1 << 70]]]}, {**good, "chunks": [[1, [0, 0]]]},
+           {"dtype": "uint16", "shape": [2], "chunks": [["b", [0]]]},  # bfloat16 bits are not uint16
+           {**good, "shape": [10, 6] * 40}]
+    for doc in bad:
+        with pytest.raises(CorruptCheckpointError):
+            _parse_tensor("t", doc, arrays, member)
+    rng = rnd.Random(5)
+    for _ in range(2000):  # random mutations of a good entry
+        doc = {"dtype": rng.choice(["float32", "bfloat16", 3]),
+               "shape": [rng.choice([0, 4, 10, -3, 2 ** 63]) for _ in range(rng.choice([1, 2, 3]))],
+               "chunks": [[rng.choice(["a", "b"]), [rng.choice([0, 3, 6, -1]) for _ in range(rng.choice([1, 2]))]]]}
+        try:
+            _, shape, chunks = _parse_tensor("t", doc, arrays, member)
+        except CorruptCheckpointError:
+            continue
+        assert all(c.box.within(shape) for c in chunks)
