@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -107,7 +108,8 @@ def test_load_into_a_model_of_another_shape_names_the_tensor(fsdp_saved, tmp_pat
     saved, ref = fsdp_saved
     outs = run_job("shape", "fsdp", saved, 2, ref, timeout=120)
     for o in outs:
-        assert "REFUSED" in o and "blocks.0.weight" in o and "[7, 10]" in o
+        # The tensors are built in parallel: the first one found names itself (weight or bias).
+        assert "REFUSED" in o and re.search(r"'blocks\.[012]\.(weight|bias)'.*holds shape \[(7|10)", o), o
 
 
 def _corrupt_newest(rank_dir: Path) -> int:

@@ -82,6 +82,7 @@ class CheckpointSet:
     bytes_read: int = 0    # array bytes read through :meth:`read` so far
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _tensors: dict[str, TensorInfo] | None = field(default=None, repr=False)
+    _fds: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def sharded(self) -> bool:
@@ -97,19 +98,32 @@ class CheckpointSet:
         return self._tensors
 
     def read(self, rank: int, name: str) -> np.ndarray:
-        """Array ``name`` of rank ``rank``'s slot, checked against its crc32c."""
+        """Array ``name`` of rank ``rank``'s slot, checked against its crc32c (thread-safe)."""
         m = self.members[rank]
         entries = m.entries
         if name not in entries:
             raise CorruptCheckpointError(f"{m.image.path} slot {m.slot}: no array {name!r}")
-        with open(m.image.path, "rb", buffering=0) as f:
-            try:
-                arr = read_entry(f.fileno(), slot_base(m.image, m.slot), *entries[name])
-            except CorruptCheckpointError as exc:
-                raise CorruptCheckpointError(f"{m.image.path} slot {m.slot} (step {self.step}): {exc}") from None
+        try:
+            arr = read_entry(self._fd(rank), slot_base(m.image, m.slot), *entries[name])
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{m.image.path} slot {m.slot} (step {self.step}): {exc}") from None
         with self._lock:
             self.bytes_read += arr.nbytes
         return arr
+
+    def _fd(self, rank: int) -> int:
+        """One descriptor per member file, opened at its first read (closed by :meth:`close`)."""
+        with self._lock:
+            if rank not in self._fds:
+                self._fds[rank] = os.open(self.members[rank].image.path, os.O_RDONLY | os.O_CLOEXEC)
+            return self._fds[rank]
+
+    def close(self) -> None:
+        """Closes the member files :meth:`read` opened."""
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
 
 
 def rank_dirs(path: Path) -> list[tuple[int, Path]]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..arrays import TORCH_ONLY, torch_dtype
@@ -39,18 +40,23 @@ def newest_is_sharded(path: Path) -> bool:
 
 
 def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -> Restored:
-    """Loads the newest complete sharded set that every loading rank can build; with ``state``
-    (a :class:`pccheck.torch_state.TorchState`) puts it in place. ``group``: the loading job's
-    :class:`pccheck.distributed.Group`, or None for one process."""
+    """Loads the newest complete set that every loading rank can build; with ``state`` (a
+    :class:`pccheck.torch_state.TorchState`) puts it in place. ``group``: the loading job's
+    :class:`pccheck.distributed.Group`, or None for one process. Collective in a group: every
+    rank reaches each vote, whatever it met (a ConfigError on any rank is raised on all)."""
     rank = group.rank if group is not None else 0
     problems: list[str] = []
     for cand in _candidates(path, group):
-        check_visible(path, cand.world_size)
+        built, why = None, None
         try:
+            check_visible(path, cand.world_size)
             built = _build(cand, rank, state, map_location)
-            why = None
         except CorruptCheckpointError as exc:
-            built, why = None, str(exc)
+            why = ("corrupt", str(exc))
+        except ConfigError as exc:
+            why = ("config", str(exc))
+        finally:
+            cand.close()
         failed = _failures(group, why)
         if failed:
             problems.append(f"step {cand.step}: {'; '.join(failed)}")
@@ -87,15 +93,20 @@ def _candidates(path: Path, group: Any) -> list[CheckpointSet]:
     return sets
 
 
-def _failures(group: Any, why: str | None) -> list[str]:
-    """Every rank's problem with the candidate (empty: all built it)."""
-    if group is None:
-        return [why] if why else []
-    import torch.distributed as dist
+def _failures(group: Any, why: tuple[str, str] | None) -> list[str]:
+    """Every rank's damage found in the candidate (empty: all built it); a ConfigError any rank
+    met (a wrong model, a directory it cannot see) is raised on every rank."""
+    everyone: list[Any] = [why]
+    if group is not None:
+        import torch.distributed as dist
 
-    everyone: list[Any] = [None] * group.world_size
-    dist.all_gather_object(everyone, why, group=group.pg)
-    return [f"rank {r}: {w}" for r, w in enumerate(everyone) if w]
+        everyone = [None] * group.world_size
+        dist.all_gather_object(everyone, why, group=group.pg)
+    config = [(r, w[1]) for r, w in enumerate(everyone) if w and w[0] == "config"]
+    if config:
+        r, msg = config[0]
+        raise ConfigError(msg if group is None or r == group.rank else f"rank {r}: {msg}")
+    return [f"rank {r}: {w[1]}" if group is not None else w[1] for r, w in enumerate(everyone) if w]
 
 
 def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tuple[dict[str, Any], Any]:
@@ -109,7 +120,6 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
     tree = member.manifest.tree
     tensors = cand.tensors() if cand.sharded else {}
     layouts = _Layouts(state)
-    built: dict[str, Any] = {}
 
     def as_tensor(name: str) -> Any:  # this member's own array: per-rank state, or a whole tensor
         entry = member.entries[name][0]
@@ -122,25 +132,56 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
             return dest.wrap(dest.local)
         return t.to(map_location) if map_location is not None else t
 
-    def as_shard(fqn: str) -> Any:
-        if fqn not in built:
-            info = tensors.get(fqn)
-            if info is None:
-                raise CorruptCheckpointError(f"the tree names tensor {fqn!r}, which no rank's shards section lists")
-            dest = destination(layouts.like(fqn, info.shape), torch_dtype(info.dtype), info.shape)
-            _fill(cand, info, dest)
-            t = dest.wrap(dest.local)
-            built[fqn] = t.to(map_location) if map_location is not None and state is None else t
-        return built[fqn]
+    def build(fqn: str) -> Any:
+        info = tensors.get(fqn)
+        if info is None:
+            raise CorruptCheckpointError(f"the tree names tensor {fqn!r}, which no rank's shards section lists")
+        dest = destination(layouts.like(fqn, info.shape), torch_dtype(info.dtype), info.shape)
+        _fill(cand, info, dest)
+        t = dest.wrap(dest.local)
+        return t.to(map_location) if map_location is not None and state is None else t
 
     if "model" not in tree:  # written by pccheck.dcp.Writer: a flat set of tensors, no model tree
         if state is not None:
             raise ConfigError("this checkpoint was written through pccheck.dcp.Writer (no model tree): load it "
                               "with torch.distributed.checkpoint.load(..., storage_reader=pccheck.dcp.Reader(path)), "
                               "or with pccheck.load_latest(path) without model=")
-        return {fqn: as_shard(fqn) for fqn in tensors}, member
-    nested = unwrap_extra(rebuild(state_tree(tree), _MemberArrays(cand, member), as_tensor, as_shard))
+        return _in_parallel(build, list(tensors)), member
+    wanted = state_tree(tree)
+    if state is not None and state.optimizer is None:
+        wanted["d"].pop("optimizer", None)  # not read at all
+    # Every tensor the tree refers to is built first, several at a time: each reads its own
+    # chunks (preadv, crc32c and the copies release the GIL), so the reads overlap.
+    built = _in_parallel(build, sorted(_shard_leaves(wanted)))
+    nested = unwrap_extra(rebuild(wanted, _MemberArrays(cand, member), as_tensor, built.__getitem__))
     return nested, member
+
+
+READ_THREADS = 4
+
+
+def _in_parallel(build: Callable[[str], Any], fqns: list[str]) -> dict[str, Any]:
+    """fqn -> build(fqn), on up to READ_THREADS threads; the first error is raised."""
+    if len(fqns) < 2:
+        return {f: build(f) for f in fqns}
+    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="pccheck-reshard") as pool:
+        return dict(zip(fqns, pool.map(build, fqns)))
+
+
+def _shard_leaves(node: Any) -> set[str]:
+    """The fqns of every ``{"S": fqn}`` leaf under ``node`` (a tree in torch_state's encoding)."""
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            if len(x) == 1 and isinstance(x.get("S"), str):
+                found.add(x["S"])
+            else:
+                stack.extend(x.values())
+    return found
 
 
 class _MemberArrays(Mapping[str, Any]):
