@@ -85,6 +85,21 @@ def test_save_load_roundtrip_single_process(tmp_path):
     assert torch.equal(r.state["w"], sd["w"]) and torch.equal(r.state["h"], sd["h"])
 
 
+def test_empty_state_dict_saves_and_loads(tmp_path):
+    # A plan with no items (DCP's own e2e test_no_dist / a Stateful returning {}) still commits a
+    # slot and is recorded as finished: finish learns the save from a marker WriteResult.
+    dcp.save({}, storage_writer=pccheck.dcp.Writer(tmp_path / "ck"))
+    assert [s.step for s in find_sets(tmp_path / "ck")] == [1]
+    dcp.load({}, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
+    dcp.save(_sd(1), storage_writer=pccheck.dcp.Writer(tmp_path / "ck"))  # then a real one
+    out = _empty()
+    dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
+    assert _same(out, _sd(1))
+    from pccheck.distributed import read_global
+
+    assert read_global(tmp_path / "ck")["step"] == 2
+
+
 def test_checkpoint_id_is_a_directory_and_saves_accumulate(tmp_path):
     w = pccheck.dcp.Writer()
     for seed in (1, 2):

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -42,6 +43,9 @@ from .dcp_store import close_stores, next_save, rank_store, record_finished
 __all__ = ["Writer", "Reader"]
 
 log = logging.getLogger("pccheck")
+
+# WriteResult index of a rank whose plan had no items (it still commits a slot; see write_data)
+_SLOT_MARKER = "_pccheck_dcp_slot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +183,16 @@ class Writer(StorageWriter, AsyncStager):
         else:
             epoch, step, committed = started
             kept = committed.result()  # raises the commit's error
-        return _done([WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
-                                  storage_data=Written(epoch, step, self.rank, names[item.index], kept))
-                      for item in plan.items])
+        results = [WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
+                               storage_data=Written(epoch, step, self.rank, names[item.index], kept))
+                   for item in plan.items]
+        if not results:
+            # A rank with nothing to write (an empty state_dict, or replicated items deduplicated
+            # to another rank) still committed a slot: the coordinator's finish learns the save's
+            # (epoch, step) from results only, so report the slot.
+            results = [WriteResult(index=MetadataIndex(_SLOT_MARKER), size_in_bytes=0,
+                                   storage_data=Written(epoch, step, self.rank, "", kept))]
+        return _done(results)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """Records the save as finished (complete on every rank) in ``PATH/GLOBAL``."""
