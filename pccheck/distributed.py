@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, NoCheckpointError
-from .orchestrator.retention import Retention
+from .orchestrator.retention import HeldSlots, Retention
 from .persist.files import GLOBAL, rank_dir, write_durably
 from .persist.recovery import Restored, load_slot, read_manifest, read_store, scan, store_files
 
@@ -165,9 +165,7 @@ class GroupCoordinator(Retention):
         self.group = group
         self.epoch = 0
         self.global_step: int | None = None
-        self._slot_step: dict[int, int] = {}  # what each slot of the open generation holds
-        self._held: set[int] = set()          # replaced slots this rank keeps (see the invariant)
-        self._gen = 0                         # the store generation _slot_step and _held refer to
+        self._slots = HeldSlots()             # what each slot holds; replaced slots kept (the invariant)
         self._recorded: int | None = None     # rank 0: the newest step written to GLOBAL
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -183,14 +181,14 @@ class GroupCoordinator(Retention):
         best, top_epoch = _agree(self.group, mine, seen)
         self.epoch = top_epoch + 1
         files = store_files(directory)
-        self._gen = files[0][0] if files else 1  # the generation the store will open (or create)
+        self._slots.generation = files[0][0] if files else 1  # the generation the store will open (or create)
         protect = []
         if best is not None:
             self.global_step = best[1]
             file, slot = mine[best]
             if files and file == files[0][1]:
                 protect.append(slot)
-                self._slot_step[slot] = best[1]
+                self._slots.step_of[slot] = best[1]
         self._protect = tuple(protect)
 
     # -- the retention policy (asked by the orchestrator) ---------------------------------------
@@ -206,8 +204,7 @@ class GroupCoordinator(Retention):
     def may_retire(self, generation: int) -> bool:
         """Older generations may go once a globally committed step lives in ``generation``."""
         with self._lock:
-            return (generation == self._gen and self.global_step is not None
-                    and self.global_step in self._slot_step.values())
+            return self._slots.holds(generation, self.global_step)
 
     def start(self, orch: Any) -> None:
         """Starts the log followers. The orchestrator's store holds replaced slots for us."""
@@ -223,33 +220,17 @@ class GroupCoordinator(Retention):
     def on_commit(self, step: int, slot: int) -> None:
         """After this rank's commit of ``step`` into ``slot`` became durable (commit thread)."""
         with self._lock:
-            self._sync_generation_locked()
-            self._slot_step[slot] = step
+            self._slots.record(self.orch, slot, step)
             self._settle_locked()
         st = self.group.store
         if st.add(f"e{self.epoch}/n/{step}", 1) == self.group.world_size:
             i = st.add(f"e{self.epoch}/c", 1)
             st.set(f"e{self.epoch}/c/{i}", str(step))
 
-    def _sync_generation_locked(self) -> None:
-        if self.orch.generation != self._gen:  # a new generation: slot numbers start over
-            self._gen, self._held, self._slot_step = self.orch.generation, set(), {}
-
     def _settle_locked(self) -> None:
         """Frees held slots that can no longer be the global latest (older than it)."""
-        orch = self.orch
-        if orch is None:
-            return
-        self._sync_generation_locked()
-        gen = self._gen
-        self._held.update(orch.take_held(gen))
-        g = self.global_step
-        for s in sorted(self._held):
-            step = self._slot_step.get(s)
-            if step is None or (g is not None and step < g):
-                self._held.discard(s)
-                self._slot_step.pop(s, None)
-                orch.release_slot(s, gen)
+        if self.orch is not None:
+            self._slots.settle(self.orch, self.global_step)
 
     # -- the logs -------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from ..errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import CommitInfo, Orchestrator
-from ..orchestrator.retention import Retention
+from ..orchestrator.retention import HeldSlots, Retention
 from ..orchestrator.stats import CheckpointStats
 from ..persist.files import GLOBAL, rank_dir, write_durably
 from ..persist.layout import plan
@@ -142,9 +142,7 @@ class SetRetention(Retention):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.finished: int | None = None
-        self._slot_step: dict[int, int] = {}
-        self._held: set[int] = set()
-        self._gen = 0
+        self._slots = HeldSlots()
         self._protect: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self.orch: Orchestrator | None = None
@@ -154,13 +152,13 @@ class SetRetention(Retention):
         keeps it from reuse (the reopened store keeps its CHECK_ADDR slot by itself)."""
         doc = read_global(self.root)
         keys = _slot_keys(directory)
-        self._gen = max([k[0] for k in keys] + [1])
+        self._slots.generation = max([k[0] for k in keys] + [1])
         if doc is not None:
             self.finished = doc["step"]
             for gen, slot, epoch, step in keys:
-                if gen == self._gen and (epoch, step) == (doc.get("epoch"), doc["step"]):
+                if gen == self._slots.generation and (epoch, step) == (doc.get("epoch"), doc["step"]):
                     self._protect = (slot,)
-                    self._slot_step[slot] = step
+                    self._slots.step_of[slot] = step
 
     def protected_slots(self) -> tuple[int, ...]:
         return self._protect
@@ -172,21 +170,20 @@ class SetRetention(Retention):
         if polled is not None:
             self.set_finished(polled)
         with self._lock:
-            return bool(self._held)
+            return bool(self._slots.held)
 
     def may_retire(self, generation: int) -> bool:
         """Older generations may go once the finished step lives in ``generation``."""
         with self._lock:
-            return (generation == self._gen and self.finished is not None
-                    and self.finished in self._slot_step.values())
+            return self._slots.holds(generation, self.finished)
 
     def attach(self, orch: Orchestrator) -> None:
         self.orch = orch
 
     def on_commit(self, step: int, slot: int) -> None:
         with self._lock:
-            self._sync_generation_locked()
-            self._slot_step[slot] = step
+            if self.orch is not None:
+                self._slots.record(self.orch, slot, step)
             self._settle_locked()
 
     def set_finished(self, step: int) -> None:
@@ -198,24 +195,10 @@ class SetRetention(Retention):
         if self.orch is not None:
             self.orch.retire_if_allowed()  # outside our lock: it takes ours (may_retire)
 
-    def _sync_generation_locked(self) -> None:
-        if self.orch is not None and self.orch.generation != self._gen:  # slot numbers start over
-            self._gen, self._held, self._slot_step = self.orch.generation, set(), {}
-
     def _settle_locked(self) -> None:
         """Frees held slots whose step is older than the finished one (the invariant above)."""
-        orch = self.orch
-        if orch is None:
-            return
-        self._sync_generation_locked()
-        self._held.update(orch.take_held(self._gen))
-        f = self.finished
-        for s in sorted(self._held):
-            step = self._slot_step.get(s)
-            if step is None or (f is not None and step < f):
-                self._held.discard(s)
-                self._slot_step.pop(s, None)
-                orch.release_slot(s, self._gen)
+        if self.orch is not None:
+            self._slots.settle(self.orch, self.finished)
 
 
 class RankStore:

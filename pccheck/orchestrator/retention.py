@@ -10,7 +10,9 @@ checkpoint the policy stands behind, so a crash at any point leaves one loadable
 
 from __future__ import annotations
 
-__all__ = ["Retention"]
+from typing import Any
+
+__all__ = ["Retention", "HeldSlots"]
 
 
 class Retention:
@@ -37,3 +39,40 @@ class Retention:
     def may_retire(self, generation: int) -> bool:
         """Whether generations older than ``generation`` (which has a durable commit) may go."""
         return True
+
+
+class HeldSlots:
+    """The bookkeeping of a policy with ``hold_replaced``: what each slot of the open generation
+    holds, and the replaced slots it keeps. Invariant: a held slot is given back only once its
+    step is older than the step the policy must keep (or it holds nothing known). Not locked:
+    the policy's own lock guards every call."""
+
+    def __init__(self) -> None:
+        self.generation = 0                # the store generation the two below refer to
+        self.step_of: dict[int, int] = {}  # slot -> the step it holds
+        self.held: set[int] = set()        # replaced slots kept from reuse
+
+    def record(self, orch: Any, slot: int, step: int) -> None:
+        """``slot`` of the orchestrator's open generation now holds ``step`` (a local commit)."""
+        self._sync(orch)
+        self.step_of[slot] = step
+
+    def holds(self, generation: int, step: int | None) -> bool:
+        """True if ``step`` lives in a slot of ``generation`` (it may then be retired behind)."""
+        return generation == self.generation and step is not None and step in self.step_of.values()
+
+    def settle(self, orch: Any, keep: int | None) -> None:
+        """Takes the slots the store replaced and gives back those older than ``keep``."""
+        self._sync(orch)
+        gen = self.generation
+        self.held.update(orch.take_held(gen))
+        for s in sorted(self.held):
+            step = self.step_of.get(s)
+            if step is None or (keep is not None and step < keep):
+                self.held.discard(s)
+                self.step_of.pop(s, None)
+                orch.release_slot(s, gen)
+
+    def _sync(self, orch: Any) -> None:
+        if orch.generation != self.generation:  # a new generation: slot numbers start over
+            self.generation, self.held, self.step_of = orch.generation, set(), {}
