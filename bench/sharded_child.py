@@ -111,12 +111,13 @@ def _writer(system: str, root: Path, i: int) -> Any:
 
 def load(spec: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
     system, root = spec["system"], Path(spec["dir"])
+    import torch.distributed.checkpoint.state_dict  # imports are not part of a load: every system's come first
+    import pccheck
+    import pccheck.dcp  # noqa: F401
     _sync()
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if system == "pccheck":
-        import pccheck
-
         r = pccheck.load_latest(root, model=model, optimizer=opt)
         extra = {"step": r.step, "bytes_read": r.bytes_read}
     else:
@@ -126,8 +127,6 @@ def load(spec: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
         if system == "pccheck_dcp":
-            import pccheck.dcp
-
             reader: Any = pccheck.dcp.Reader(root)
         else:
             from torch.distributed.checkpoint import FileSystemReader

@@ -61,9 +61,18 @@ class Group:
     store: Any  # a PrefixStore over the default group's store
 
 
+# (default process group, pccheck's Group over it): new_group costs ~0.1 s, and a job calls
+# detect_group at every Checkpointer and load. Invariant: every rank calls detect_group at the
+# same points (new_group is collective), so every rank has a cached Group or none, and reuses or
+# creates it at the same call; a re-initialised default group (destroy + init) gets a new one.
+_cached: tuple[Any, Group] | None = None
+
+
 def detect_group() -> Group | None:
     """The torch.distributed group, if one is initialised with more than one rank (never imports
-    torch itself: a process that did not import it is not distributed)."""
+    torch itself: a process that did not import it is not distributed). Collective the first time
+    per default process group."""
+    global _cached
     import sys
 
     torch = sys.modules.get("torch")
@@ -74,9 +83,14 @@ def detect_group() -> Group | None:
         return None
     from torch.distributed import distributed_c10d as c10d
 
+    default = dist.group.WORLD
+    if _cached is not None and _cached[0] is default:
+        return _cached[1]
     pg = dist.new_group(backend="gloo")  # collective: every rank creates it at the same point
     store = dist.PrefixStore("pccheck/", c10d._get_default_store())
-    return Group(dist.get_rank(), dist.get_world_size(), pg, store)
+    group = Group(dist.get_rank(), dist.get_world_size(), pg, store)
+    _cached = (default, group)
+    return group
 
 
 def _valid_checkpoints(directory: Path, full: bool,

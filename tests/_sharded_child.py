@@ -112,15 +112,26 @@ def main(argv: list[str]) -> None:
         _partial(world)
     elif mode == "shape":
         model, opt = build(kind, world, wide=8)
+        before = [t.detach().clone() for t in _locals(model)]
         try:
             pccheck.load_latest(path, model=model, optimizer=opt)
         except pccheck.ConfigError as exc:
             print(f"REFUSED {exc}", flush=True)
+        if all(torch.equal(a, b) for a, b in zip(before, _locals(model))):
+            print("UNTOUCHED", flush=True)
     else:
         model, opt = build(kind, world)
-        if mode == "load":
+        if mode == "damaged":
+            try:
+                pccheck.load_latest(path, model=model, optimizer=opt)
+            except pccheck.NoCheckpointError as exc:
+                print(f"NOCHECKPOINT {exc}", flush=True)
+        elif mode == "load":
+            ptrs = [t.data_ptr() for t in _locals(model)]
             r = pccheck.load_latest(path, model=model, optimizer=opt)
             print(f"LOADED {r.step} {r.bytes_read}", flush=True)
+            kept = sum(a == b.data_ptr() for a, b in zip(ptrs, _locals(model)))
+            print(f"INPLACE {kept} {len(ptrs)}", flush=True)
             state = full_state(model, opt, world)
             if rank == 0 and compare:
                 ref = torch.load(out, weights_only=True)
@@ -140,6 +151,10 @@ def main(argv: list[str]) -> None:
                 s += 1
                 step(kind, model, opt, s)
                 ck.maybe_checkpoint(s)
+                if s == 3 and mode == "save":  # the reference for a load that falls back to step 3
+                    state = full_state(model, opt, world)
+                    if rank == 0:
+                        torch.save(state, out + ".3")
                 print(f"STEP {s}", flush=True)
             ck.checkpoint(steps)
             ck.wait()
@@ -149,6 +164,11 @@ def main(argv: list[str]) -> None:
             ck.close()
     if world > 1:
         dist.destroy_process_group()
+
+
+def _locals(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's own memory of every parameter (a DTensor's local shard)."""
+    return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
 
 
 def _partial(world: int) -> None:

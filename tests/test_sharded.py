@@ -60,6 +60,10 @@ def test_fsdp_saved_on_two_loads_on_any_world_size(fsdp_saved, tmp_path, world):
     outs = run_job("load", "fsdp", path, world, ref)
     assert "EQUAL" in outs[0]
     assert {loaded(o)[0] for o in outs} == {4}
+    # The chunks were read straight into the model's own shards (no second copy of the state).
+    for o in outs:
+        kept, total = map(int, next(l for l in o.splitlines() if l.startswith("INPLACE")).split()[1:])
+        assert kept == total > 0, o
     # Every rank reads what its own shards need (plus the replicated tensors); together they
     # read at least the whole state once.
     assert all(loaded(o)[1] > 0 for o in outs)
@@ -108,14 +112,21 @@ def test_load_into_a_model_of_another_shape_names_the_tensor(fsdp_saved, tmp_pat
     saved, ref = fsdp_saved
     outs = run_job("shape", "fsdp", saved, 2, ref, timeout=120)
     for o in outs:
-        # The tensors are built in parallel: the first one found names itself (weight or bias).
+        # Every shape is checked before a byte is read: the first mismatch names itself, and the
+        # model is left as it was.
         assert "REFUSED" in o and re.search(r"'blocks\.[012]\.(weight|bias)'.*holds shape \[(7|10)", o), o
+        assert "UNTOUCHED" in o, o
 
 
 def _corrupt_newest(rank_dir: Path) -> int:
     """Flips one byte of the first array of the newest slot; returns its step."""
+    return _corrupt_newest_but(rank_dir, None)
+
+
+def _corrupt_newest_but(rank_dir: Path, step: int | None) -> int:
+    """Flips one byte of the first array of the newest slot not of ``step``; returns its step."""
     image = read_store(store_files(rank_dir)[0][1])
-    st = max((st for st in image.slots if st.meta), key=lambda st: st.meta["counter"])
+    st = max((st for st in image.slots if st.meta and st.meta["step"] != step), key=lambda st: st.meta["counter"])
     with open(image.path, "r+b") as f:
         man = read_manifest(image, st.slot, f.fileno())
         entry = next(e for e in man.arrays if e.nbytes)
@@ -132,8 +143,21 @@ def test_a_damaged_chunk_makes_every_rank_fall_back_together(fsdp_saved, tmp_pat
     path = tmp_path / "ck"
     shutil.copytree(saved, path)
     assert _corrupt_newest(path / "rank-1") == 4
-    outs = run_job("load", "fsdp", path, 3, ref, "--no-compare")
+    # Step 4's chunks were read into the model before the vote; step 3 overwrites every tensor:
+    # the state equals the one saved at step 3.
+    outs = run_job("load", "fsdp", path, 3, Path(f"{ref}.3"))
     assert {loaded(o)[0] for o in outs} == {3}
+    assert "EQUAL" in outs[0]
+
+
+def test_when_no_set_loads_the_error_says_the_model_was_partly_written(fsdp_saved, tmp_path):
+    saved, ref = fsdp_saved
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    assert _corrupt_newest(path / "rank-1") == 4
+    assert _corrupt_newest_but(path / "rank-1", 4) == 3
+    for o in run_job("damaged", "fsdp", path, 2, ref, timeout=120):
+        assert "NOCHECKPOINT" in o and "step 4" in o and "step 3" in o and "initialise them again" in o, o
 
 
 def test_sigkill_mid_checkpoint_every_rank_loads_the_same_committed_step(tmp_path):

@@ -29,7 +29,7 @@ from ..errors import CorruptCheckpointError
 from ..native import _native
 from .layout import ArrayEntry
 
-__all__ = ["read_region", "read_array", "read_entry", "crc32c", "prefault"]
+__all__ = ["read_region", "read_array", "read_entry", "crc32c", "prefault", "fresh_buffer"]
 
 PIECE = 32 << 20
 
@@ -38,6 +38,16 @@ def prefault(view: memoryview) -> None:
     """Faults fresh memory in (writes one byte per page), so a later timed read or copy does not
     pay for it (for readers above persist: the tuner's scratch chunks)."""
     _native.prefault(view)
+
+
+def fresh_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh memory as a uint8 array over an anonymous mapping with transparent huge
+    pages (its first touch faults 2 MiB at a time instead of 4 KiB: several times cheaper on these
+    machines). The array keeps the mapping alive."""
+    mm = mmap.mmap(-1, max(1, nbytes))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
 
 def read_array(fd: int, offset: int, nbytes: int, piece: int = 8 << 20,
@@ -91,11 +101,8 @@ def read_region(path: Path, offset: int, length: int,
     array plus the crc32c of each ``(start, nbytes)`` span of it (spans sorted, disjoint)."""
     if length == 0:
         return np.empty(0, np.uint8), [0] * len(spans)
-    mm = mmap.mmap(-1, length)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)  # fewer, cheaper first-touch faults
-    buf = np.frombuffer(mm, dtype=np.uint8)
-    view = memoryview(mm)
+    buf = fresh_buffer(length)
+    view = memoryview(buf)
     starts = [s for s, _ in spans]
     pieces = [(p, min(PIECE, length - p)) for p in range(0, length, PIECE)]
     fd = _open(path)

@@ -99,9 +99,12 @@ class Destination:
     wrap: Callable[[Any], Any]
 
 
-def destination(like: Any, dtype: Any, global_shape: tuple[int, ...]) -> Destination:
+def destination(like: Any, dtype: Any, global_shape: tuple[int, ...], reuse: Any = None) -> Destination:
     """A destination laid out as ``like`` (a DTensor: its mesh and placements; anything else: a
-    plain tensor holding the whole ``global_shape``)."""
+    plain tensor holding the whole ``global_shape``). Its buffer is ``reuse``'s own memory (the
+    model's or optimizer's current tensor) when that has exactly this layout and dtype and is
+    contiguous, so a load writes the state where it will live (no second copy in memory, no
+    fresh pages to fault in); else fresh memory."""
     import torch
 
     if is_dtensor(like) and tuple(like.shape) == tuple(global_shape):
@@ -113,12 +116,21 @@ def destination(like: Any, dtype: Any, global_shape: tuple[int, ...]) -> Destina
         if coord is None:
             raise ConfigError("destination DTensor: this rank is not part of its device mesh")
         box = local_box(global_shape, tuple(mesh.shape), coord, dims)
-        local = torch.empty(box.sizes, dtype=dtype, device=like.to_local().device)
+        local = None
+        if (is_dtensor(reuse) and reuse.dtype == dtype and tuple(reuse.shape) == tuple(global_shape)
+                and reuse.device_mesh == mesh and tuple(reuse.placements) == tuple(placements)):
+            own = reuse.to_local().detach()
+            local = own if tuple(own.shape) == box.sizes and own.is_contiguous() else None
+        if local is None:
+            local = torch.empty(box.sizes, dtype=dtype, device=like.to_local().device)
         stride = torch.empty(global_shape, dtype=dtype, device="meta").stride()
 
         def wrap(t: Any) -> Any:
             return DTensor.from_local(t, mesh, placements, run_check=False, shape=torch.Size(global_shape),
                                       stride=stride)
         return Destination(box, local, wrap)
+    if (isinstance(reuse, torch.Tensor) and not is_dtensor(reuse) and reuse.dtype == dtype
+            and tuple(reuse.shape) == tuple(global_shape) and reuse.is_contiguous()):
+        return Destination(full_box(global_shape), reuse.detach(), lambda t: t)
     device = like.device if isinstance(like, torch.Tensor) and not is_dtensor(like) else "cpu"
     return Destination(full_box(global_shape), torch.empty(global_shape, dtype=dtype, device=device), lambda t: t)

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -47,7 +48,7 @@ class Member:
     slot: int
     manifest: Manifest
 
-    @property
+    @cached_property
     def entries(self) -> dict[str, tuple[ArrayEntry, int]]:
         return {e.name: (e, c) for e, c in zip(self.manifest.arrays, self.manifest.crcs)}
 
@@ -97,14 +98,18 @@ class CheckpointSet:
             self._tensors = _merge(self.members)
         return self._tensors
 
-    def read(self, rank: int, name: str) -> np.ndarray:
-        """Array ``name`` of rank ``rank``'s slot, checked against its crc32c (thread-safe)."""
+    def read(self, rank: int, name: str, into: np.ndarray | None = None) -> np.ndarray:
+        """Array ``name`` of rank ``rank``'s slot, checked against its crc32c (thread-safe); read
+        straight into ``into`` (a uint8 array of the array's size) when given."""
         m = self.members[rank]
         entries = m.entries
         if name not in entries:
             raise CorruptCheckpointError(f"{m.image.path} slot {m.slot}: no array {name!r}")
         try:
-            arr = read_entry(self._fd(rank), slot_base(m.image, m.slot), *entries[name])
+            entry, crc = entries[name]
+            if into is not None and into.nbytes != entry.nbytes:
+                raise ValueError(f"array {name!r} holds {entry.nbytes} bytes, the destination {into.nbytes}")
+            arr = read_entry(self._fd(rank), slot_base(m.image, m.slot), entry, crc, into=into)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{m.image.path} slot {m.slot} (step {self.step}): {exc}") from None
         with self._lock:

@@ -5,9 +5,17 @@ visible to every loading rank), then builds each tensor it needs: for a model en
 the model's own tensor (a DTensor: the box its placements give this rank; a plain tensor: the
 whole), for optimizer state the layout of its parameter (same global shape) or the whole. Each
 saved chunk that overlaps that box is read once, checked against its crc32c, and its overlap
-copied in. Nothing is put into the model, the optimizer or the RNGs until every rank has built
-its state: a rank that meets a damaged chunk makes the whole group fall back to the next older
-set together (the ranks vote after building).
+put in place.
+
+Where the model's tensor, or the optimizer's current state tensor, already has the layout being
+built, the chunks are read straight into its memory (FORMAT.md §9.2): a load then holds no second
+copy of the state and faults in no fresh pages (the first touch of fresh memory costs as much as
+the read on these machines). Every shape is checked before the first byte is read, so a wrong
+model (a ConfigError) leaves it untouched. A set that fails (a damaged chunk on any rank: the
+ranks vote after building) may have been partly read into those tensors; the group then falls
+back together to the next older set, which writes every one of them again. Only if no set
+loads are they left holding parts of a damaged one, and the NoCheckpointError says so. The
+optimizer's hyperparameters, the RNGs and the extra state are applied after the vote only.
 
 Per-rank state (RNG, extra_state) comes from the saved rank of the same number; a loading rank
 beyond the saved world size takes rank 0's extra state and keeps its own RNG state.
@@ -46,6 +54,7 @@ def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -
     rank reaches each vote, whatever it met (a ConfigError on any rank is raised on all)."""
     rank = group.rank if group is not None else 0
     problems: list[str] = []
+    touched = False  # a failed set's chunks were read into the model's or optimizer's tensors
     for cand in _candidates(path, group):
         built, why = None, None
         try:
@@ -57,6 +66,7 @@ def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -
             why = ("config", str(exc))
         finally:
             cand.close()
+        touched = touched or cand.bytes_read > 0
         failed = _failures(group, why)
         if failed:
             problems.append(f"step {cand.step}: {'; '.join(failed)}")
@@ -77,7 +87,9 @@ def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -
         return Restored(cand.step, nested, man.metadata, man.counter, member.image.generation, member.slot,
                         member.image.path, {}, man.tree, man.epoch, bytes_read=cand.bytes_read)
     detail = f" ({'; '.join(problems)})" if problems else ""
-    raise NoCheckpointError(f"no sharded checkpoint under {path} could be loaded{detail}")
+    partly = (" The model's and optimizer's tensors may hold parts of a damaged checkpoint: initialise them again "
+              "before training from scratch." if touched and state is not None else "")
+    raise NoCheckpointError(f"no sharded checkpoint under {path} could be loaded{detail}.{partly}")
 
 
 def _candidates(path: Path, group: Any) -> list[CheckpointSet]:
@@ -132,12 +144,24 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
             return dest.wrap(dest.local)
         return t.to(map_location) if map_location is not None else t
 
-    def build(fqn: str) -> Any:
-        info = tensors.get(fqn)
-        if info is None:
-            raise CorruptCheckpointError(f"the tree names tensor {fqn!r}, which no rank's shards section lists")
-        dest = destination(layouts.like(fqn, info.shape), torch_dtype(info.dtype), info.shape)
-        _fill(cand, info, dest)
+    def place(fqns: list[str]) -> dict[str, Destination]:
+        """Every destination, before a byte is read: a wrong shape raises here, model untouched."""
+        dests, owners = {}, set()
+        for fqn in fqns:
+            info = tensors.get(fqn)
+            if info is None:
+                raise CorruptCheckpointError(f"the tree names tensor {fqn!r}, which no rank's shards section lists")
+            like = layouts.like(fqn, info.shape)
+            dest = destination(like, torch_dtype(info.dtype), info.shape, layouts.current(fqn))
+            if dest.local.numel() and dest.local.data_ptr() in owners:  # tied tensors: one fill per memory
+                dest = destination(like, torch_dtype(info.dtype), info.shape)
+            owners.add(dest.local.data_ptr())
+            dests[fqn] = dest
+        return dests
+
+    def build(item: tuple[str, Destination]) -> Any:
+        fqn, dest = item
+        _fill(cand, tensors[fqn], dest)
         t = dest.wrap(dest.local)
         return t.to(map_location) if map_location is not None and state is None else t
 
@@ -146,13 +170,13 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
             raise ConfigError("this checkpoint was written through pccheck.dcp.Writer (no model tree): load it "
                               "with torch.distributed.checkpoint.load(..., storage_reader=pccheck.dcp.Reader(path)), "
                               "or with pccheck.load_latest(path) without model=")
-        return _in_parallel(build, list(tensors)), member
+        return _in_parallel(build, place(list(tensors))), member
     wanted = state_tree(tree)
     if state is not None and state.optimizer is None:
         wanted["d"].pop("optimizer", None)  # not read at all
     # Every tensor the tree refers to is built first, several at a time: each reads its own
     # chunks (preadv, crc32c and the copies release the GIL), so the reads overlap.
-    built = _in_parallel(build, sorted(_shard_leaves(wanted)))
+    built = _in_parallel(build, place(sorted(_shard_leaves(wanted))))
     nested = unwrap_extra(rebuild(wanted, _MemberArrays(cand, member), as_tensor, built.__getitem__))
     return nested, member
 
@@ -160,12 +184,13 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
 READ_THREADS = 4
 
 
-def _in_parallel(build: Callable[[str], Any], fqns: list[str]) -> dict[str, Any]:
-    """fqn -> build(fqn), on up to READ_THREADS threads; the first error is raised."""
-    if len(fqns) < 2:
-        return {f: build(f) for f in fqns}
+def _in_parallel(build: Callable[[tuple[str, Destination]], Any], dests: dict[str, Destination]) -> dict[str, Any]:
+    """fqn -> build((fqn, destination)), on up to READ_THREADS threads; the first error is raised."""
+    items = list(dests.items())
+    if len(items) < 2:
+        return {f: build((f, d)) for f, d in items}
     with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="pccheck-reshard") as pool:
-        return dict(zip(fqns, pool.map(build, fqns)))
+        return dict(zip(dests, pool.map(build, items)))
 
 
 def _shard_leaves(node: Any) -> set[str]:
@@ -209,6 +234,19 @@ class _Layouts:
         self.model = state.model.state_dict() if state is not None else {}
         self.params = ([p for g in state.optimizer.param_groups for p in g["params"]]
                        if state is not None and state.optimizer is not None else [])
+        self.opt_state = state.optimizer.state if state is not None and state.optimizer is not None else {}
+
+    def current(self, fqn: str) -> Any:
+        """The model's or optimizer's current tensor that ``fqn`` replaces on apply (a load may
+        read into its memory: see the module docstring), or None."""
+        head, _, rest = fqn.partition("/")
+        if head == "model":
+            return self.model.get(rest)
+        parts = rest.split("/")
+        if head == "optimizer" and len(parts) == 3 and parts[0] == "state" and parts[1].isdigit():
+            i = int(parts[1])
+            return self.opt_state.get(self.params[i], {}).get(parts[2]) if i < len(self.params) else None
+        return None
 
     def like(self, fqn: str, shape: tuple[int, ...]) -> Any:
         """The tensor whose layout tensor ``fqn`` of global ``shape`` takes, or None (whole)."""
@@ -228,8 +266,12 @@ class _Layouts:
 
 
 def _fill(cand: CheckpointSet, info: TensorInfo, dest: Destination) -> None:
-    """Copies the overlap of every saved chunk of ``info`` into ``dest``; CorruptCheckpointError
-    if the chunks leave part of the destination box uncovered."""
+    """Puts the overlap of every saved chunk of ``info`` into ``dest``; CorruptCheckpointError
+    if the chunks leave part of the destination box uncovered. A chunk that lies wholly inside
+    the box on a contiguous stretch of the buffer (a Shard(0) chunk going into a rank holding
+    the same or more rows: the usual case) is read straight into it; any other is read into a
+    buffer of its own and its overlap copied (the whole chunk is read either way: its crc32c
+    covers all of it)."""
     import torch
 
     covered = 0
@@ -237,10 +279,14 @@ def _fill(cand: CheckpointSet, info: TensorInfo, dest: Destination) -> None:
         ov = overlap(chunk.box, dest.box)
         if ov is None or numel(ov) == 0:
             continue
-        src = torch.from_numpy(cand.read(chunk.rank, chunk.array))
-        if info.dtype in TORCH_ONLY:
-            src = src.view(torch_dtype(info.dtype))
-        dest.local[ov.slices(dest.box.offsets)].copy_(src[ov.slices(chunk.box.offsets)])
+        region = dest.local.detach()[ov.slices(dest.box.offsets)]
+        if ov == chunk.box and region.device.type == "cpu" and region.is_contiguous():
+            cand.read(chunk.rank, chunk.array, into=region.view(-1).view(torch.uint8).numpy())
+        else:
+            src = torch.from_numpy(cand.read(chunk.rank, chunk.array))
+            if info.dtype in TORCH_ONLY:
+                src = src.view(torch_dtype(info.dtype))
+            region.copy_(src[ov.slices(chunk.box.offsets)])
         covered += numel(ov)
     if covered < numel(dest.box):
         raise CorruptCheckpointError(f"tensor {info.fqn!r}: the saved chunks cover {covered} of the {numel(dest.box)} "

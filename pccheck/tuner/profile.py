@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import mmap
 import os
 import shutil
 import statistics
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, PathNotWritableError
-from ..persist.reader import prefault
+from ..persist.reader import fresh_buffer, prefault
 from . import model
 from .samples import (
     DEFAULT_CHUNKS,
@@ -95,11 +94,9 @@ CheckpointerFactory = Callable[..., Any]
 def host_chunks(nbytes: int) -> np.ndarray:
     """``nbytes`` of host memory prepared like the engine's chunk pool: an anonymous mapping with
     transparent huge pages, every page faulted in once (first touch is slow on these machines)."""
-    mm = mmap.mmap(-1, max(BLOCK, nbytes))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    prefault(memoryview(mm))
-    return np.frombuffer(mm, dtype=np.uint8)  # keeps the mapping alive
+    buf = fresh_buffer(max(BLOCK, nbytes))
+    prefault(memoryview(buf))
+    return buf
 
 
 def copy_bandwidth(state: EmulatedState, chunk_size: int, repeats: int = 3,
