@@ -8,7 +8,7 @@ saved chunk that overlaps that box is read once, checked against its crc32c, and
 put in place.
 
 Where the model's tensor, or the optimizer's current state tensor, already has the layout being
-built, the chunks are read straight into its memory (FORMAT.md §9.2): a load then holds no second
+built, the chunks are read straight into its memory: a load then holds no second
 copy of the state and faults in no fresh pages (the first touch of fresh memory costs as much as
 the read on these machines). Every shape is checked before the first byte is read, so a wrong
 model (a ConfigError) leaves it untouched. A set that fails (a damaged chunk on any rank: the
