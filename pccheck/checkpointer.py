@@ -32,6 +32,7 @@ from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
 from .persist.layout import Layout, plan
+from .spread.mode import SpreadMode, check_spread, substitute
 from .torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
@@ -115,6 +116,8 @@ class Checkpointer:
         if not (on_error in ("raise", "log") or callable(on_error)):
             raise ConfigError("on_error must be 'raise', 'log' or a callable taking the exception")
         self._source, self.soft_cow = _make_source(state, optimizer, extra_state, self.options)
+        if self.options.snapshot.spread_steps != 1:
+            check_spread(self._source, optimizer)  # before anything is opened
         self.state = state
         self.optimizer = optimizer
         self.when_busy = self.options.engine.when_busy
@@ -147,6 +150,11 @@ class Checkpointer:
             self._orch = self._open(engine, layout, snap, group)
             if self.soft_cow:
                 self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
+        self._spread: SpreadMode | None = None
+        if self.options.snapshot.spread_steps != 1 and self._orch is not None:
+            self._spread = SpreadMode(self.options.snapshot.spread_steps, self._source, optimizer,
+                                      self.options.engine.dram_budget)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -226,6 +234,10 @@ class Checkpointer:
         # `pccheck-tune -- python train.py` times the iterations here when the script does not
         # report them itself (a no-op otherwise: one environment lookup).
         report_from_checkpointer(self._state_bytes)
+        if self._spread is not None:
+            self._spread.on_call(step)
+            if self._spread.ready():  # k steps since it began: this call's step finishes it
+                self._finish_spread(step, metadata)
         if self._tuner is None:
             if step % self.interval != 0:
                 return False
@@ -250,6 +262,14 @@ class Checkpointer:
             return False
         if isinstance(self._source, TorchState):
             wait_for_pending(self.state)  # never snapshot a model a lazy restore is still filling
+        if self._spread is not None:
+            self._spread.mark(step)
+            if self._spread.active():  # not finished by a maybe_checkpoint call: finish it now
+                self._finish_spread(step, metadata)
+            k = self._spread.steps_for_next(self._orch.stats)
+            if k > 1 and not self._source.may_grow():
+                self._spread.begin(k)  # finished by the call after k optimizer steps
+                return True
         snap = self._source.snapshot()
         meta = {**self.metadata, **_check_metadata(metadata)}
         try:
@@ -263,6 +283,29 @@ class Checkpointer:
                 raise
             self._background_error(exc)
             return False
+
+    def _finish_spread(self, step: int, metadata: Mapping[str, Any] | None) -> bool:
+        """Ends the active spread checkpoint as ``step``: the live part of the state (buffers,
+        extra state, RNGs, anything outside the optimizer) is copied now, the shadow once its
+        replay is done; then the usual write and commit."""
+        res = self._spread.finish()
+        snap = self._source.snapshot()
+        arrays, n_live = substitute(snap.arrays, res)
+        meta = {**self.metadata, **_check_metadata(metadata)}
+        try:
+            started = self._orch.start(int(step), arrays, meta, tree=snap.tree, epoch=self._epoch(), n_eager=n_live,
+                                       validate=res.failed, hold=res.hold, copied=res.copied,
+                                       cow_wait=res.waited_s, extra_stats=res.stats)
+            if not started:  # skipped (when_busy="skip"): the shadow is free again
+                res.copied.set()
+            return started
+        except BaseException as exc:
+            res.hold.set()
+            res.copied.set()  # the shadow is free again
+            if isinstance(exc, StorageError) and self._on_error_policy != "raise":
+                self._background_error(exc)
+                return False
+            raise
 
     def _state_bytes(self) -> int:
         """Bytes of the newest checkpoint, or of the state as first planned (before any)."""
@@ -289,10 +332,24 @@ class Checkpointer:
             self._history(info)
 
     def wait(self) -> None:
-        """Blocks until every checkpoint in flight has committed; raises a pending error."""
+        """Blocks until every checkpoint in flight has committed; raises a pending error. A spread
+        checkpoint still gathering its parts is finished first, as the step of the last
+        ``maybe_checkpoint`` call (abandoned, with a warning, if the optimizer stepped since)."""
+        self._settle_spread()
         if self._orch is not None:
             self._orch.wait()
         self._raise_pending()
+
+    def _settle_spread(self) -> None:
+        if self._spread is None or not self._spread.active():
+            return
+        last = self._spread.finishable_as()
+        if last is None:
+            log.warning("pccheck: the spread checkpoint in progress is abandoned: the optimizer stepped after the "
+                        "last maybe_checkpoint call, so the step it would hold is unknown")
+            self._spread.abandon()
+        else:
+            self._finish_spread(last, None)
 
     @property
     def interval_changes(self) -> list[IntervalChange]:
@@ -329,6 +386,12 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for checkpoints in flight, stops the writers and releases the store lock."""
+        if self._spread is not None:
+            try:
+                self._settle_spread()
+            finally:
+                self._spread.close()
+                self._spread = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -48,6 +48,14 @@ class SnapshotOptions:
             (none on the CPU). None (default): no reserve.
         copy_engine: the engine that copies the state into DRAM chunks (default: chosen by where
             the tensors live: CUDA, cupy or the CPU).
+        spread_steps: GoCkpt mode (pccheck.spread): spread each snapshot over this many optimizer
+            steps, one part of the parameters and their optimizer state copied per step, and
+            replay the later steps' captured gradients on the CPU so the checkpoint is the exact
+            state of the step that finishes it. 1 (default): the whole snapshot at once. "auto":
+            the first checkpoint is taken with 1; from its measured copy bandwidth, the iteration
+            time and the state and gradient sizes the stall model picks k for the rest. Needs an
+            optimizer pccheck can replay exactly (SGD, Adam, AdamW) and ``maybe_checkpoint`` called
+            every iteration (the call after k steps finishes the checkpoint).
     """
 
     soft_cow: bool | None = None
@@ -55,9 +63,14 @@ class SnapshotOptions:
     eager: tuple[str, ...] = ()
     device_reserve: int | str | None = None
     copy_engine: CopyEngine | None = field(default=None, compare=False)
+    spread_steps: int | str = 1
 
     def __post_init__(self) -> None:
         _check_bool("soft_cow", self.soft_cow, optional=True)
+        if isinstance(self.spread_steps, str) and self.spread_steps != AUTO:
+            raise ConfigError(f'spread_steps must be an integer in [1, {MAX_SPREAD}] or "auto", got {self.spread_steps!r}')
+        if self.spread_steps != AUTO:
+            check_int("spread_steps", self.spread_steps, 1, MAX_SPREAD)
         _check_bool("capture_rng", self.capture_rng)
         if isinstance(self.eager, str) or not isinstance(self.eager, Iterable):
             raise ConfigError(f"eager must be a list of state_dict names, got {self.eager!r}")
@@ -71,6 +84,9 @@ class SnapshotOptions:
             check_int("device_reserve", self.device_reserve, 0)
         if self.copy_engine is not None and not isinstance(self.copy_engine, CopyEngine):
             raise ConfigError(f"copy_engine must be a pccheck CopyEngine, got {type(self.copy_engine).__name__}")
+
+
+MAX_SPREAD = 64  # spread_steps: "auto" picks at most 8 (pccheck.spread.plan.MAX_STEPS)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("front-end", ("pccheck.checkpointer", "pccheck.options", "pccheck.torch_state", "pccheck.restore",
                    "pccheck.history", "pccheck.export", "pccheck.inventory", "pccheck.distributed",
                    "pccheck.tuner.config", "pccheck.tuner.online", "pccheck.tuner.model", "pccheck.tuner.search",
-                   "pccheck.tuner.samples", "pccheck.lazy", "pccheck.sharded", "pccheck.integrations")),
+                   "pccheck.tuner.samples", "pccheck.lazy", "pccheck.sharded", "pccheck.integrations",
+                   "pccheck.spread")),
     ("entry", ("pccheck", "pccheck.aio", "pccheck.dcp", "pccheck.cli", "pccheck.demo", "pccheck.tune", "pccheck.tuner",
                "pccheck.tuner.cli", "pccheck.tuner.profile", "pccheck.tuner.workload", "pccheck.__main__")),
 ]

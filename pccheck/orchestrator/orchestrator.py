@@ -80,6 +80,8 @@ class _Flight:
     staged: list = field(default_factory=list)  # (chunk, reserve offset, token), guarded by lock
     checked: bool = False  # the version check ran (guarded by lock), with this result:
     problem: str | None = None
+    hold: threading.Event | None = None  # pccheck's own tail buffers are final once set (start())
+    extra_stats: Mapping[str, Any] = field(default_factory=dict)
 
     def check(self) -> str | None:
         """The snapshot's version check, once, after the last read of live memory and before
@@ -271,7 +273,9 @@ class Orchestrator:
 
     def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
               tree: Any = None, epoch: int | None = None, n_eager: int | None = None,
-              validate: Callable[[], str | None] | None = None) -> bool:
+              validate: Callable[[], str | None] | None = None, hold: threading.Event | None = None,
+              copied: threading.Event | None = None, cow_wait: float = 0.0,
+              extra_stats: Mapping[str, Any] | None = None) -> bool:
         """Starts one checkpoint. Returns False if it was skipped (``when_busy="skip"``).
         ``tree`` and ``epoch`` go to the manifest's own fields (FORMAT.md §5).
 
@@ -279,18 +283,20 @@ class Orchestrator:
         returns once the first k arrays are copied; the rest is copied in the background, and
         :meth:`ensure_copied` must run before anything mutates them (soft copy-on-write).
         ``validate`` runs after the copy; a message it returns fails the checkpoint.
+
+        ``hold`` (with ``n_eager=k``): the arrays after the first k are pccheck's own buffers,
+        not live memory (a spread checkpoint's shadow, pccheck.spread), still being written until
+        ``hold`` is set. The background copies them once it is; :meth:`ensure_copied` never waits
+        for them. ``copied`` is set once every byte of this checkpoint is in DRAM chunks (or it
+        failed). ``cow_wait`` (seconds the caller already waited for it) and ``extra_stats``
+        (fields of :class:`CheckpointStats`, read when it finishes) go to its stats.
         """
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
         layout = plan(arrays)
-        if self.engine_options.when_busy == "skip":
-            if not self._inflight.acquire(blocking=False):
-                with self._lock:
-                    self.skipped += 1
-                return False
-        else:
-            self._inflight.acquire()
+        if not self._permit():
+            return False
         stall = time.perf_counter() - t0
         try:
             self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
@@ -313,7 +319,10 @@ class Orchestrator:
             native.release_slot(slot)
             self._inflight.release()
             raise
-        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, validate, t0, stall)
+        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, validate, t0, stall,
+                     cow_wait=cow_wait, hold=hold, extra_stats=extra_stats or {})
+        if copied is not None:
+            fl.copied = copied
         t1 = time.perf_counter()
         try:
             if n_eager is None:
@@ -331,13 +340,25 @@ class Orchestrator:
         fl.blocked_copy = time.perf_counter() - t1
         if n_eager is None:
             fl.copied.set()
-        else:
+        elif hold is None:  # the rest is live memory: soft copy-on-write
             with self._lock:
                 self._copying.append(fl)
         fut = self._pool.submit(self._finish, fl)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
+        return True
+
+    def _permit(self) -> bool:
+        """Takes one of the N in-flight permits: waits for it, or with ``when_busy="skip"``
+        returns False (counted in ``skipped``) if none is free."""
+        if self.engine_options.when_busy == "skip":
+            if not self._inflight.acquire(blocking=False):
+                with self._lock:
+                    self.skipped += 1
+                return False
+        else:
+            self._inflight.acquire()
         return True
 
     def ensure_copied(self) -> float:
@@ -417,6 +438,8 @@ class Orchestrator:
             if not fl.copied.is_set():
                 failure: Exception | None = None
                 try:
+                    if fl.hold is not None:
+                        fl.hold.wait()  # the shadow is final (its replay is done)
                     self.copy_engine.copy(job, fl.src)  # the rest, beside training
                 except Exception as exc:
                     abandon(job, errno.EIO)
@@ -426,7 +449,8 @@ class Orchestrator:
                 job.wait_copied()
                 problem = fl.check() if failure is None else None
                 with self._lock:
-                    self._copying.remove(fl)
+                    if fl in self._copying:
+                        self._copying.remove(fl)
                 fl.copied.set()
                 if failure is not None or problem:
                     job.wait()
@@ -468,7 +492,7 @@ class Orchestrator:
             st = CheckpointStats(
                 step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
                 job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
-                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare)
+                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, **fl.extra_stats)
             self.stats.append(st)
             if self._on_finished is not None:
                 try:

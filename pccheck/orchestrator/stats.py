@@ -31,6 +31,11 @@ class CheckpointStats:
     # inside the call, before the copy: opening the store (the first checkpoint) or a new
     # generation, regrowing the chunk pool, waiting for a free slot, describing the arrays
     prepare_s: float = 0.0
+    # GoCkpt mode (spread_steps): the optimizer steps the snapshot was spread over, the gradient
+    # bytes captured for it, and the seconds its CPU replay took (on a checkpoint thread)
+    spread_steps: int = 1
+    grad_bytes: int = 0
+    replay_s: float = 0.0
 
     @property
     def blocked_s(self) -> float:

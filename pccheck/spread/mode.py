@@ -1,0 +1,131 @@
+"""A Checkpointer's GoCkpt mode: when to spread, over how many steps, and what it hands the
+orchestrator (the front-end's side of :mod:`.driver`)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+from ..errors import ConfigError
+from .driver import Spreader, SpreadResult, identity
+from .plan import auto_steps
+from .replay import check_replayable
+
+__all__ = ["SpreadMode", "Finishing", "check_spread", "substitute"]
+
+log = logging.getLogger("pccheck")
+
+
+def check_spread(source: Any, optimizer: Any) -> None:
+    """ConfigError unless ``spread_steps`` can work for this state: a model with an optimizer
+    pccheck can replay exactly, not sharded (yet)."""
+    from ..torch_state import TorchState
+
+    if not isinstance(source, TorchState) or optimizer is None:
+        raise ConfigError("spread_steps needs a torch.nn.Module with its optimizer (the later steps are replayed "
+                          "from its captured gradients); use spread_steps=1")
+    if source.sharded:
+        raise ConfigError("spread_steps does not support sharded (DTensor) state yet; use spread_steps=1")
+    check_replayable(optimizer)
+
+
+class Finishing:
+    """What the Checkpointer passes to the orchestrator for a finished spread."""
+
+    def __init__(self, res: SpreadResult, waited_s: float) -> None:
+        self.hold, self.copied, self.stats, self.waited_s = res.hold, res.copied, res.stats, waited_s
+        self._res = res
+
+    def failed(self) -> str | None:
+        """The replay's failure, if any (the orchestrator fails the checkpoint on it)."""
+        return "; ".join(self._res.problem) or None
+
+
+def substitute(arrays: Mapping[str, Any], fin: Finishing) -> tuple[dict[str, Any], int]:
+    """The snapshot's arrays with every live parameter and optimizer state tensor of the spread
+    replaced by its shadow tensor, live ones first; and how many are live (copied at once)."""
+    sub = fin._res.substitute
+    live, shadow = {}, {}
+    for name, a in arrays.items():
+        key = identity(a) if hasattr(a, "untyped_storage") else None
+        if key is not None and key in sub:
+            shadow[name] = sub[key]
+        else:
+            live[name] = a
+    return {**live, **shadow}, len(live)
+
+
+class SpreadMode:
+    """Spread checkpoints for one Checkpointer (``spread_steps`` an int > 1 or "auto")."""
+
+    def __init__(self, setting: int | str, source: Any, optimizer: Any, dram_budget: int | None) -> None:
+        self.setting = setting
+        self.k: int | None = None if setting == "auto" else int(setting)
+        self.optimizer = optimizer
+        self.dram_budget = dram_budget
+        self.spreader = Spreader(optimizer)
+        self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls
+        self._last_step: int | None = None
+        self._steps_at_call = 0
+
+    # -- the calls ----------------------------------------------------------------------------------
+
+    def on_call(self, step: int) -> None:
+        """A maybe_checkpoint call: the end of an iteration (timed for "auto")."""
+        self._calls.append(time.perf_counter())
+        self.mark(step)
+
+    def mark(self, step: int) -> None:
+        """Any checkpoint call: the state stands at ``step`` now (what wait/close finish as)."""
+        self._last_step = step
+        self._steps_at_call = self.spreader.steps_total
+
+    def active(self) -> bool:
+        return self.spreader.active is not None
+
+    def ready(self) -> bool:
+        return self.spreader.ready()
+
+    def finishable_as(self) -> int | None:
+        """The step an unfinished spread would hold if finished now: the last call's, if the
+        optimizer has not stepped since; else None."""
+        if self._last_step is None or self.spreader.steps_total != self._steps_at_call:
+            return None
+        return self._last_step
+
+    def begin(self, k: int) -> None:
+        self.spreader.begin(k)
+
+    def finish(self) -> Finishing:
+        res = self.spreader.finish()
+        return Finishing(res, self.spreader.waited_s)
+
+    def abandon(self) -> None:
+        self.spreader.abandon()
+
+    def close(self) -> None:
+        self.spreader.close()
+
+    # -- how many steps -----------------------------------------------------------------------------
+
+    def steps_for_next(self, finished: Sequence[Any]) -> int:
+        """k for the checkpoint about to begin. "auto": 1 until a checkpoint has finished and two
+        iterations were timed; then the stall model's choice from them, kept from then on."""
+        if self.k is not None:
+            return self.k
+        done = [st for st in finished if st.outcome != "failed" and st.copy_s > 0]
+        if not done or len(self._calls) < 2:
+            return 1
+        st = done[-1]
+        bandwidth = st.nbytes / st.copy_s
+        gaps = [b - a for a, b in zip(self._calls, list(self._calls)[1:])]
+        iter_time = statistics.median(gaps)
+        grad_bytes = sum(p.numel() * p.element_size() for g in self.optimizer.param_groups for p in g["params"]
+                         if p.requires_grad)
+        self.k = auto_steps(st.nbytes, grad_bytes, bandwidth, iter_time, self.dram_budget)
+        log.info("pccheck: spread_steps=\"auto\" picked %d (state %d B, gradients %d B, copy %.2f GB/s, "
+                 "iteration %.3f s)", self.k, st.nbytes, grad_bytes, bandwidth / 1e9, iter_time)
+        return self.k

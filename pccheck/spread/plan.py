@@ -1,0 +1,106 @@
+"""How a spread checkpoint is cut into parts, and how many steps to spread it over.
+
+A *unit* is one parameter with its optimizer state (GoCkpt §4.2.2: a block of model parameters is
+followed at once by the optimizer state that belongs to it). Parts follow unit boundaries and are
+balanced by bytes; a tensor is never split (a replay over a sub-range could run a different
+vector/tail path of the CPU kernels and lose bit-equality).
+
+The stall model (GoCkpt §4.2.3, with this machine's terms): the state of S bytes is copied over a
+link of B bytes/s in k parts, one per iteration of t seconds. A part is hidden by its iteration
+while S/k <= B*t; what is not hidden stalls: max(0, S/B - k*t) in all. Every part already copied
+also needs its gradients captured at each later step (r*S/k bytes per part, r = gradient bytes /
+state bytes), which the training thread waits for: r*S/B * (1 + 2 + ... + k)/k = r*S*(k+1)/(2B).
+So
+
+    stall(k) = max(0, S/B - k*t) + r*S*(k+1)/(2B)   for k >= 2,   stall(1) = max(0, S/B - t)
+
+(k = 1 is today's soft copy-on-write: the whole state in one step, no gradients). The paper's
+mixed-precision case (r = 1/7) has its optimum at 7-8 steps; fp32 AdamW (r = 1/3) at fewer. The
+captured gradients are replayed as they come (two steps' worth at most in flight), so their
+memory does not grow with k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Unit", "units", "split", "stall", "auto_steps", "MAX_STEPS"]
+
+MAX_STEPS = 8  # the paper's optimum is 7-8; beyond it the gradient traffic outweighs the saving
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One parameter and its optimizer state: where it sits in the optimizer, and its bytes."""
+
+    group: int            # index of its param group
+    index: int            # index within the group's params
+    param: Any            # the live parameter
+    state_keys: tuple[str, ...]  # its optimizer state entries that are tensors
+    nbytes: int           # parameter + those state tensors
+
+    def tensors(self, state: Any) -> list[tuple[str | None, Any]]:
+        """(state key or None for the parameter, live tensor), parameter first."""
+        st = state.get(self.param, {})
+        return [(None, self.param)] + [(k, st[k]) for k in self.state_keys]
+
+
+def units(optimizer: Any) -> list[Unit]:
+    """Every parameter of ``optimizer`` with its tensor state, in param-group order."""
+    import torch
+
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            st = optimizer.state.get(p, {})
+            keys = tuple(k for k, v in st.items() if isinstance(v, torch.Tensor))
+            nbytes = p.numel() * p.element_size() + sum(st[k].numel() * st[k].element_size() for k in keys)
+            out.append(Unit(gi, pi, p, keys, nbytes))
+    return out
+
+
+def split(items: list[Unit], k: int) -> list[list[Unit]]:
+    """``items`` cut, in order, into at most ``k`` non-empty parts of about equal bytes (a part
+    closes once it reaches its share of what is left, so one huge unit does not leave the other
+    parts empty)."""
+    parts: list[list[Unit]] = []
+    left = sum(u.nbytes for u in items)
+    cur: list[Unit] = []
+    size = 0
+    for i, u in enumerate(items):
+        cur.append(u)
+        size += u.nbytes
+        parts_left = k - len(parts)
+        units_left = len(items) - i - 1
+        if parts_left > 1 and (size >= left / parts_left or units_left < parts_left):
+            parts.append(cur)
+            left -= size
+            cur, size = [], 0
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+def stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float) -> float:
+    """Seconds one checkpoint spread over ``k`` steps keeps the training thread waiting (the model
+    in the module docstring)."""
+    s_b = state_bytes / bandwidth
+    hidden = max(0.0, s_b - k * iter_time)
+    if k == 1:
+        return hidden
+    return hidden + grad_bytes * (k + 1) / (2 * bandwidth)
+
+
+def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
+               grad_budget: float | None = None) -> int:
+    """The k in 1..MAX_STEPS with the least modelled stall (the smallest k among equals), leaving
+    out every k whose captured gradients (two steps' worth in flight) exceed ``grad_budget``."""
+    best, best_stall = 1, stall(1, state_bytes, grad_bytes, bandwidth, iter_time)
+    if grad_budget is not None and 2 * grad_bytes > grad_budget:
+        return best
+    for k in range(2, MAX_STEPS + 1):
+        s = stall(k, state_bytes, grad_bytes, bandwidth, iter_time)
+        if s < best_stall - 1e-12:
+            best, best_stall = k, s
+    return best

@@ -1,0 +1,236 @@
+"""GoCkpt mode through the Checkpointer (issue 15): ``spread_steps=k`` checkpoints equal the live
+state of the step that finishes them, bit for bit; a kill mid-spread keeps the previous one; a run
+resumed from a spread checkpoint continues bit for bit. The replay itself: test_spread_replay.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pccheck
+from pccheck.spread.plan import Unit, auto_steps, split, stall
+from pccheck.spread.replay import ShadowOptimizer
+
+HERE = Path(__file__).resolve()
+
+
+def make(opt_name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Tanh(),
+                                torch.nn.Linear(24, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    groups = [{"params": list(model[0].parameters()) + list(model[2].parameters())},
+              {"params": list(model[4].parameters()) + list(model[5].parameters()) + list(model[6].parameters()),
+               "lr": 3e-3}]
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    elif opt_name == "adam-amsgrad":
+        opt = torch.optim.Adam(groups, lr=1e-2, amsgrad=True)
+    elif opt_name == "adamw":
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-2, amsgrad=True, foreach=True)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+    return model, opt, sched, scaler
+
+
+def train_step(model, opt, sched, scaler, s: int) -> float:
+    g = torch.Generator().manual_seed(1000 + s)
+    x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    if s % 7 == 0:  # an inf gradient: GradScaler skips this step (no optimizer.step)
+        model[0].weight.grad[0, 0] = float("inf")
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    return loss.item()
+
+
+def state_of(model, opt, sched, scaler) -> dict:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, st in opt.state_dict()["state"].items():
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in st.items()})
+    out["sched"] = sched.state_dict()
+    out["scaler"] = scaler.state_dict()
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    bad = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+    assert not bad, f"differ: {bad}"
+
+
+def run(path: Path, opt_name: str, k: int, steps: int, interval: int = 10, stop_after_finish: bool = True):
+    model, opt, sched, scaler = make(opt_name)
+    ck = pccheck.Checkpointer(model, opt, path=path, extra_state={"sched": sched, "scaler": scaler},
+                              interval=interval, spread_steps=k)
+    states = {}
+    for s in range(1, steps + 1):
+        train_step(model, opt, sched, scaler, s)
+        ck.maybe_checkpoint(s)
+        states[s] = state_of(model, opt, sched, scaler)
+    ck.close()
+    return states, ck.stats().as_dict()["checkpoints"]
+
+
+def loaded(path: Path, opt_name: str):
+    model, opt, sched, scaler = make(opt_name, seed=1)
+    r = pccheck.load_latest(path, model=model, optimizer=opt, extra_state={"sched": sched, "scaler": scaler})
+    return r.step, state_of(model, opt, sched, scaler)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam-amsgrad", "adamw", "adamw-amsgrad-foreach"])
+@pytest.mark.parametrize("k", [2, 3, 7])
+def test_a_spread_checkpoint_is_the_live_state_of_the_step_that_finishes_it(tmp_path, opt_name, k):
+    # Begun at step 10 (a multiple of 7 lies inside for k = 7: step 14 is a skipped step, so that
+    # spread ends one call later), finished by the call after k optimizer steps.
+    states, stats = run(tmp_path, opt_name, k, 10 + k + (k == 7))
+    spread = stats[-1]
+    assert spread["outcome"] == "committed" and spread["spread_steps"] == k
+    assert spread["grad_bytes"] > 0 and spread["replay_s"] > 0
+    step, got = loaded(tmp_path, opt_name)
+    assert step == 10 + k + (k == 7)
+    assert_same(got, states[step])
+
+
+def test_dropping_one_steps_gradients_breaks_the_equality(tmp_path, monkeypatch):
+    """The negative control: the equality above can fail."""
+    real, calls = ShadowOptimizer.replay, []
+
+    def lossy(self, record):
+        calls.append(1)
+        if len(calls) != 2:
+            real(self, record)
+    monkeypatch.setattr(ShadowOptimizer, "replay", lossy)
+    states, _ = run(tmp_path, "adamw", 3, 13)
+    step, got = loaded(tmp_path, "adamw")
+    assert step == 13
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same(got, states[13])
+
+
+def test_checkpoint_or_close_before_k_steps_finish_the_spread_early(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
+                              interval=100, spread_steps=5)
+    for s in range(1, 4):
+        train_step(model, opt, sched, scaler, s)
+    ck.checkpoint(3)                       # a spread over 5 steps begins
+    train_step(model, opt, sched, scaler, 4)
+    ck.maybe_checkpoint(4)
+    ck.checkpoint(4)                       # finishes the first as step 4 (parts 3-5 copied now), begins another
+    want4 = state_of(model, opt, sched, scaler)
+    ck.wait()                              # finishes the second as step 4 too: no step since the last call
+    stats = ck.stats().as_dict()["checkpoints"]
+    assert [c["step"] for c in stats] == [4, 4] and all(c["outcome"] == "committed" for c in stats)
+    train_step(model, opt, sched, scaler, 5)
+    ck.checkpoint(5)
+    train_step(model, opt, sched, scaler, 6)  # the optimizer steps, and no call follows: step unknown
+    ck.close()                             # the spread of step 5 is abandoned with a warning
+    assert [c["step"] for c in ck.stats().as_dict()["checkpoints"]] == [4, 4]
+    step, got = loaded(tmp_path, "adamw")
+    assert step == 4
+    assert_same(got, want4)
+
+
+def test_unsupported_optimizers_are_refused_before_anything_is_created(tmp_path):
+    model = torch.nn.Linear(3, 3)
+    for opt, what in ((torch.optim.Adagrad(model.parameters()), "Adagrad"),
+                      (torch.optim.AdamW(model.parameters(), fused=True), "fused")):
+        with pytest.raises(pccheck.ConfigError, match=f"(?s){what}.*spread_steps=1"):
+            pccheck.Checkpointer(model, opt, path=tmp_path / "ck", spread_steps=3)
+    with pytest.raises(pccheck.ConfigError, match="optimizer"):
+        pccheck.Checkpointer(model, path=tmp_path / "ck", spread_steps=3)
+    with pytest.raises(pccheck.ConfigError, match="auto"):
+        pccheck.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), path=tmp_path / "ck",
+                             spread_steps="many")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_auto_starts_with_one_then_picks_from_the_stall_model(tmp_path, caplog):
+    caplog.set_level("INFO", logger="pccheck")
+    _, stats = run(tmp_path, "adamw", "auto", 30)
+    assert stats[0]["spread_steps"] == 1
+    assert "spread_steps=\"auto\" picked" in caplog.text
+    picked = int(caplog.text.split("picked ")[1].split()[0])
+    assert all(c["spread_steps"] == min(picked, 7) for c in stats[1:-1]), stats
+
+
+def test_parts_are_balanced_by_bytes_on_tensor_boundaries():
+    items = [Unit(0, i, None, (), n) for i, n in enumerate([100, 1, 1, 1, 50, 50, 1])]
+    parts = split(items, 3)
+    assert [[u.index for u in p] for p in parts] == [[0], [1, 2, 3, 4], [5, 6]]
+    assert len(split(items[:2], 5)) == 2  # never more parts than units
+    assert sum(len(p) for p in split(items, 7)) == len(items)
+
+
+def test_stall_model_and_auto():
+    gib = float(1 << 30)
+    # S/(B t) = 4: k = 1 stalls S/B - t; spreading hides the copy and pays the gradients.
+    assert stall(1, gib, gib / 3, gib / 0.2, 0.05) == pytest.approx(0.15)
+    assert stall(4, gib, gib / 3, gib / 0.2, 0.05) == pytest.approx(0.2 / 3 * 5 / 2)
+    # Mixed precision (r = 1/7) with a slow link: the paper's long spreads win.
+    assert auto_steps(gib, gib / 7, gib / 1.0, 0.12) >= 5
+    # A link fast enough for one iteration: no spreading.
+    assert auto_steps(gib, gib / 3, gib / 0.01, 0.05) == 1
+    # Two steps of gradients that do not fit the budget: no spreading.
+    assert auto_steps(gib, gib / 7, gib / 1.0, 0.12, grad_budget=gib / 7) == 1
+
+
+CHILD = """
+import os, signal, sys, torch, pccheck
+sys.path.insert(0, {tests!r})
+from test_spread import make, train_step, state_of
+path, mode = sys.argv[1], sys.argv[2]
+model, opt, sched, scaler = make("adamw")
+extra = {{"sched": sched, "scaler": scaler}}
+start = 0
+if mode == "resume":
+    start = pccheck.load_latest(path, model=model, optimizer=opt, extra_state=extra).step
+ck = pccheck.Checkpointer(model, opt, path=path, extra_state=extra, interval=10, spread_steps=3)
+for s in range(start + 1, 31):
+    loss = train_step(model, opt, sched, scaler, s)
+    print("LOSS", s, repr(loss), flush=True)
+    ck.maybe_checkpoint(s)
+    if mode == "kill" and s == 13:
+        ck.wait()
+        torch.save(state_of(model, opt, sched, scaler), os.path.join(path, "..", "ref13.pt"))
+    if mode == "kill" and s == 22:  # the spread begun at step 20 has two of its three parts
+        os.kill(os.getpid(), signal.SIGKILL)
+ck.close()
+"""
+
+
+def _child(path: Path, mode: str) -> subprocess.CompletedProcess:
+    script = path.parent / "child.py"
+    script.write_text(CHILD.format(tests=str(HERE.parent)))
+    return subprocess.run([sys.executable, str(script), str(path), mode], capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_sigkill_mid_spread_keeps_the_previous_checkpoint_and_a_resume_is_bitwise(tmp_path):
+    path = tmp_path / "ck"
+    full = _child(tmp_path / "full", "plain")
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = _child(path, "kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    step, got = loaded(path, "adamw")
+    assert step == 13
+    assert_same(got, torch.load(tmp_path / "ref13.pt", weights_only=True))
+    resumed = _child(path, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    losses = lambda out: {l.split()[1]: l.split()[2] for l in out.splitlines() if l.startswith("LOSS")}
+    after = losses(resumed.stdout)
+    assert sorted(after, key=int) == [str(s) for s in range(14, 31)]
+    assert after == {s: v for s, v in losses(full.stdout).items() if int(s) >= 14}
