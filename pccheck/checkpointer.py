@@ -154,7 +154,7 @@ class Checkpointer:
         self._spread: SpreadMode | None = None
         if self.options.snapshot.spread_steps != 1 and self._orch is not None:
             self._spread = SpreadMode(self.options.snapshot.spread_steps, self._source, optimizer,
-                                      self.options.engine.dram_budget)
+                                      self.options.engine.dram_budget, self._orch.copy_engine)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -286,14 +286,14 @@ class Checkpointer:
 
     def _finish_spread(self, step: int, metadata: Mapping[str, Any] | None) -> bool:
         """Ends the active spread checkpoint as ``step``: the live part of the state (buffers,
-        extra state, RNGs, anything outside the optimizer) is copied now, the shadow once its
-        replay is done; then the usual write and commit."""
+        extra state, RNGs, anything outside the optimizer) is cloned now; all of it goes to DRAM
+        chunks once the shadow's replay is done; then the usual write and commit."""
         res = self._spread.finish()
         snap = self._source.snapshot()
-        arrays, n_live = substitute(snap.arrays, res)
+        arrays = substitute(snap.arrays, res)
         meta = {**self.metadata, **_check_metadata(metadata)}
         try:
-            started = self._orch.start(int(step), arrays, meta, tree=snap.tree, epoch=self._epoch(), n_eager=n_live,
+            started = self._orch.start(int(step), arrays, meta, tree=snap.tree, epoch=self._epoch(), n_eager=0,
                                        validate=res.failed, hold=res.hold, copied=res.copied,
                                        cow_wait=res.waited_s, extra_stats=res.stats)
             if not started:  # skipped (when_busy="skip"): the shadow is free again

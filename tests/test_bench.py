@@ -308,3 +308,20 @@ def test_lazy_bench_small(tmp_path):
     assert 0 < m["lazy_return_s"] <= m["first_block_s"] <= m["first_forward_s"] <= m["lazy_all_s"]
     assert m["eager_s"] > 0 and m["param_read_s"] > 0 and doc["param_bytes"] * 3 <= doc["state_bytes"] * 1.05
     assert set(doc["targets"]) == {"first_block_vs_eager", "first_forward_vs_param_read"}
+
+
+def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
+    from bench.gockpt import summarize
+
+    cfg = {"nbytes": 12 << 20, "grad_bytes": 4 << 20, "iter_time": 0.05, "link_bps": (12 << 20) / 0.2,
+           "checkpoints": 2}
+    run = lambda window, k, blocked: {"window_s": window, "iters": 40, "spread_steps": [k] * 2,
+                                       "blocked_s": [blocked] * 2, "replay_s": [0.1] * 2}
+    s = summarize({"none": [{"window_s": 4.0, "iters": 40}], "pccheck_k1": [run(4.3, 1, 0.15)],
+                   "pccheck_spread": [run(4.1, 4, 0.03)]}, cfg)
+    assert s["none"]["optimizer_step_s"] == pytest.approx(0.05)
+    assert s["pccheck_k1"]["model_s"] == pytest.approx(0.15) and s["pccheck_k1"]["loop_stall_s"] == pytest.approx(0.15)
+    assert s["pccheck_spread"]["paper_model_s"] == pytest.approx(0.2 / 3 * 5 / 2)
+    ratio, spread_fit, k1_fit = s["targets"]
+    assert ratio["value"] == pytest.approx(0.2) and ratio["met"]
+    assert spread_fit["value"] is None and k1_fit["met"]

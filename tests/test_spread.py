@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pccheck
-from pccheck.spread.plan import Unit, auto_steps, split, stall
+from pccheck.spread.plan import Unit, auto_steps, split, stall, stall_overlapped
 from pccheck.spread.replay import ShadowOptimizer
 
 HERE = Path(__file__).resolve()
@@ -40,10 +40,10 @@ def make(opt_name: str, seed: int = 0):
     return model, opt, sched, scaler
 
 
-def train_step(model, opt, sched, scaler, s: int) -> float:
+def train_step(model, opt, sched, scaler, s: int, set_to_none: bool = True) -> float:
     g = torch.Generator().manual_seed(1000 + s)
     x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=set_to_none)
     loss = torch.nn.functional.mse_loss(model(x), y)
     scaler.scale(loss).backward()
     if s % 7 == 0:  # an inf gradient: GradScaler skips this step (no optimizer.step)
@@ -144,6 +144,28 @@ def test_checkpoint_or_close_before_k_steps_finish_the_spread_early(tmp_path):
     assert_same(got, want4)
 
 
+def test_a_gradient_changed_under_its_background_copy_fails_that_checkpoint_only(tmp_path, caplog):
+    """zero_grad(set_to_none=False) zeroes the captured gradients in place while their copy over a
+    slow link is still running: that spread is dropped (never saved wrong), later ones capture in
+    the pre-hook and are exact."""
+    from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
+
+    model, opt, sched, scaler = make("adamw")
+    ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
+                              interval=10, spread_steps=2, on_error="log", copy_engine=ThrottledCopyEngine(200e3))
+    for s in range(1, 23):
+        train_step(model, opt, sched, scaler, s, set_to_none=False)
+        ck.maybe_checkpoint(s)
+    want = state_of(model, opt, sched, scaler)
+    ck.close()
+    outcomes = [(c["step"], c["outcome"]) for c in ck.stats().as_dict()["checkpoints"]]
+    assert outcomes == [(12, "failed"), (22, "committed")], outcomes
+    assert "modified in place while it was being captured" in caplog.text
+    step, got = loaded(tmp_path, "adamw")
+    assert step == 22
+    assert_same(got, want)
+
+
 def test_unsupported_optimizers_are_refused_before_anything_is_created(tmp_path):
     model = torch.nn.Linear(3, 3)
     for opt, what in ((torch.optim.Adagrad(model.parameters()), "Adagrad"),
@@ -184,6 +206,11 @@ def test_stall_model_and_auto():
     assert auto_steps(gib, gib / 7, gib / 1.0, 0.12) >= 5
     # A link fast enough for one iteration: no spreading.
     assert auto_steps(gib, gib / 3, gib / 0.01, 0.05) == 1
+    # pccheck's overlapped gradient copies: the parts fit their steps from k = 4 on, and the
+    # gradients ride beside the update (u = 0.09 s): no stall, so "auto" takes the smallest such k.
+    assert stall_overlapped(4, gib, gib / 3, gib / 0.2, 0.05, 0.09) == 0.0
+    assert stall_overlapped(3, gib, gib / 3, gib / 0.2, 0.05, 0.09) == pytest.approx(0.2 / 3 - 0.05)
+    assert auto_steps(gib, gib / 3, gib / 0.2, 0.05, 0.09) == 4
     # Two steps of gradients that do not fit the budget: no spreading.
     assert auto_steps(gib, gib / 7, gib / 1.0, 0.12, grad_budget=gib / 7) == 1
 

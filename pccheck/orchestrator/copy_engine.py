@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -127,17 +128,19 @@ class CpuCopyEngine(CopyEngine):
         with filling(job, k) as cid:
             t0, n = time.perf_counter(), job.chunk_len(k)
             ctypes.memmove(self.native_engine.chunk_address(cid), reserve.buffer.ctypes.data + off, n)
-            self._pace(n, t0)
+            self.pace(n, t0)
 
-    def _pace(self, nbytes: int, t0: float) -> None:
-        """Called after each chunk's copy began at ``t0`` (ThrottledCopyEngine sleeps here)."""
+    def pace(self, nbytes: int, t0: float) -> None:
+        """Called after each chunk's copy began at ``t0`` (ThrottledCopyEngine sleeps here to hold
+        its rate; a spread checkpoint's part and gradient copies go through it too)."""
 
 
 class ThrottledCopyEngine(CpuCopyEngine):
     """The CPU engine held to ``bytes_per_s``, to emulate a PCIe link (tests and benchmarks).
 
     It drives the same step-by-step protocol (claim → acquire → fill → submit) that the CUDA and
-    cupy engines use.
+    cupy engines use. The link is one: copies on several threads (the commit thread and the
+    optimizer pre-hook, a spread checkpoint's copy threads) share ``bytes_per_s`` between them.
     """
 
     name = "cpu-throttled"
@@ -146,6 +149,8 @@ class ThrottledCopyEngine(CpuCopyEngine):
         if bytes_per_s <= 0:
             raise ValueError("bytes_per_s must be positive")
         self.bytes_per_s = float(bytes_per_s)
+        self._link = threading.Lock()
+        self._busy_until = 0.0  # perf_counter time at which the link is free (guarded by _link)
 
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:
         chunk = self.native_engine.chunk_size
@@ -157,13 +162,17 @@ class ThrottledCopyEngine(CpuCopyEngine):
             cid = job.acquire_chunk()
             t0 = time.perf_counter()
             job.fill(k, cid)
-            self._pace(chunk, t0)
+            self.pace(job.chunk_len(k), t0)
             job.submit(k, cid)
             if last is not None and k + 1 >= last:
                 return
 
-    def _pace(self, nbytes: int, t0: float) -> None:
-        time.sleep(max(0.0, nbytes / self.bytes_per_s - (time.perf_counter() - t0)))
+    def pace(self, nbytes: int, t0: float) -> None:
+        # A transfer begun at t0 holds the link for nbytes / rate after whatever holds it already.
+        with self._link:
+            begin = max(t0, self._busy_until)
+            self._busy_until = until = begin + nbytes / self.bytes_per_s
+        time.sleep(max(0.0, until - time.perf_counter()))
 
 
 @contextlib.contextmanager

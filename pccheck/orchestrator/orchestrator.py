@@ -81,6 +81,10 @@ class _Flight:
     checked: bool = False  # the version check ran (guarded by lock), with this result:
     problem: str | None = None
     hold: threading.Event | None = None  # pccheck's own tail buffers are final once set (start())
+    # The arrays themselves: the native job copies through raw pointers, so whatever it has not
+    # copied yet must stay alive (e.g. a spread checkpoint's clones, which nobody else holds).
+    arrays: Any = None
+    copied_s: float = 0.0  # from the start until every byte was in DRAM chunks
     extra_stats: Mapping[str, Any] = field(default_factory=dict)
 
     def check(self) -> str | None:
@@ -284,15 +288,17 @@ class Orchestrator:
         :meth:`ensure_copied` must run before anything mutates them (soft copy-on-write).
         ``validate`` runs after the copy; a message it returns fails the checkpoint.
 
-        ``hold`` (with ``n_eager=k``): the arrays after the first k are pccheck's own buffers,
-        not live memory (a spread checkpoint's shadow, pccheck.spread), still being written until
-        ``hold`` is set. The background copies them once it is; :meth:`ensure_copied` never waits
-        for them. ``copied`` is set once every byte of this checkpoint is in DRAM chunks (or it
-        failed). ``cow_wait`` (seconds the caller already waited for it) and ``extra_stats``
-        (fields of :class:`CheckpointStats`, read when it finishes) go to its stats.
+        ``hold`` (with ``n_eager=0``): no array is live memory (a spread checkpoint's shadow and
+        clones, pccheck.spread), some are written until ``hold`` is set, and all are copied in the
+        background after that (invariant: a chunk holds bytes of several arrays, so none may be
+        copied early); :meth:`ensure_copied` never waits for them. ``copied`` is set once every
+        byte is in DRAM chunks (or it failed). ``cow_wait`` (seconds the caller already waited for
+        it) and ``extra_stats`` (fields of :class:`CheckpointStats`) go to its stats.
         """
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
+        if hold is not None and n_eager != 0:
+            raise ValueError("hold needs n_eager=0: a chunk copied early could hold bytes not final yet")
         t0 = time.perf_counter()
         layout = plan(arrays)
         if not self._permit():
@@ -320,7 +326,7 @@ class Orchestrator:
             self._inflight.release()
             raise
         fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, validate, t0, stall,
-                     cow_wait=cow_wait, hold=hold, extra_stats=extra_stats or {})
+                     cow_wait=cow_wait, hold=hold, extra_stats=extra_stats or {}, arrays=arrays)
         if copied is not None:
             fl.copied = copied
         t1 = time.perf_counter()
@@ -339,6 +345,7 @@ class Orchestrator:
         fl.prepare = t1 - t0 - stall
         fl.blocked_copy = time.perf_counter() - t1
         if n_eager is None:
+            fl.copied_s = time.perf_counter() - t0
             fl.copied.set()
         elif hold is None:  # the rest is live memory: soft copy-on-write
             with self._lock:
@@ -451,6 +458,7 @@ class Orchestrator:
                 with self._lock:
                     if fl in self._copying:
                         self._copying.remove(fl)
+                fl.copied_s = time.perf_counter() - fl.t0
                 fl.copied.set()
                 if failure is not None or problem:
                     job.wait()
@@ -492,7 +500,8 @@ class Orchestrator:
             st = CheckpointStats(
                 step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
                 job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
-                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, **fl.extra_stats)
+                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
+                **fl.extra_stats)
             self.stats.append(st)
             if self._on_finished is not None:
                 try:

@@ -31,6 +31,9 @@ class CheckpointStats:
     # inside the call, before the copy: opening the store (the first checkpoint) or a new
     # generation, regrowing the chunk pool, waiting for a free slot, describing the arrays
     prepare_s: float = 0.0
+    # from the start until every byte was in DRAM chunks (wall time: over a device link, the
+    # link's pace; what spread_steps="auto" derives the link bandwidth from)
+    copied_s: float = 0.0
     # GoCkpt mode (spread_steps): the optimizer steps the snapshot was spread over, the gradient
     # bytes captured for it, and the seconds its CPU replay took (on a checkpoint thread)
     spread_steps: int = 1

@@ -4,7 +4,8 @@ A spread checkpoint begun after step k copies part j of the parameters and their
 (:mod:`.plan`) into pccheck's own CPU buffers (the *shadow*) while step k+j's forward and backward
 run; step k+j's update waits only for part j. From then on, each optimizer step's gradients of
 every part already copied, and each param group's hyperparameters, are captured in the step
-pre-hook (after GradScaler's unscale and any clipping: what the update really uses) and replayed
+pre-hook (after GradScaler's unscale and any clipping: what the update really uses; copied beside
+the step, as GoCkpt-O does, and checked against the gradient's version counter) and replayed
 on the shadow by the CPU shadow optimizer (:mod:`.replay`) on a checkpoint thread, in step order.
 After k steps every part stands at the live version; the user's next ``maybe_checkpoint`` /
 ``checkpoint`` call (which comes after the scheduler's step and carries the data position)
@@ -28,11 +29,12 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .plan import Unit, split, units
 from .replay import ShadowOptimizer, StepRecord, check_replayable
@@ -42,6 +44,11 @@ __all__ = ["Spreader", "SpreadResult", "identity"]
 log = logging.getLogger("pccheck")
 
 COPY_THREADS = 2  # two threads reach ~20 GB/s memcpy on touched pages here, one ~11 GB/s
+RECORDS = 2       # steps whose captured gradients may wait for the replay at once
+
+
+class _Modified(Exception):
+    """A gradient changed in place under its background copy."""
 
 
 def identity(t: Any) -> tuple:
@@ -80,20 +87,25 @@ class Spreader:
     ``wait_stats`` receives the seconds the training thread waited in each step pre-hook (for the
     checkpoint's ``cow_wait_s``)."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, pace: Callable[[int, float], None] | None = None) -> None:
         check_replayable(optimizer)
         self.optimizer = optimizer
+        self._pace = pace  # the copy engine's rate (an emulated link), applied to part and gradient copies
         self.active: _Spread | None = None
         self._buffers: dict[tuple[int, int, str | None], Any] = {}  # (group, index, key) -> CPU tensor
         self._last_copied: threading.Event | None = None
         self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pccheck-spread-copy")
-        # Records and parts for the replay thread, in order; bounded so that at most two steps'
-        # gradients wait (the capture blocks, and that wait counts as stall, when replay lags).
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=4)
+        # Parts and step records for the replay thread, in order. At most RECORDS steps'
+        # gradients wait for it (the pre-hook blocks, and that wait counts as stall, when it lags).
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._records = threading.Semaphore(RECORDS)
+        self._sync_grads = False  # set once a gradient changed under its background copy
         self._replayer = threading.Thread(target=self._replay_loop, name="pccheck-spread-replay", daemon=True)
         self._replayer.start()
         self.waited_s = 0.0           # pre-hook waits of the active spread
         self.steps_total = 0          # optimizer steps since this Spreader was made
+        self._step_began: float | None = None
+        self._step_times: deque[float] = deque(maxlen=16)  # recent optimizer steps' durations ("auto")
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
 
@@ -153,27 +165,43 @@ class Spreader:
 
     # -- the optimizer hooks (training thread) ----------------------------------------------------
 
+    def step_time(self) -> float:
+        """The median of the last optimizer steps' durations (pre-hook to post-hook), 0 if none."""
+        times = sorted(self._step_times)
+        return times[len(times) // 2] if times else 0.0
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        sp = self.active
-        if sp is None:
-            return
+        if self.active is not None:
+            self._capture(self.active, optimizer)
+        self._step_began = time.perf_counter()  # the update itself is timed from here ("auto")
+
+    def _capture(self, sp: _Spread, optimizer: Any) -> None:
         t0 = time.perf_counter()
         if sp.handed <= sp.stepped and sp.handed < len(sp.parts):
             self._hand(sp)  # the part copied during this step's forward/backward
         copied = sp.parts[:sp.handed]
-        grads: dict[tuple[int, int], Any] = {}
+        self._records.acquire()  # at most RECORDS steps' gradients wait for the replay
+        grads: dict[tuple[int, int], Future] = {}
         for part in copied:
             for u in part:
                 g = u.param.grad
                 if g is not None:
-                    grads[(u.group, u.index)] = g.detach().to("cpu", copy=True)
+                    g = g.detach()  # shares the gradient's version counter
+                    if self._sync_grads:
+                        f: Future = Future()
+                        f.set_result(self._copy_grad(g, g._version))
+                    else:  # copied beside the step (GoCkpt-O): checked against its version counter
+                        f = self._copier.submit(self._copy_grad, g, g._version)
+                    grads[(u.group, u.index)] = f
                     sp.grad_bytes += g.numel() * g.element_size()
         hparams = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        self._queue.put(("step", sp, StepRecord(hparams, grads)))
+        self._queue.put(("step", sp, hparams, grads))
         self.waited_s += time.perf_counter() - t0
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_total += 1
+        if self._step_began is not None:
+            self._step_times.append(time.perf_counter() - self._step_began)
         sp = self.active
         if sp is None:
             return
@@ -197,6 +225,20 @@ class Spreader:
                     {k: self._buffers[(u.group, u.index, k)] for k in u.state_keys}) for u in sp.parts[j]]
         self._queue.put(("part", sp, entries))
 
+    def _copy_grad(self, g: Any, version: int) -> Any:
+        """A CPU copy of gradient ``g`` as the step that captured it used it. Invariant: a
+        gradient changed in place before its copy ended (its version counter moved: e.g.
+        ``zero_grad(set_to_none=False)``, accumulation, an optimizer writing into ``.grad``) is
+        never replayed; the checkpoint fails and later spreads copy gradients in the pre-hook."""
+        t0 = time.perf_counter()
+        out = g.to("cpu", copy=True)
+        if self._pace is not None:
+            self._pace(g.numel() * g.element_size(), t0)
+        if g._version != version:
+            raise _Modified("a gradient was modified in place while it was being captured; this spread "
+                            "checkpoint is dropped, and later ones capture gradients before the step runs")
+        return out
+
     def _copy_part(self, part: list[Unit]) -> None:
         """Copies a part's live tensors into the shadow (reusing buffers of the same layout)."""
         import torch
@@ -208,7 +250,10 @@ class Spreader:
                 if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                     buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
                     self._buffers[(u.group, u.index, key)] = buf
+                t0 = time.perf_counter()
                 buf.copy_(t.detach())
+                if self._pace is not None:
+                    self._pace(t.numel() * t.element_size(), t0)
 
     def _replay_loop(self) -> None:
         while True:
@@ -223,19 +268,31 @@ class Spreader:
                 result.stats["replay_s"] = sp.replay_s
                 result.hold.set()
                 continue
-            sp, item = rest
-            if sp.failure:
-                continue  # this checkpoint fails anyway
+            sp, *item = rest
             try:
-                t0 = time.perf_counter()
                 if kind == "part":
-                    sp.shadow.add_part(item)
-                else:
-                    sp.shadow.replay(item)
-                sp.replay_s += time.perf_counter() - t0
-            except Exception as exc:  # a bug: fail this checkpoint, never save a wrong state
+                    if not sp.failure:
+                        t0 = time.perf_counter()
+                        sp.shadow.add_part(item[0])
+                        sp.replay_s += time.perf_counter() - t0
+                    continue
+                hparams, futures = item
+                try:
+                    grads = {key: f.result() for key, f in futures.items()}
+                except _Modified as exc:
+                    self._sync_grads = True
+                    log.warning("pccheck: %s", exc)
+                    sp.failure.append(str(exc))
+                if not sp.failure:
+                    t0 = time.perf_counter()
+                    sp.shadow.replay(StepRecord(hparams, grads))
+                    sp.replay_s += time.perf_counter() - t0
+            except Exception as exc:  # a bug or a device fault: fail this checkpoint, never save a wrong state
                 log.exception("pccheck: replaying a spread checkpoint failed")
                 sp.failure.append(f"the spread checkpoint's replay failed: {exc!r}")
+            finally:
+                if kind == "step":
+                    self._records.release()
 
     def close(self) -> None:
         """Removes the hooks and stops the threads (an active spread is abandoned)."""

@@ -44,29 +44,32 @@ class Finishing:
         return "; ".join(self._res.problem) or None
 
 
-def substitute(arrays: Mapping[str, Any], fin: Finishing) -> tuple[dict[str, Any], int]:
+def substitute(arrays: Mapping[str, Any], fin: Finishing) -> dict[str, Any]:
     """The snapshot's arrays with every live parameter and optimizer state tensor of the spread
-    replaced by its shadow tensor, live ones first; and how many are live (copied at once)."""
+    replaced by its shadow tensor, and every other live tensor (buffers, extra state, parameters
+    outside the optimizer) cloned now: nothing of the result is live memory, so the orchestrator
+    may copy any of it, in any chunk, once the replay is done (Orchestrator.start's ``hold``)."""
     sub = fin._res.substitute
-    live, shadow = {}, {}
+    out = {}
     for name, a in arrays.items():
         key = identity(a) if hasattr(a, "untyped_storage") else None
         if key is not None and key in sub:
-            shadow[name] = sub[key]
+            out[name] = sub[key]
         else:
-            live[name] = a
-    return {**live, **shadow}, len(live)
+            out[name] = a.detach().clone() if hasattr(a, "detach") else a.copy()
+    return out
 
 
 class SpreadMode:
     """Spread checkpoints for one Checkpointer (``spread_steps`` an int > 1 or "auto")."""
 
-    def __init__(self, setting: int | str, source: Any, optimizer: Any, dram_budget: int | None) -> None:
+    def __init__(self, setting: int | str, source: Any, optimizer: Any, dram_budget: int | None,
+                 copy_engine: Any = None) -> None:
         self.setting = setting
         self.k: int | None = None if setting == "auto" else int(setting)
         self.optimizer = optimizer
         self.dram_budget = dram_budget
-        self.spreader = Spreader(optimizer)
+        self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None))
         self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls
         self._last_step: int | None = None
         self._steps_at_call = 0
@@ -116,16 +119,19 @@ class SpreadMode:
         iterations were timed; then the stall model's choice from them, kept from then on."""
         if self.k is not None:
             return self.k
-        done = [st for st in finished if st.outcome != "failed" and st.copy_s > 0]
+        done = [st for st in finished if st.outcome != "failed" and st.copied_s > 0]
         if not done or len(self._calls) < 2:
             return 1
         st = done[-1]
-        bandwidth = st.nbytes / st.copy_s
+        bandwidth = st.nbytes / st.copied_s  # the whole copy's wall time: the link's pace
         gaps = [b - a for a, b in zip(self._calls, list(self._calls)[1:])]
         iter_time = statistics.median(gaps)
         grad_bytes = sum(p.numel() * p.element_size() for g in self.optimizer.param_groups for p in g["params"]
                          if p.requires_grad)
-        self.k = auto_steps(st.nbytes, grad_bytes, bandwidth, iter_time, self.dram_budget)
+        step_time = self.spreader.step_time()
+        fwd_bwd = max(0.0, iter_time - step_time)
+        self.k = auto_steps(st.nbytes, grad_bytes, bandwidth, fwd_bwd, step_time, self.dram_budget)
         log.info("pccheck: spread_steps=\"auto\" picked %d (state %d B, gradients %d B, copy %.2f GB/s, "
-                 "iteration %.3f s)", self.k, st.nbytes, grad_bytes, bandwidth / 1e9, iter_time)
+                 "forward/backward %.3f s, optimizer step %.3f s)", self.k, st.nbytes, grad_bytes, bandwidth / 1e9,
+                 fwd_bwd, step_time)
         return self.k

@@ -15,9 +15,11 @@ So
     stall(k) = max(0, S/B - k*t) + r*S*(k+1)/(2B)   for k >= 2,   stall(1) = max(0, S/B - t)
 
 (k = 1 is today's soft copy-on-write: the whole state in one step, no gradients). The paper's
-mixed-precision case (r = 1/7) has its optimum at 7-8 steps; fp32 AdamW (r = 1/3) at fewer. The
-captured gradients are replayed as they come (two steps' worth at most in flight), so their
-memory does not grow with k.
+mixed-precision case (r = 1/7) has its optimum at 7-8 steps; fp32 AdamW (r = 1/3) at fewer. That
+is the paper's model, where the training thread waits for every gradient transfer. pccheck copies
+the gradients beside the step instead (GoCkpt-O), so only a part that misses its step stalls:
+:func:`stall_overlapped`, which "auto" uses. The captured gradients are replayed as they come (two
+steps' worth at most waiting), so their memory does not grow with k.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Unit", "units", "split", "stall", "auto_steps", "MAX_STEPS"]
+__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "auto_steps", "MAX_STEPS"]
 
 MAX_STEPS = 8  # the paper's optimum is 7-8; beyond it the gradient traffic outweighs the saving
 
@@ -92,15 +94,35 @@ def stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_
     return hidden + grad_bytes * (k + 1) / (2 * bandwidth)
 
 
+def stall_overlapped(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
+                     step_time: float) -> float:
+    """The stall of pccheck's spread, whose gradient copies run beside the optimizer step and the
+    next forward/backward (GoCkpt-O, §4.2.4) instead of stopping the training thread. Part 1
+    crosses the link in the forward/backward after the call (``iter_time`` t); from the pre-hook
+    of step j on, the link carries step j's gradients of the j parts copied so far and then part
+    j+1, which the pre-hook of step j+1 waits for, t + ``step_time`` u later:
+
+        stall(k) = max(0, S/(kB) - t) + sum_{j=1}^{k-1} max(0, (S/k + G*j/k)/B - (t + u))
+
+    (G: gradient bytes of all parameters). The last step's gradients are waited for by nobody (the
+    checkpoint is written once its replay is done)."""
+    part = state_bytes / k / bandwidth
+    total = max(0.0, part - iter_time)
+    for j in range(1, k):
+        total += max(0.0, part + grad_bytes * j / k / bandwidth - (iter_time + step_time))
+    return total
+
+
 def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
-               grad_budget: float | None = None) -> int:
-    """The k in 1..MAX_STEPS with the least modelled stall (the smallest k among equals), leaving
-    out every k whose captured gradients (two steps' worth in flight) exceed ``grad_budget``."""
+               step_time: float = 0.0, grad_budget: float | None = None) -> int:
+    """The k in 1..MAX_STEPS with the least stall by :func:`stall_overlapped` (the smallest k
+    among equals, within 1 ms), leaving out every k > 1 when the captured gradients of the steps
+    that may wait for the replay at once (two) exceed ``grad_budget``."""
     best, best_stall = 1, stall(1, state_bytes, grad_bytes, bandwidth, iter_time)
     if grad_budget is not None and 2 * grad_bytes > grad_budget:
         return best
     for k in range(2, MAX_STEPS + 1):
-        s = stall(k, state_bytes, grad_bytes, bandwidth, iter_time)
-        if s < best_stall - 1e-12:
+        s = stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time)
+        if s < best_stall - 1e-3:
             best, best_stall = k, s
     return best

@@ -1,0 +1,262 @@
+"""GoCkpt mode (``spread_steps``) against one-step soft copy-on-write and DCP, over an emulated slow link.
+
+``python -m bench.gockpt [--size 256MiB] [--iter-time 0.05] [--ratio 4] [--spread auto|k]``
+
+**The GPU is emulated.** An iteration sleeps ``--iter-time`` t (the forward and backward, the window
+a copy can hide in), then runs ``torch.optim.AdamW.step()`` on the CPU over ``--size`` S of state
+(parameters + both moments, 16 tensors; the gradients are set once). The device-to-host link is
+emulated by pccheck's ``ThrottledCopyEngine`` at B = S / (ratio * t) bytes/s, so a snapshot needs
+``--ratio`` (>= 3) iterations to cross it; a spread checkpoint's part copies and gradient captures
+go through the same link. Systems, each in a fresh process state (a new model) and store:
+
+- ``none``: no checkpoints (the baseline);
+- ``pccheck_k1``: ``Checkpointer(..., copy_engine=ThrottledCopyEngine(B))``: the whole snapshot in
+  one step (the paper's Async-O analog);
+- ``pccheck_spread``: the same with ``spread_steps=--spread``;
+- ``dcp_async``: ``dcp.async_save`` of the same state (its staging is a CPU copy: not held to B).
+
+Per system: a checkpoint every ``--interval`` iterations, one untimed (the first: it sizes the
+store, and "auto" decides k from it), then a timed window of ``--checkpoints`` checkpoints that
+ends half an interval after the last one (every spread finishes inside it). Stall per
+checkpoint = what the training thread waited for it (``ck.stats()``: the call, the optimizer pre-hook's
+waits and gradient captures), against ``pccheck.spread.plan``'s models at the configured B, t, S,
+gradient bytes and the baseline's optimizer step time: ``stall_overlapped`` (pccheck copies the
+gradients beside the step) and the paper's ``stall`` (gradient transfers stop training). The loop
+itself: window / baseline window, and (window - baseline) / checkpoints.
+Repeats are interleaved (every system once per round); medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench._common import fmt, format_size, host_info, machine_label, parse_size, print_table, pyplot, \
+    save_figure, scratch_dir, write_json
+from bench.probes import wait_quiet
+
+SYSTEMS = ("none", "pccheck_k1", "pccheck_spread", "dcp_async")
+N_PARAMS = 16
+_BENCH_DIR = Path(__file__).resolve().parent
+
+
+def make_workload(nbytes: int, iter_time: float) -> tuple[Any, Any, Any]:
+    """(model, AdamW, step): parameters + AdamW's two moments hold ``nbytes``."""
+    import torch
+
+    elems = max(N_PARAMS, nbytes // 12)
+    model = torch.nn.Module()
+    model.params = torch.nn.ParameterList([torch.nn.Parameter(torch.full((elems // N_PARAMS,), 0.5))
+                                           for _ in range(N_PARAMS)])
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt.step()  # AdamW's state exists from here on
+
+    def step() -> None:
+        time.sleep(iter_time)  # the emulated forward/backward: the window a copy hides in
+        opt.step()
+    return model, opt, step
+
+
+def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """One system: an untimed warm-up checkpoint, then the timed window."""
+    import torch
+
+    torch.set_num_threads(1)
+    model, opt, step = make_workload(cfg["nbytes"], cfg["iter_time"])
+    interval, n = cfg["interval"], cfg["checkpoints"]
+    ck: Any = None
+    saver: Any = None
+    if system.startswith("pccheck"):
+        import pccheck
+        from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
+
+        spread = cfg["spread"] if system == "pccheck_spread" else 1
+        ck = pccheck.Checkpointer(model, opt, path=workdir, interval=interval, max_concurrent=2,
+                                  copy_engine=ThrottledCopyEngine(cfg["link_bps"]), spread_steps=spread)
+        call = ck.maybe_checkpoint
+    elif system == "dcp_async":
+        from bench.systems import make_loop_system
+        from bench.workloads import Workload
+
+        saver = make_loop_system("dcp_async", Workload("gockpt", model, opt, step, ""), workdir, interval, None)
+        call = saver.after_step
+    else:
+        def call(s: int) -> bool:
+            return False
+    # Warm-up: one checkpoint (at step `interval`; "auto" measures B and t from it), then half an
+    # interval, so the window (starting there) holds checkpoints at 2, 3, ... n+1 intervals and
+    # ends half an interval after the last: every spread (k <= interval / 2) finishes inside it.
+    s = 0
+    for _ in range(interval + interval // 2):
+        s += 1
+        step()
+        call(s)
+    if ck is not None:
+        ck.wait()
+    elif saver is not None:
+        saver.drain()
+    start = s
+    t0 = time.perf_counter()
+    for _ in range(interval * n):
+        s += 1
+        step()
+        call(s)
+    window = time.perf_counter() - t0
+    out: dict[str, Any] = {"window_s": window, "iters": s - start}
+    if ck is not None:
+        ck.wait()
+        stats = [c for c in ck.stats().as_dict()["checkpoints"] if c["step"] > start]
+        out.update({"spread_steps": [c["spread_steps"] for c in stats],
+                    "blocked_s": [c["stall_s"] + c["prepare_s"] + c["blocked_copy_s"] + c["cow_wait_s"] for c in stats],
+                    "grad_bytes": [c["grad_bytes"] for c in stats], "replay_s": [c["replay_s"] for c in stats],
+                    "outcomes": [c["outcome"] for c in stats]})
+        ck.close()
+    elif saver is not None:
+        saver.drain()
+        saver.close()
+    return out
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    print(json.dumps(run_system(spec["system"], spec["cfg"], Path(spec["dir"]))), flush=True)
+    return 0
+
+
+def run_benchmark(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path) -> dict[str, Any]:
+    import subprocess
+
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    with scratch_dir(base) as work:
+        host = host_info(work)
+        for rep in range(repeats):
+            for system in systems:
+                wait_quiet(cfg["quiet_wait_s"])
+                print(f"gockpt: {system} {rep + 1}/{repeats}", flush=True)
+                with scratch_dir(work) as d:
+                    spec = {"system": system, "cfg": cfg, "dir": str(d / "ck")}
+                    p = subprocess.run([sys.executable, "-m", "bench.gockpt", "--child", json.dumps(spec)],
+                                       capture_output=True, text=True, timeout=cfg["timeout_s"],
+                                       cwd=str(_BENCH_DIR.parent))
+                    if p.returncode != 0:
+                        raise RuntimeError(f"{system}: {p.stderr[-2000:]}")
+                    runs[system].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    return {"benchmark": "bench.gockpt", "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine_label(host),
+            "host": host, "config": cfg, "runs": runs, "summary": summarize(runs, cfg)}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Medians per system. The stall per checkpoint is what the training thread waited for it
+    (``blocked_s`` of ``ck.stats()``: the call, the pre-hook waits and gradient captures); the loop's
+    own slowdown is given beside it (on this VM it swings by more than the stalls, run to run)."""
+    from pccheck.spread.plan import stall, stall_overlapped
+
+    base = statistics.median(r["window_s"] for r in runs["none"])
+    iters = runs["none"][0]["iters"]
+    step_time = max(0.0, base / iters - cfg["iter_time"])  # the emulated iteration's optimizer step
+    n = cfg["checkpoints"]
+    out: dict[str, Any] = {"none": {"window_s": base, "optimizer_step_s": step_time}}
+    for system, rs in runs.items():
+        if system == "none":
+            continue
+        window = statistics.median(r["window_s"] for r in rs)
+        row: dict[str, Any] = {"window_s": window, "slowdown": window / base, "loop_stall_s": (window - base) / n}
+        if system.startswith("pccheck"):
+            k = int(statistics.median(k for r in rs for k in r["spread_steps"]))
+            args = (cfg["nbytes"], cfg["grad_bytes"], cfg["link_bps"], cfg["iter_time"])
+            row.update({"spread_steps": k, "stall_s": statistics.median(b for r in rs for b in r["blocked_s"]),
+                        "paper_model_s": stall(k, *args),
+                        "model_s": stall(1, *args) if k == 1 else stall_overlapped(k, *args, step_time),
+                        "replay_s": statistics.median(x for r in rs for x in r["replay_s"])})
+        out[system] = row
+    targets = []
+    if "pccheck_spread" in out and "pccheck_k1" in out:
+        a, b = out["pccheck_spread"], out["pccheck_k1"]
+        targets.append({"what": "stall per checkpoint, spread / k=1", "limit": 0.5, "value": a["stall_s"] / b["stall_s"]})
+        for name, r in (("spread", a), ("k=1", b)):
+            targets.append({"what": f"measured stall / model, {name} (model {r['model_s']:.3f} s)",
+                            "limit": "within ±25%", "value": r["stall_s"] / r["model_s"] if r["model_s"] else None})
+    for t in targets:
+        v = t["value"]
+        t["met"] = None if v is None else (v <= t["limit"] if isinstance(t["limit"], float) else 0.75 <= v <= 1.25)
+    out["targets"] = targets
+    return out
+
+
+def plot(path: Path, res: dict[str, Any]) -> bool:
+    plt = pyplot(path)
+    if plt is None:
+        return False
+    s = res["summary"]
+    names = [n for n in SYSTEMS if n in s and n != "none"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    measured = [s[n].get("stall_s", s[n]["loop_stall_s"]) for n in names]
+    model = [s[n].get("model_s") or 0.0 for n in names]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured (training thread waited; dcp: loop time)")
+    ax.bar([x + 0.2 for x in xs], model, width=0.4, label="stall model")
+    ax.set_xticks(list(xs), [f"{n}\n(k={s[n].get('spread_steps', '-')})" for n in names], fontsize=8)
+    ax.set_ylabel("stall per checkpoint, s (lower is better)")
+    cfg = res["config"]
+    ax.set_title(f"{format_size(cfg['nbytes'])} AdamW, t={cfg['iter_time']} s, link S/(B t)={cfg['ratio']}; "
+                 f"{res['machine']}", fontsize=8)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gockpt", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--size", default="256MiB", help="model + AdamW state (default 256MiB)")
+    p.add_argument("--iter-time", type=float, default=0.05, help="emulated forward/backward time t, s")
+    p.add_argument("--ratio", type=float, default=4.0, help="S/(B t): iterations the snapshot needs on the link")
+    p.add_argument("--spread", default="auto", help='spread_steps of pccheck_spread: "auto" or an int')
+    p.add_argument("--interval", type=int, default=20,
+                   help="iterations between checkpoints (default 20: a spread of up to 10 steps ends in the window)")
+    p.add_argument("--checkpoints", type=int, default=4, help="checkpoints in the timed window")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--quiet-wait", type=float, default=10.0)
+    p.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "gockpt.json")
+    p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
+    p.add_argument("--quick", action="store_true", help="32MiB, 1 repeat, 2 checkpoints: a smoke run")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child_main(json.loads(args.child))
+    nbytes = parse_size("32MiB" if args.quick else args.size)
+    spread: int | str = args.spread if args.spread == "auto" else int(args.spread)
+    elems = max(N_PARAMS, nbytes // 12) // N_PARAMS * N_PARAMS
+    cfg = {"nbytes": elems * 12, "grad_bytes": elems * 4, "iter_time": args.iter_time, "ratio": args.ratio,
+           "link_bps": elems * 12 / (args.ratio * args.iter_time), "spread": spread, "interval": args.interval,
+           "checkpoints": 2 if args.quick else args.checkpoints, "quiet_wait_s": args.quiet_wait, "timeout_s": 900}
+    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    if "none" not in systems:
+        systems.insert(0, "none")
+    res = run_benchmark(cfg, systems, 1 if args.quick else args.repeats, args.dir)
+    res["command"] = "python -m bench.gockpt " + " ".join(argv if argv is not None else sys.argv[1:])
+    s = res["summary"]
+    rows = [[n, str(s[n].get("spread_steps", "-")), fmt(s[n].get("stall_s"), ".3f"), fmt(s[n].get("model_s"), ".3f"),
+             fmt(s[n].get("paper_model_s"), ".3f"), fmt(s[n]["loop_stall_s"], ".3f"), fmt(s[n]["slowdown"], ".3f")]
+            for n in systems if n != "none"]
+    print_table(f"GoCkpt: {format_size(cfg['nbytes'])} AdamW, t={cfg['iter_time']} s, link "
+                f"{cfg['link_bps'] / 1e9:.2f} GB/s (S/(B t)={cfg['ratio']}), every {cfg['interval']} iterations; "
+                f"medians ({res['machine']})", ["system", "k", "stall/ckpt", "model", "paper model", "loop delta/ckpt", "slowdown"], rows)
+    for t in s["targets"]:
+        print(f"target: {t['what']}: {fmt(t['value'], '.2f')} (limit {t['limit']}) "
+              f"{'MET' if t['met'] else 'MISSED'}")
+    json_path = args.json.with_name(args.json.stem + "-quick.json") if args.quick else args.json
+    write_json(json_path, res)
+    plot(json_path.with_suffix(".png"), res)
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
