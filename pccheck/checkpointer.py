@@ -255,7 +255,9 @@ class Checkpointer:
         return True
 
     def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
-        """Checkpoints now, regardless of the interval. False if skipped (``when_busy="skip"``)."""
+        """Checkpoints now, regardless of the interval. False if skipped (``when_busy="skip"``).
+        With ``spread_steps`` > 1 it finishes a spread in progress as ``step`` and begins a new
+        one (True), which the call k optimizer steps later finishes as that call's step."""
         self._raise_pending()
         _check_step(step)
         if self._orch is None:  # a replica that does not write
@@ -266,7 +268,7 @@ class Checkpointer:
             self._spread.mark(step)
             if self._spread.active():  # not finished by a maybe_checkpoint call: finish it now
                 self._finish_spread(step, metadata)
-            k = self._spread.steps_for_next(self._orch.stats)
+            k = self._spread.steps_for_next(list(self._orch.stats), self.interval)
             if k > 1 and not self._source.may_grow():
                 self._spread.begin(k)  # finished by the call after k optimizer steps
                 return True
@@ -289,19 +291,18 @@ class Checkpointer:
         extra state, RNGs, anything outside the optimizer) is cloned now; all of it goes to DRAM
         chunks once the shadow's replay is done; then the usual write and commit."""
         res = self._spread.finish()
-        snap = self._source.snapshot()
-        arrays = substitute(snap.arrays, res)
-        meta = {**self.metadata, **_check_metadata(metadata)}
         try:
+            snap = self._source.snapshot()
+            arrays = substitute(snap.arrays, res)
+            meta = {**self.metadata, **_check_metadata(metadata)}
             started = self._orch.start(int(step), arrays, meta, tree=snap.tree, epoch=self._epoch(), n_eager=0,
                                        validate=res.failed, hold=res.hold, copied=res.copied,
                                        cow_wait=res.waited_s, extra_stats=res.stats)
-            if not started:  # skipped (when_busy="skip"): the shadow is free again
+            if not started:  # skipped (when_busy="skip"): the shadow is free once the replay ends
                 res.copied.set()
             return started
         except BaseException as exc:
-            res.hold.set()
-            res.copied.set()  # the shadow is free again
+            res.copied.set()  # the next spread still waits for the replay (hold) before reusing the shadow
             if isinstance(exc, StorageError) and self._on_error_policy != "raise":
                 self._background_error(exc)
                 return False
@@ -386,12 +387,17 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for checkpoints in flight, stops the writers and releases the store lock."""
-        if self._spread is not None:
-            try:
-                self._settle_spread()
-            finally:
-                self._spread.close()
-                self._spread = None
+        try:
+            if self._spread is not None:
+                try:
+                    self._settle_spread()
+                finally:
+                    self._spread.close()
+                    self._spread = None
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -4,6 +4,7 @@ resumed from a spread checkpoint continues bit for bit. The replay itself: test_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -145,12 +146,14 @@ def test_checkpoint_or_close_before_k_steps_finish_the_spread_early(tmp_path):
 
 
 def test_a_gradient_changed_under_its_background_copy_fails_that_checkpoint_only(tmp_path, caplog):
-    """zero_grad(set_to_none=False) zeroes the captured gradients in place while their copy over a
-    slow link is still running: that spread is dropped (never saved wrong), later ones capture in
-    the pre-hook and are exact."""
+    """A step post-hook of the user's, which runs before pccheck's (registered first), zeroes the
+    gradients in place while their copy over a slow link is still running: that spread is dropped
+    (never saved wrong), later ones capture in the pre-hook and are exact. (zero_grad and the next
+    backward come after pccheck's post-hook, which waits for the copies.)"""
     from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
 
     model, opt, sched, scaler = make("adamw")
+    opt.register_step_post_hook(lambda o, a, k: [p.grad.zero_() for p in model.parameters() if p.grad is not None])
     ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
                               interval=10, spread_steps=2, on_error="log", copy_engine=ThrottledCopyEngine(200e3))
     for s in range(1, 23):
@@ -164,6 +167,37 @@ def test_a_gradient_changed_under_its_background_copy_fails_that_checkpoint_only
     step, got = loaded(tmp_path, "adamw")
     assert step == 22
     assert_same(got, want)
+
+
+def test_a_closure_step_or_bad_metadata_fail_only_that_spread(tmp_path, caplog):
+    model, opt, sched, scaler = make("adamw")
+    ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
+                              interval=5, spread_steps=2, on_error="log")
+    for s in range(1, 8):
+        if s == 6:  # inside the spread begun at 5: the closure recomputes gradients pccheck cannot see
+            def closure():
+                loss = model(torch.randn(8, 12)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                return loss
+            opt.step(closure)
+        else:
+            train_step(model, opt, sched, scaler, s)
+        ck.maybe_checkpoint(s)
+    assert "step(closure) is not supported" in caplog.text
+    for s in range(8, 13):
+        train_step(model, opt, sched, scaler, s)
+        with pytest.raises(pccheck.ConfigError) if s == 12 else contextlib.nullcontext():
+            ck.maybe_checkpoint(s, metadata="not a mapping" if s == 12 else None)  # 12 finishes the spread of 10
+    for s in range(13, 18):  # the spread of 15 is not held up by the one that failed at 12
+        train_step(model, opt, sched, scaler, s)
+        ck.maybe_checkpoint(s)
+    want = state_of(model, opt, sched, scaler)
+    ck.close()
+    outcomes = [(c["step"], c["outcome"]) for c in ck.stats().as_dict()["checkpoints"]]
+    assert outcomes == [(8, "failed"), (17, "committed")], outcomes  # step 7 is a GradScaler skip
+    assert loaded(tmp_path, "adamw")[0] == 17
+    assert_same(loaded(tmp_path, "adamw")[1], want)
 
 
 def test_unsupported_optimizers_are_refused_before_anything_is_created(tmp_path):
@@ -209,7 +243,8 @@ def test_stall_model_and_auto():
     # pccheck's overlapped gradient copies: the parts fit their steps from k = 4 on, and the
     # gradients ride beside the update (u = 0.09 s): no stall, so "auto" takes the smallest such k.
     assert stall_overlapped(4, gib, gib / 3, gib / 0.2, 0.05, 0.09) == 0.0
-    assert stall_overlapped(3, gib, gib / 3, gib / 0.2, 0.05, 0.09) == pytest.approx(0.2 / 3 - 0.05)
+    assert stall_overlapped(3, gib, gib / 3, gib / 0.2, 0.05, 0.09) == pytest.approx(3 * (0.2 / 3 - 0.05))
+    assert stall_overlapped(4, gib, gib / 3, gib / 0.2, 0.05, 0.05) == pytest.approx(0.2 / 3 - 0.05)
     assert auto_steps(gib, gib / 3, gib / 0.2, 0.05, 0.09) == 4
     # Two steps of gradients that do not fit the budget: no spreading.
     assert auto_steps(gib, gib / 7, gib / 1.0, 0.12, grad_budget=gib / 7) == 1

@@ -51,9 +51,23 @@ class _Modified(Exception):
     """A gradient changed in place under its background copy."""
 
 
+def _stream_event(optimizer: Any) -> Any:
+    """An event recorded on the current CUDA stream when the parameters live on a GPU (copy
+    threads wait on it: the hooks run once the kernels are queued, not done), else None."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device.type == "cuda":
+                import torch
+
+                return torch.cuda.current_stream(p.device).record_event()
+            return None
+    return None
+
+
 def identity(t: Any) -> tuple:
     """What names a tensor's memory (a parameter and its detached view share it)."""
-    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()), t.dtype)
 
 
 @dataclass
@@ -75,6 +89,7 @@ class _Spread:
     copies: list[Future]          # part j's copy into the shadow (done before step k+j updates)
     shadow: ShadowOptimizer       # used by the replay thread only
     handed: int = 0               # parts handed to the replay thread (0..handed-1)
+    pending: list = field(default_factory=list)  # this step's gradient copies (the post-hook waits)
     stepped: int = 0              # optimizer steps taken since it began
     grad_bytes: int = 0
     replay_s: float = 0.0         # written by the replay thread
@@ -93,13 +108,16 @@ class Spreader:
         self._pace = pace  # the copy engine's rate (an emulated link), applied to part and gradient copies
         self.active: _Spread | None = None
         self._buffers: dict[tuple[int, int, str | None], Any] = {}  # (group, index, key) -> CPU tensor
-        self._last_copied: threading.Event | None = None
+        self._last_done: tuple[threading.Event, ...] = ()  # the previous spread's hold and copied
         self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pccheck-spread-copy")
         # Parts and step records for the replay thread, in order. At most RECORDS steps'
         # gradients wait for it (the pre-hook blocks, and that wait counts as stall, when it lags).
         self._queue: queue.Queue[Any] = queue.Queue()
         self._records = threading.Semaphore(RECORDS)
-        self._sync_grads = False  # set once a gradient changed under its background copy
+        # Gradients are copied in the pre-hook itself, before the update, for SGD (its foreach
+        # Nesterov path adds the momentum into .grad in place during the update) and once a
+        # gradient changed under its background copy; else beside the update.
+        self.sync_grads = type(optimizer).__name__ == "SGD"
         self._replayer = threading.Thread(target=self._replay_loop, name="pccheck-spread-replay", daemon=True)
         self._replayer.start()
         self.waited_s = 0.0           # pre-hook waits of the active spread
@@ -115,12 +133,12 @@ class Spreader:
         """Starts a spread over ``k`` steps: part 1's copy begins now (the caller holds no other
         spread)."""
         assert self.active is None
-        if self._last_copied is not None:
-            self._last_copied.wait()  # the previous spread's shadow is in DRAM chunks by now
+        for done in self._last_done:  # the previous spread's replay is over and its shadow in DRAM chunks
+            done.wait()
         items = units(self.optimizer)
         parts = split(items, k)
         self.waited_s = 0.0
-        self.active = _Spread(parts, [self._copier.submit(self._copy_part, parts[0])],
+        self.active = _Spread(parts, [self._copier.submit(self._copy_part, parts[0], _stream_event(self.optimizer))],
                               ShadowOptimizer(self.optimizer))
 
     def ready(self) -> bool:
@@ -146,7 +164,7 @@ class Spreader:
                               hold, copied, {"spread_steps": len(sp.parts), "grad_bytes": sp.grad_bytes,
                                              "replay_s": 0.0}, sp.failure)
         self._queue.put(("done", sp, result))
-        self._last_copied = copied
+        self._last_done = (hold, copied)
         self.active = None
         return result
 
@@ -157,10 +175,10 @@ class Spreader:
         if sp is None:
             return
         for f in sp.copies:
-            f.result()
+            f.exception()  # wait; a failed copy does not matter to a dropped spread
         done = threading.Event()
         self._queue.put(("flush", done))
-        self._last_copied = done
+        self._last_done = (done,)
         self.active = None
 
     # -- the optimizer hooks (training thread) ----------------------------------------------------
@@ -171,32 +189,47 @@ class Spreader:
         return times[len(times) // 2] if times else 0.0
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.active is not None:
-            self._capture(self.active, optimizer)
+        sp = self.active
+        if sp is not None:
+            t0 = time.perf_counter()
+            try:
+                # torch passes the step's own arguments, self first; a closure recomputes the gradients inside
+                if kwargs.get("closure") is not None or (len(args) > 1 and args[1] is not None):
+                    raise ValueError("optimizer.step(closure) is not supported with spread_steps > 1")
+                self._capture(sp, optimizer)
+            except Exception as exc:  # never break the training step: this checkpoint fails instead
+                log.exception("pccheck: capturing a step for a spread checkpoint failed")
+                sp.failure.append(f"capturing a step failed: {exc!r}")
+            self.waited_s += time.perf_counter() - t0
         self._step_began = time.perf_counter()  # the update itself is timed from here ("auto")
 
     def _capture(self, sp: _Spread, optimizer: Any) -> None:
-        t0 = time.perf_counter()
         if sp.handed <= sp.stepped and sp.handed < len(sp.parts):
             self._hand(sp)  # the part copied during this step's forward/backward
         copied = sp.parts[:sp.handed]
-        self._records.acquire()  # at most RECORDS steps' gradients wait for the replay
+        ready = _stream_event(optimizer)
         grads: dict[tuple[int, int], Future] = {}
-        for part in copied:
-            for u in part:
-                g = u.param.grad
-                if g is not None:
+        self._records.acquire()  # at most RECORDS steps' gradients wait for the replay
+        try:
+            for part in copied:
+                for u in part:
+                    g = u.param.grad
+                    if g is None:
+                        continue
                     g = g.detach()  # shares the gradient's version counter
-                    if self._sync_grads:
+                    if self.sync_grads:
                         f: Future = Future()
-                        f.set_result(self._copy_grad(g, g._version))
-                    else:  # copied beside the step (GoCkpt-O): checked against its version counter
-                        f = self._copier.submit(self._copy_grad, g, g._version)
+                        f.set_result(self._copy_grad(g, g._version, ready))
+                    else:  # copied beside the update (GoCkpt-O); the post-hook waits for it
+                        f = self._copier.submit(self._copy_grad, g, g._version, ready)
                     grads[(u.group, u.index)] = f
                     sp.grad_bytes += g.numel() * g.element_size()
+        except BaseException:
+            self._records.release()
+            raise
+        sp.pending = list(grads.values())
         hparams = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         self._queue.put(("step", sp, hparams, grads))
-        self.waited_s += time.perf_counter() - t0
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_total += 1
@@ -205,9 +238,16 @@ class Spreader:
         sp = self.active
         if sp is None:
             return
+        # Invariant: this step's gradient copies end before the user's code runs again (the next
+        # zero_grad or backward may change gradients in place); the update itself reads them only.
+        t0 = time.perf_counter()
+        for f in sp.pending:
+            f.exception()
+        sp.pending = []
+        self.waited_s += time.perf_counter() - t0
         sp.stepped += 1
         if len(sp.copies) < len(sp.parts) and sp.stepped < len(sp.parts):
-            sp.copies.append(self._copier.submit(self._copy_part, sp.parts[sp.stepped]))
+            sp.copies.append(self._copier.submit(self._copy_part, sp.parts[sp.stepped], _stream_event(optimizer)))
 
     # -- copies and replay (checkpoint threads) ---------------------------------------------------
 
@@ -225,11 +265,13 @@ class Spreader:
                     {k: self._buffers[(u.group, u.index, k)] for k in u.state_keys}) for u in sp.parts[j]]
         self._queue.put(("part", sp, entries))
 
-    def _copy_grad(self, g: Any, version: int) -> Any:
+    def _copy_grad(self, g: Any, version: int, ready: Any = None) -> Any:
         """A CPU copy of gradient ``g`` as the step that captured it used it. Invariant: a
         gradient changed in place before its copy ended (its version counter moved: e.g.
         ``zero_grad(set_to_none=False)``, accumulation, an optimizer writing into ``.grad``) is
         never replayed; the checkpoint fails and later spreads copy gradients in the pre-hook."""
+        if ready is not None:
+            ready.synchronize()  # the backward that wrote it ran on the training stream
         t0 = time.perf_counter()
         out = g.to("cpu", copy=True)
         if self._pace is not None:
@@ -239,10 +281,13 @@ class Spreader:
                             "checkpoint is dropped, and later ones capture gradients before the step runs")
         return out
 
-    def _copy_part(self, part: list[Unit]) -> None:
-        """Copies a part's live tensors into the shadow (reusing buffers of the same layout)."""
+    def _copy_part(self, part: list[Unit], ready: Any = None) -> None:
+        """Copies a part's live tensors into the shadow (reusing buffers of the same layout),
+        after ``ready`` (the training stream's event recorded behind the last update, on CUDA)."""
         import torch
 
+        if ready is not None:
+            ready.synchronize()
         state = self.optimizer.state
         for u in part:
             for key, t in u.tensors(state):
@@ -280,7 +325,7 @@ class Spreader:
                 try:
                     grads = {key: f.result() for key, f in futures.items()}
                 except _Modified as exc:
-                    self._sync_grads = True
+                    self.sync_grads = True
                     log.warning("pccheck: %s", exc)
                     sp.failure.append(str(exc))
                 if not sp.failure:

@@ -114,11 +114,13 @@ class SpreadMode:
 
     # -- how many steps -----------------------------------------------------------------------------
 
-    def steps_for_next(self, finished: Sequence[Any]) -> int:
+    def steps_for_next(self, finished: Sequence[Any], interval: int) -> int:
         """k for the checkpoint about to begin. "auto": 1 until a checkpoint has finished and two
-        iterations were timed; then the stall model's choice from them, kept from then on."""
+        iterations were timed; then the stall model's choice from them, kept from then on, and
+        at most half the interval (a spread finishing and the next one beginning in the same
+        call would make that call wait for the first one's replay)."""
         if self.k is not None:
-            return self.k
+            return self.k if self.setting != "auto" else min(self.k, max(1, interval // 2))
         done = [st for st in finished if st.outcome != "failed" and st.copied_s > 0]
         if not done or len(self._calls) < 2:
             return 1
@@ -130,8 +132,9 @@ class SpreadMode:
                          if p.requires_grad)
         step_time = self.spreader.step_time()
         fwd_bwd = max(0.0, iter_time - step_time)
-        self.k = auto_steps(st.nbytes, grad_bytes, bandwidth, fwd_bwd, step_time, self.dram_budget)
+        self.k = auto_steps(st.nbytes, grad_bytes, bandwidth, fwd_bwd, step_time, self.dram_budget,
+                            overlapped=not self.spreader.sync_grads)
         log.info("pccheck: spread_steps=\"auto\" picked %d (state %d B, gradients %d B, copy %.2f GB/s, "
                  "forward/backward %.3f s, optimizer step %.3f s)", self.k, st.nbytes, grad_bytes, bandwidth / 1e9,
                  fwd_bwd, step_time)
-        return self.k
+        return min(self.k, max(1, interval // 2))

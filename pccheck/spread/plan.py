@@ -96,33 +96,33 @@ def stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_
 
 def stall_overlapped(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
                      step_time: float) -> float:
-    """The stall of pccheck's spread, whose gradient copies run beside the optimizer step and the
-    next forward/backward (GoCkpt-O, §4.2.4) instead of stopping the training thread. Part 1
-    crosses the link in the forward/backward after the call (``iter_time`` t); from the pre-hook
-    of step j on, the link carries step j's gradients of the j parts copied so far and then part
-    j+1, which the pre-hook of step j+1 waits for, t + ``step_time`` u later:
+    """The stall of pccheck's spread, whose gradient copies run beside the optimizer step
+    (``step_time`` u) instead of before it (GoCkpt-O, §4.2.4): step j's gradients of the j parts
+    copied so far must cross the link during the update (the post-hook waits for the rest), and
+    each part during the forward/backward (``iter_time`` t) before the step that needs it:
 
-        stall(k) = max(0, S/(kB) - t) + sum_{j=1}^{k-1} max(0, (S/k + G*j/k)/B - (t + u))
+        stall(k) = k * max(0, S/(kB) - t) + sum_{j=1}^{k} max(0, G*j/(kB) - u)
 
-    (G: gradient bytes of all parameters). The last step's gradients are waited for by nobody (the
-    checkpoint is written once its replay is done)."""
+    (G: gradient bytes of all parameters)."""
     part = state_bytes / k / bandwidth
-    total = max(0.0, part - iter_time)
-    for j in range(1, k):
-        total += max(0.0, part + grad_bytes * j / k / bandwidth - (iter_time + step_time))
+    total = k * max(0.0, part - iter_time)
+    for j in range(1, k + 1):
+        total += max(0.0, grad_bytes * j / k / bandwidth - step_time)
     return total
 
 
 def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
-               step_time: float = 0.0, grad_budget: float | None = None) -> int:
-    """The k in 1..MAX_STEPS with the least stall by :func:`stall_overlapped` (the smallest k
-    among equals, within 1 ms), leaving out every k > 1 when the captured gradients of the steps
-    that may wait for the replay at once (two) exceed ``grad_budget``."""
+               step_time: float = 0.0, grad_budget: float | None = None, overlapped: bool = True) -> int:
+    """The k in 1..MAX_STEPS with the least stall by :func:`stall_overlapped` (``overlapped``:
+    gradients copied beside the update) or :func:`stall` (copied before it), the smallest k among
+    equals (within 1 ms), leaving out every k > 1 when the captured gradients of the steps that
+    may wait for the replay at once (two) exceed ``grad_budget``."""
     best, best_stall = 1, stall(1, state_bytes, grad_bytes, bandwidth, iter_time)
     if grad_budget is not None and 2 * grad_bytes > grad_budget:
         return best
     for k in range(2, MAX_STEPS + 1):
-        s = stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time)
+        s = (stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time) if overlapped
+             else stall(k, state_bytes, grad_bytes, bandwidth, iter_time))
         if s < best_stall - 1e-3:
             best, best_stall = k, s
     return best
