@@ -217,6 +217,13 @@ def scratch_dir(base: str | os.PathLike[str]) -> Iterator[Path]:
                 base.rmdir()
 
 
+def print_ratio_targets(targets: Sequence[Mapping[str, Any]]) -> None:
+    """One line per target judged as a ratio ``value`` against ``limit`` (those with a value)."""
+    for t in targets:
+        if t["value"] is not None:
+            print(f"target: {t['what']}: {t['value']:.2f}x (limit {t['limit']}x) {'MET' if t['met'] else 'MISSED'}")
+
+
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Print a table with rich when it is installed, else as aligned plain text."""
     cells = [[str(c) for c in row] for row in rows]

@@ -68,8 +68,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, print_table, \
-    pyplot, save_figure, scratch_dir, write_json
+from bench._common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, \
+    print_ratio_targets, print_table, pyplot, save_figure, scratch_dir, write_json
 from bench.probes import NOISY_OTHER_CPUS, cpu_busy_s, wait_quiet, write_proc
 from bench.restart_child import PHASES, SAVERS, SYSTEMS, state_bytes
 from bench.systems import COLORS
@@ -327,9 +327,7 @@ def print_report(result: Mapping[str, Any]) -> None:
     if noisy:
         print(f"noisy: other processes kept more than {NOISY_OTHER_CPUS} CPUs busy while timing: "
               + ", ".join(noisy))
-    for t in result["targets"]:
-        if t["value"] is not None:
-            print(f"target: {t['what']}: {t['value']:.2f}x (limit {t['limit']}x) {'MET' if t['met'] else 'MISSED'}")
+    print_ratio_targets(result["targets"])
 
 
 def plot(path: Path, result: Mapping[str, Any]) -> bool:

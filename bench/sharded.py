@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, print_table, \
-    pyplot, save_figure, scratch_dir, write_json
+from bench._common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, \
+    print_ratio_targets, print_table, pyplot, save_figure, scratch_dir, write_json
 from bench.probes import cpu_busy_s, wait_quiet
 
 __all__ = ["SYSTEMS", "TARGETS", "run_benchmark", "main"]
@@ -166,9 +166,7 @@ def print_report(res: Mapping[str, Any]) -> None:
                 f"{cfg['load_world']} (cold); medians, seconds ({res['machine']})",
                 ["system", "save blocks", "until durable", f"load {cfg['world']}->{cfg['load_world']}", "same, warm cache"],
                 rows)
-    for t in res["targets"]:
-        if t["value"] is not None:
-            print(f"target: {t['what']}: {t['value']:.2f}x (limit {t['limit']}x) {'MET' if t['met'] else 'MISSED'}")
+    print_ratio_targets(res["targets"])
 
 
 def plot(path: Path, res: Mapping[str, Any]) -> bool:
