@@ -153,8 +153,8 @@ class Checkpointer:
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
         self._spread: SpreadMode | None = None
         if self.options.snapshot.spread_steps != 1 and self._orch is not None:
-            self._spread = SpreadMode(self.options.snapshot.spread_steps, self._source, optimizer,
-                                      self.options.engine.dram_budget, self._orch.copy_engine)
+            self._spread = SpreadMode(self.options.snapshot.spread_steps, optimizer, self.options.engine.dram_budget,
+                                      self._orch.copy_engine)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online

@@ -63,8 +63,7 @@ def substitute(arrays: Mapping[str, Any], fin: Finishing) -> dict[str, Any]:
 class SpreadMode:
     """Spread checkpoints for one Checkpointer (``spread_steps`` an int > 1 or "auto")."""
 
-    def __init__(self, setting: int | str, source: Any, optimizer: Any, dram_budget: int | None,
-                 copy_engine: Any = None) -> None:
+    def __init__(self, setting: int | str, optimizer: Any, dram_budget: int | None, copy_engine: Any = None) -> None:
         self.setting = setting
         self.k: int | None = None if setting == "auto" else int(setting)
         self.optimizer = optimizer
