@@ -78,7 +78,12 @@ class SpreadResult:
     hold: threading.Event        # set once the replay is done (the shadow may be read)
     copied: threading.Event      # set by the orchestrator once the shadow's bytes are in chunks
     stats: dict[str, Any]        # spread_steps, grad_bytes, replay_s (replay_s filled when done)
-    problem: list[str] = field(default_factory=list)  # a replay failure: the checkpoint fails
+    waited_s: float              # what the training thread waited for this spread (its cow_wait_s)
+    problem: list[str] = field(default_factory=list)  # a capture, copy or replay failure
+
+    def failed(self) -> str | None:
+        """The spread's failure, if any (the orchestrator's validate: it fails the checkpoint)."""
+        return "; ".join(self.problem) or None
 
 
 @dataclass
@@ -97,10 +102,7 @@ class _Spread:
 
 
 class Spreader:
-    """Drives spread checkpoints for one model and optimizer (``Checkpointer(spread_steps=k)``).
-
-    ``wait_stats`` receives the seconds the training thread waited in each step pre-hook (for the
-    checkpoint's ``cow_wait_s``)."""
+    """Drives spread checkpoints for one model and optimizer (``Checkpointer(spread_steps=k)``)."""
 
     def __init__(self, optimizer: Any, pace: Callable[[int, float], None] | None = None) -> None:
         check_replayable(optimizer)
@@ -160,9 +162,9 @@ class Spreader:
         hold, copied = threading.Event(), threading.Event()
         shadow = {identity(t): self._buffers.get((u.group, u.index, key))
                   for part in sp.parts for u in part for key, t in u.tensors(self.optimizer.state)}
-        result = SpreadResult({k: v for k, v in shadow.items() if v is not None},
-                              hold, copied, {"spread_steps": len(sp.parts), "grad_bytes": sp.grad_bytes,
-                                             "replay_s": 0.0}, sp.failure)
+        result = SpreadResult({k: v for k, v in shadow.items() if v is not None}, hold, copied,
+                              {"spread_steps": len(sp.parts), "grad_bytes": sp.grad_bytes, "replay_s": 0.0},
+                              self.waited_s, sp.failure)
         self._queue.put(("done", sp, result))
         self._last_done = (hold, copied)
         self.active = None

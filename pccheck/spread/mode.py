@@ -14,7 +14,7 @@ from .driver import Spreader, SpreadResult, identity
 from .plan import auto_steps
 from .replay import check_replayable
 
-__all__ = ["SpreadMode", "Finishing", "check_spread", "substitute"]
+__all__ = ["SpreadMode", "check_spread", "substitute"]
 
 log = logging.getLogger("pccheck")
 
@@ -32,24 +32,12 @@ def check_spread(source: Any, optimizer: Any) -> None:
     check_replayable(optimizer)
 
 
-class Finishing:
-    """What the Checkpointer passes to the orchestrator for a finished spread."""
-
-    def __init__(self, res: SpreadResult, waited_s: float) -> None:
-        self.hold, self.copied, self.stats, self.waited_s = res.hold, res.copied, res.stats, waited_s
-        self._res = res
-
-    def failed(self) -> str | None:
-        """The replay's failure, if any (the orchestrator fails the checkpoint on it)."""
-        return "; ".join(self._res.problem) or None
-
-
-def substitute(arrays: Mapping[str, Any], fin: Finishing) -> dict[str, Any]:
+def substitute(arrays: Mapping[str, Any], res: SpreadResult) -> dict[str, Any]:
     """The snapshot's arrays with every live parameter and optimizer state tensor of the spread
     replaced by its shadow tensor, and every other live tensor (buffers, extra state, parameters
     outside the optimizer) cloned now: nothing of the result is live memory, so the orchestrator
     may copy any of it, in any chunk, once the replay is done (Orchestrator.start's ``hold``)."""
-    sub = fin._res.substitute
+    sub = res.substitute
     out = {}
     for name, a in arrays.items():
         key = identity(a) if hasattr(a, "untyped_storage") else None
@@ -101,9 +89,8 @@ class SpreadMode:
     def begin(self, k: int) -> None:
         self.spreader.begin(k)
 
-    def finish(self) -> Finishing:
-        res = self.spreader.finish()
-        return Finishing(res, self.spreader.waited_s)
+    def finish(self) -> SpreadResult:
+        return self.spreader.finish()
 
     def abandon(self) -> None:
         self.spreader.abandon()
