@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -32,7 +33,7 @@ from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
 from .persist.layout import Layout, plan
-from .spread.mode import SpreadMode, check_spread, substitute
+from .spread.mode import SpreadMode, budget_split, check_spread, substitute
 from .torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
@@ -134,6 +135,9 @@ class Checkpointer:
         self._initial_bytes = layout.data_len
         group = detect_group() if self.options.group.distributed else None
         engine = self._tune(interval, group, layout)
+        # GoCkpt mode: the captured gradients come out of dram_budget, the chunk pool gets the rest.
+        pool_budget, grad_budget = budget_split(self.options.snapshot.spread_steps, optimizer, engine.dram_budget)
+        engine = replace(engine, dram_budget=pool_budget)
         # A data-parallel replica with replicated="rank0" and rank != 0 holds the same state as
         # rank 0, which alone writes (a plain store at `path`); this one never writes.
         self._writes = not (group is not None and self.options.group.replicated == "rank0" and group.rank != 0)
@@ -153,8 +157,7 @@ class Checkpointer:
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
         self._spread: SpreadMode | None = None
         if self.options.snapshot.spread_steps != 1 and self._orch is not None:
-            self._spread = SpreadMode(self.options.snapshot.spread_steps, optimizer, self.options.engine.dram_budget,
-                                      self._orch.copy_engine)
+            self._spread = SpreadMode(self.options.snapshot.spread_steps, optimizer, grad_budget, self._orch.copy_engine)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online

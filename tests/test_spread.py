@@ -9,13 +9,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import pccheck
-from pccheck.spread.plan import Unit, auto_steps, split, stall, stall_overlapped
+from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
+from pccheck.spread.mode import budget_split, grad_bytes
+from pccheck.spread.plan import RECORDS, Unit, auto_steps, split, stall, stall_overlapped
 from pccheck.spread.replay import ShadowOptimizer
 
 HERE = Path(__file__).resolve()
@@ -212,6 +215,39 @@ def test_unsupported_optimizers_are_refused_before_anything_is_created(tmp_path)
         pccheck.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), path=tmp_path / "ck",
                              spread_steps="many")
     assert not (tmp_path / "ck").exists()
+
+
+def test_captured_gradients_count_against_dram_budget(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    g = grad_bytes(opt)
+    assert g == sum(p.numel() * 4 for p in model.parameters())
+    # An explicit k: RECORDS steps of gradients come off the pool's budget, or ConfigError.
+    assert budget_split(3, opt, 1 << 20) == ((1 << 20) - RECORDS * g, RECORDS * g)
+    assert budget_split(1, opt, 1 << 20) == (1 << 20, None)
+    assert budget_split(3, opt, None) == (None, None)
+    with pytest.raises(pccheck.ConfigError, match=f"raise dram_budget to at least {RECORDS * g + 4096}"):
+        pccheck.Checkpointer(model, opt, path=tmp_path / "ck", spread_steps=3, dram_budget=RECORDS * g)
+    assert not (tmp_path / "ck").exists()
+    # "auto": only if the pool keeps half the budget; else it never spreads.
+    assert budget_split("auto", opt, 4 * RECORDS * g) == (3 * RECORDS * g, RECORDS * g)
+    assert budget_split("auto", opt, RECORDS * g + 4096) == (RECORDS * g + 4096, 0)
+
+    def picked(path, budget):
+        # A link that needs 4 iterations of 10 ms for the state: unbounded, "auto" spreads.
+        model, opt, sched, scaler = make("adamw")
+        nbytes = 3 * grad_bytes(opt)
+        ck = pccheck.Checkpointer(model, opt, path=path, extra_state={"sched": sched, "scaler": scaler},
+                                  interval=10, spread_steps="auto", dram_budget=budget,
+                                  copy_engine=ThrottledCopyEngine(nbytes / (4 * 0.01)))
+        for s in range(1, 31):
+            time.sleep(0.01)
+            train_step(model, opt, sched, scaler, s)
+            ck.maybe_checkpoint(s)
+        ck.close()
+        return [c["spread_steps"] for c in ck.stats().as_dict()["checkpoints"]]
+
+    assert picked(tmp_path / "free", 1 << 20)[1] > 1
+    assert picked(tmp_path / "tight", RECORDS * g + 4096) == [1, 1, 1]
 
 
 def test_auto_starts_with_one_then_picks_from_the_stall_model(tmp_path, caplog):

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
+from concurrent.futures import Future, wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -38,6 +38,7 @@ from ..persist.store import SlotStore
 from .copy_engine import CopyEngine, Sources, abandon
 from .options import EngineOptions
 from .reserve import Reserve, resolve_reserve
+from .threads import started_pool
 from .retention import Retention
 from .stats import CheckpointStats
 
@@ -125,22 +126,6 @@ def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -
     return chunk, max(1, budget // chunk)
 
 
-def _started_pool(workers: int) -> ThreadPoolExecutor:
-    """A commit-thread pool whose ``workers`` threads are already running.
-
-    ThreadPoolExecutor starts a thread at the first submit that finds none idle, i.e. inside the
-    first checkpoints' ``start``. Mapping a thread stack there waits for the mmap lock, which the
-    engine's prefaulter holds while it populates the pool (hundreds of ms per thread measured on a
-    reopened 1 GiB store), so the threads are started here, before the engine exists: each is
-    parked on a barrier until all ``workers`` are up, which forces a new thread per submit."""
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pccheck-commit")
-    parked = threading.Barrier(workers + 1)
-    for _ in range(workers):
-        pool.submit(parked.wait)
-    parked.wait()
-    return pool
-
-
 class Orchestrator:
     """Runs checkpoints of a mapping of arrays into the store at ``path``, which it opens (and
     locks: StoreLockedError if another writer has it) and owns."""
@@ -173,7 +158,7 @@ class Orchestrator:
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced)
-        self._pool = _started_pool(self.max_concurrent)
+        self._pool = started_pool(self.max_concurrent, "pccheck-commit")
         try:
             self._make_engine(layout.data_len)
         except BaseException:

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .plan import Unit, split, units
+from .plan import RECORDS, Unit, split, units
 from .replay import ShadowOptimizer, StepRecord, check_replayable
 
 __all__ = ["Spreader", "SpreadResult", "identity"]
@@ -44,7 +44,6 @@ __all__ = ["Spreader", "SpreadResult", "identity"]
 log = logging.getLogger("pccheck")
 
 COPY_THREADS = 2  # two threads reach ~20 GB/s memcpy on touched pages here, one ~11 GB/s
-RECORDS = 2       # steps whose captured gradients may wait for the replay at once
 
 
 class _Modified(Exception):
@@ -339,6 +338,9 @@ class Spreader:
                 sp.failure.append(f"the spread checkpoint's replay failed: {exc!r}")
             finally:
                 if kind == "step":
+                    # Invariant (budget_split counts RECORDS steps): this step's gradient copies
+                    # are dropped before the pre-hook may capture another step's.
+                    item = grads = futures = rest = None
                     self._records.release()
 
     def close(self) -> None:

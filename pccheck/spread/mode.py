@@ -11,10 +11,10 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from .driver import Spreader, SpreadResult, identity
-from .plan import auto_steps
+from .plan import RECORDS, auto_steps
 from .replay import check_replayable
 
-__all__ = ["SpreadMode", "check_spread", "substitute"]
+__all__ = ["SpreadMode", "budget_split", "check_spread", "grad_bytes", "substitute"]
 
 log = logging.getLogger("pccheck")
 
@@ -30,6 +30,37 @@ def check_spread(source: Any, optimizer: Any) -> None:
     if source.sharded:
         raise ConfigError("spread_steps does not support sharded (DTensor) state yet; use spread_steps=1")
     check_replayable(optimizer)
+
+
+def grad_bytes(optimizer: Any) -> int:
+    """Bytes of one step's gradients: every parameter the optimizer updates."""
+    return sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+
+
+MIN_POOL = 4096  # the smallest chunk pool (one chunk of one block)
+
+
+def budget_split(setting: int | str, optimizer: Any, dram_budget: int | None) -> tuple[int | None, int | None]:
+    """``dram_budget`` shared between the chunk pool and a spread's captured gradients:
+    (the pool's budget, the gradients' budget).
+
+    A spread holds the captured gradients of at most RECORDS steps at once (driver.py), so it
+    takes RECORDS x one step's gradient bytes off the pool's budget. An explicit ``spread_steps``
+    whose gradients leave less than MIN_POOL raises ConfigError; "auto" takes them only if the
+    pool keeps at least half the budget, else it never spreads (gradient budget 0). No
+    ``dram_budget`` (the default pool, 2x the state): (None, None), the gradients come on top."""
+    if dram_budget is None or setting == 1:
+        return dram_budget, None
+    need = RECORDS * grad_bytes(optimizer)
+    pool = dram_budget - need
+    if setting == "auto":
+        return (pool, need) if pool >= max(MIN_POOL, dram_budget // 2) else (dram_budget, 0)
+    if pool < MIN_POOL:
+        raise ConfigError(f"spread_steps={setting} holds up to {need} bytes of captured gradients ({RECORDS} steps), "
+                          f"which leave {max(0, pool)} of dram_budget={dram_budget} bytes for the chunk pool "
+                          f"(at least {MIN_POOL} needed); raise dram_budget to at least {need + MIN_POOL} "
+                          "or use spread_steps=1")
+    return pool, need
 
 
 def substitute(arrays: Mapping[str, Any], res: SpreadResult) -> dict[str, Any]:
@@ -51,11 +82,11 @@ def substitute(arrays: Mapping[str, Any], res: SpreadResult) -> dict[str, Any]:
 class SpreadMode:
     """Spread checkpoints for one Checkpointer (``spread_steps`` an int > 1 or "auto")."""
 
-    def __init__(self, setting: int | str, optimizer: Any, dram_budget: int | None, copy_engine: Any = None) -> None:
+    def __init__(self, setting: int | str, optimizer: Any, grad_budget: int | None, copy_engine: Any = None) -> None:
         self.setting = setting
         self.k: int | None = None if setting == "auto" else int(setting)
         self.optimizer = optimizer
-        self.dram_budget = dram_budget
+        self.grad_budget = grad_budget  # budget_split's: bytes of captured gradients "auto" may use
         self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None))
         self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls
         self._last_step: int | None = None
@@ -114,13 +145,12 @@ class SpreadMode:
         bandwidth = st.nbytes / st.copied_s  # the whole copy's wall time: the link's pace
         gaps = [b - a for a, b in zip(self._calls, list(self._calls)[1:])]
         iter_time = statistics.median(gaps)
-        grad_bytes = sum(p.numel() * p.element_size() for g in self.optimizer.param_groups for p in g["params"]
-                         if p.requires_grad)
+        grads = grad_bytes(self.optimizer)
         step_time = self.spreader.step_time()
         fwd_bwd = max(0.0, iter_time - step_time)
-        self.k = auto_steps(st.nbytes, grad_bytes, bandwidth, fwd_bwd, step_time, self.dram_budget,
+        self.k = auto_steps(st.nbytes, grads, bandwidth, fwd_bwd, step_time, self.grad_budget,
                             overlapped=not self.spreader.sync_grads)
         log.info("pccheck: spread_steps=\"auto\" picked %d (state %d B, gradients %d B, copy %.2f GB/s, "
-                 "forward/backward %.3f s, optimizer step %.3f s)", self.k, st.nbytes, grad_bytes, bandwidth / 1e9,
+                 "forward/backward %.3f s, optimizer step %.3f s)", self.k, st.nbytes, grads, bandwidth / 1e9,
                  fwd_bwd, step_time)
         return min(self.k, max(1, interval // 2))

@@ -29,6 +29,9 @@ from typing import Any
 
 __all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "auto_steps", "MAX_STEPS"]
 
+# Steps whose captured gradients may wait for the replay at once (the driver's pre-hook blocks
+# beyond it): a spread holds at most RECORDS x one step's gradient bytes.
+RECORDS = 2
 MAX_STEPS = 8  # the paper's optimum is 7-8; beyond it the gradient traffic outweighs the saving
 
 
@@ -116,9 +119,9 @@ def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_tim
     """The k in 1..MAX_STEPS with the least stall by :func:`stall_overlapped` (``overlapped``:
     gradients copied beside the update) or :func:`stall` (copied before it), the smallest k among
     equals (within 1 ms), leaving out every k > 1 when the captured gradients of the steps that
-    may wait for the replay at once (two) exceed ``grad_budget``."""
+    may wait for the replay at once (RECORDS) exceed ``grad_budget``."""
     best, best_stall = 1, stall(1, state_bytes, grad_bytes, bandwidth, iter_time)
-    if grad_budget is not None and 2 * grad_bytes > grad_budget:
+    if grad_budget is not None and RECORDS * grad_bytes > grad_budget:
         return best
     for k in range(2, MAX_STEPS + 1):
         s = (stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time) if overlapped
