@@ -157,7 +157,8 @@ class Checkpointer:
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
         self._spread: SpreadMode | None = None
         if self.options.snapshot.spread_steps != 1 and self._orch is not None:
-            self._spread = SpreadMode(self.options.snapshot.spread_steps, optimizer, grad_budget, self._orch.copy_engine)
+            self._spread = SpreadMode(self.options.snapshot.spread_steps, optimizer, grad_budget, self._orch.copy_engine,
+                                      tuned=self.settings["spread_steps"])
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -168,7 +169,8 @@ class Checkpointer:
         # the size check against the tuned size is left out then.
         self.settings: dict[str, Any] = resolve_auto(
             self.path, interval, engine.max_concurrent, engine.writer_threads, engine.chunk_size,
-            state_bytes=None if self._source.may_grow() else layout.data_len)
+            state_bytes=None if self._source.may_grow() else layout.data_len,
+            spread_steps=self.options.snapshot.spread_steps)
         engine = engine.with_values(self.settings)
         self.interval: int = self.settings["interval"]
         # Online mode: the tuner re-derives the interval from what it measures while training runs.

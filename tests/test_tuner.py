@@ -183,6 +183,36 @@ def test_choose_by_hand():
     assert (c1.max_concurrent, c1.interval) == (1, 10)
 
 
+def test_choose_spread_steps_from_the_stall_model():
+    # memcpy at 10 GB/s copies 512 MiB within one 0.1 s iteration: nothing to spread
+    c = choose(_profile([_w(1, 1.0), _w(2, 1.4)]), Constraints(512 * MiB, 0.1, 1.03))
+    assert (c.spread_steps, c.grad_bytes, c.whole_stall_s) == (1, 512 * MiB // 3, 0.0)
+    # a 1 GB/s link, 1 GiB of state, t = 0.3 s of which the update takes 0.1 s: one step stalls
+    # S/B - 0.2; over k steps each part stalls S/(kB) - 0.2 and the gradients of the j parts
+    # copied (G j / (kB)) ride beside the update where they fit. The model, written out again:
+    S, B, G, f, u = float(1 << 30), 1.0 * GB, float((1 << 30) // 3), 0.2, 0.1
+
+    def stall_of(k):
+        if k == 1:
+            return max(0.0, S / B - f)
+        return k * max(0.0, S / (k * B) - f) + sum(max(0.0, G * j / (k * B) - u) for j in range(1, k + 1))
+
+    best = 1
+    for k in range(2, 9):
+        if stall_of(k) < stall_of(best) - 1e-3:
+            best = k
+    prof = dataclasses.replace(_profile([_w(1, 1.0), _w(2, 1.4)], t=0.3, m=1 << 30),
+                               copy=(CopySample(64 * MiB, 1.0 * GB, "cuda", 1.07),), update_s=u)
+    c = choose(prof, Constraints(1 << 30, 0.3, 1.03))
+    assert c.spread_steps == best > 1
+    assert c.whole_stall_s == pytest.approx(S / B - f)
+    assert c.spread_stall_s == pytest.approx(stall_of(best)) and c.spread_stall_s < 0.8 * c.whole_stall_s
+    # DRAM for the pool and two steps of gradients: the pool would keep under half, so no spread
+    tight = choose(prof, Constraints(1 << 30, 0.3, 1.03, dram_budget=(1 << 30) + MiB))
+    assert tight.spread_steps == 1
+    assert choose(prof, Constraints(1 << 30, 0.3, 1.03, grad_bytes=1 << 20)).grad_bytes == 1 << 20
+
+
 def test_choose_with_a_blocking_copy():
     # B = 40 ms per checkpoint: f >= ceil(0.04 / (0.03 * 0.1)) = 14 beats eq. (3) for every N, so
     # the smallest N wins; a smaller B measured at a larger N is noise (B cannot shrink with N).
@@ -254,7 +284,18 @@ def test_resolve_auto_reads_the_stored_choice(tmp_path, caplog):
     assert config.resolve_auto(tmp_path, 5, 1, 1, 4096)["source"] == "explicit"
 
 
+def test_resolve_auto_gives_the_stored_spread_steps(tmp_path):
+    config.write_config(tmp_path, _doc(spread_steps=5))
+    assert config.resolve_auto(tmp_path, 5, 1, 1, 4096, spread_steps="auto")["spread_steps"] == 5
+    assert config.resolve_auto(tmp_path, 5, 1, 1, 4096, spread_steps=3)["spread_steps"] == 3
+    assert config.resolve_auto(tmp_path, 5, 1, 1, 4096)["spread_steps"] == 1
+    config.write_config(tmp_path, _doc())  # a config from before spread_steps: learned while training
+    assert config.resolve_auto(tmp_path, 5, 1, 1, 4096, spread_steps="auto")["spread_steps"] is None
+    assert config.resolve_auto(tmp_path / "none", 5, 1, 1, 4096, spread_steps="auto")["spread_steps"] is None
+
+
 @pytest.mark.parametrize("content", [
+    json.dumps(_doc(spread_steps=0)), json.dumps(_doc(spread_steps=9)), json.dumps(_doc(spread_steps="auto")),
     "{not json", json.dumps([1, 2]), json.dumps({"format": "other"}),
     json.dumps({**_doc(), "version": 99}), json.dumps({k: v for k, v in _doc().items() if k != "chosen"}),
     json.dumps(_doc(interval=0)), json.dumps(_doc(interval="7")), json.dumps(_doc(max_concurrent=True)),

@@ -125,6 +125,7 @@ class Spreader:
         self.steps_total = 0          # optimizer steps since this Spreader was made
         self._step_began: float | None = None
         self._step_times: deque[float] = deque(maxlen=16)  # recent optimizer steps' durations ("auto")
+        self._part_copies: deque[tuple[int, float]] = deque(maxlen=32)  # (bytes, seconds) of recent parts
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
 
@@ -188,6 +189,12 @@ class Spreader:
         """The median of the last optimizer steps' durations (pre-hook to post-hook), 0 if none."""
         times = sorted(self._step_times)
         return times[len(times) // 2] if times else 0.0
+
+    def copy_bandwidth(self) -> float | None:
+        """Bytes per second of the recent part copies (the link, with what shares it), None if none."""
+        copies = list(self._part_copies)
+        seconds = sum(s for _, s in copies)
+        return sum(n for n, _ in copies) / seconds if copies and seconds > 0 else None
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         sp = self.active
@@ -290,8 +297,10 @@ class Spreader:
         if ready is not None:
             ready.synchronize()
         state = self.optimizer.state
+        t_part, nbytes = time.perf_counter(), 0
         for u in part:
             for key, t in u.tensors(state):
+                nbytes += t.numel() * t.element_size()
                 buf = self._buffers.get((u.group, u.index, key))
                 if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                     buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
@@ -300,6 +309,7 @@ class Spreader:
                 buf.copy_(t.detach())
                 if self._pace is not None:
                     self._pace(t.numel() * t.element_size(), t0)
+        self._part_copies.append((nbytes, time.perf_counter() - t_part))
 
     def _replay_loop(self) -> None:
         while True:

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from .driver import Spreader, SpreadResult, identity
-from .plan import RECORDS, auto_steps
+from .plan import auto_steps, split_budget, stall, stall_overlapped
 from .replay import check_replayable
 
 __all__ = ["SpreadMode", "budget_split", "check_spread", "grad_bytes", "substitute"]
@@ -37,30 +37,12 @@ def grad_bytes(optimizer: Any) -> int:
     return sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
 
 
-MIN_POOL = 4096  # the smallest chunk pool (one chunk of one block)
-
-
 def budget_split(setting: int | str, optimizer: Any, dram_budget: int | None) -> tuple[int | None, int | None]:
-    """``dram_budget`` shared between the chunk pool and a spread's captured gradients:
-    (the pool's budget, the gradients' budget).
-
-    A spread holds the captured gradients of at most RECORDS steps at once (driver.py), so it
-    takes RECORDS x one step's gradient bytes off the pool's budget. An explicit ``spread_steps``
-    whose gradients leave less than MIN_POOL raises ConfigError; "auto" takes them only if the
-    pool keeps at least half the budget, else it never spreads (gradient budget 0). No
-    ``dram_budget`` (the default pool, 2x the state): (None, None), the gradients come on top."""
+    """:func:`.plan.split_budget` for this optimizer's gradients: (the chunk pool's budget, the
+    captured gradients' budget)."""
     if dram_budget is None or setting == 1:
         return dram_budget, None
-    need = RECORDS * grad_bytes(optimizer)
-    pool = dram_budget - need
-    if setting == "auto":
-        return (pool, need) if pool >= max(MIN_POOL, dram_budget // 2) else (dram_budget, 0)
-    if pool < MIN_POOL:
-        raise ConfigError(f"spread_steps={setting} holds up to {need} bytes of captured gradients ({RECORDS} steps), "
-                          f"which leave {max(0, pool)} of dram_budget={dram_budget} bytes for the chunk pool "
-                          f"(at least {MIN_POOL} needed); raise dram_budget to at least {need + MIN_POOL} "
-                          "or use spread_steps=1")
-    return pool, need
+    return split_budget(setting, grad_bytes(optimizer), dram_budget)
 
 
 def substitute(arrays: Mapping[str, Any], res: SpreadResult) -> dict[str, Any]:
@@ -82,11 +64,17 @@ def substitute(arrays: Mapping[str, Any], res: SpreadResult) -> dict[str, Any]:
 class SpreadMode:
     """Spread checkpoints for one Checkpointer (``spread_steps`` an int > 1 or "auto")."""
 
-    def __init__(self, setting: int | str, optimizer: Any, grad_budget: int | None, copy_engine: Any = None) -> None:
+    def __init__(self, setting: int | str, optimizer: Any, grad_budget: int | None, copy_engine: Any = None,
+                 tuned: int | None = None) -> None:
         self.setting = setting
-        self.k: int | None = None if setting == "auto" else int(setting)
+        # "auto": None until learned (or the k pccheck-tune stored, ``tuned``), then re-learned
+        # as checkpoints finish (steps_for_next).
+        self.k: int | None = (tuned if setting == "auto" else int(setting))
+        if setting == "auto" and tuned is not None:
+            log.info("pccheck: spread_steps=\"auto\" starts from the tuned %d", tuned)
         self.optimizer = optimizer
         self.grad_budget = grad_budget  # budget_split's: bytes of captured gradients "auto" may use
+        self._learned_from = 0  # finished checkpoints "auto" had seen when it last chose
         self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None))
         self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls
         self._last_step: int | None = None
@@ -132,25 +120,50 @@ class SpreadMode:
     # -- how many steps -----------------------------------------------------------------------------
 
     def steps_for_next(self, finished: Sequence[Any], interval: int) -> int:
-        """k for the checkpoint about to begin. "auto": 1 until a checkpoint has finished and two
-        iterations were timed; then the stall model's choice from them, kept from then on, and
-        at most half the interval (a spread finishing and the next one beginning in the same
-        call would make that call wait for the first one's replay)."""
-        if self.k is not None:
-            return self.k if self.setting != "auto" else min(self.k, max(1, interval // 2))
+        """k for the checkpoint about to begin: the ``spread_steps`` given, or "auto"'s, at most
+        half the interval (a spread finishing and the next one beginning in the same call would
+        make that call wait for the first one's replay). "auto": 1 until a checkpoint has finished and two iterations were timed (or the
+        tuned k); then the stall model's choice from what was measured, chosen again whenever
+        another checkpoint has finished (the online tuner's side of k)."""
+        if self.setting != "auto":
+            return int(self.setting)
+        self._learn(finished)
+        return min(self.k or 1, max(1, interval // 2))
+
+    def _learn(self, finished: Sequence[Any]) -> None:
         done = [st for st in finished if st.outcome != "failed" and st.copied_s > 0]
-        if not done or len(self._calls) < 2:
-            return 1
-        st = done[-1]
-        bandwidth = st.nbytes / st.copied_s  # the whole copy's wall time: the link's pace
+        if len(done) <= self._learned_from or len(self._calls) < 2:
+            return
+        self._learned_from = len(done)
+        # The link's bandwidth: the spread's own part copies, else a whole copy's wall time.
+        bandwidth = self.spreader.copy_bandwidth()
+        if bandwidth is None:
+            whole = [st for st in done if st.spread_steps <= 1]
+            if not whole:
+                return
+            bandwidth = whole[-1].nbytes / whole[-1].copied_s
+        nbytes = done[-1].nbytes
         gaps = [b - a for a, b in zip(self._calls, list(self._calls)[1:])]
         iter_time = statistics.median(gaps)
         grads = grad_bytes(self.optimizer)
         step_time = self.spreader.step_time()
         fwd_bwd = max(0.0, iter_time - step_time)
-        self.k = auto_steps(st.nbytes, grads, bandwidth, fwd_bwd, step_time, self.grad_budget,
-                            overlapped=not self.spreader.sync_grads)
-        log.info("pccheck: spread_steps=\"auto\" picked %d (state %d B, gradients %d B, copy %.2f GB/s, "
-                 "forward/backward %.3f s, optimizer step %.3f s)", self.k, st.nbytes, grads, bandwidth / 1e9,
-                 fwd_bwd, step_time)
-        return min(self.k, max(1, interval // 2))
+        overlapped = not self.spreader.sync_grads
+        k = auto_steps(nbytes, grads, bandwidth, fwd_bwd, step_time, self.grad_budget, overlapped=overlapped)
+        why = (f"state {nbytes} B, gradients {grads} B, copy {bandwidth / 1e9:.2f} GB/s, forward/backward "
+               f"{fwd_bwd:.3f} s, optimizer step {step_time:.3f} s")
+        if self.k is None:
+            self.k = k
+            log.info("pccheck: spread_steps=\"auto\" picked %d (%s)", k, why)
+            return
+        if k == self.k:
+            return
+        # Hysteresis: move only for a clear gain (10% and 1 ms of modelled stall), not on noise.
+        def model(n: int) -> float:
+            if n == 1:
+                return stall(1, nbytes, grads, bandwidth, fwd_bwd)
+            return (stall_overlapped(n, nbytes, grads, bandwidth, fwd_bwd, step_time) if overlapped
+                    else stall(n, nbytes, grads, bandwidth, fwd_bwd))
+        if model(k) < 0.9 * model(self.k) - 1e-3:  # (auto_steps keeps k = 1 where the gradients do not fit)
+            log.info("pccheck: spread_steps=\"auto\" moves from %d to %d (%s)", self.k, k, why)
+            self.k = k

@@ -27,7 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "auto_steps", "MAX_STEPS"]
+from ..errors import ConfigError
+
+__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "auto_steps", "split_budget", "MAX_STEPS",
+           "RECORDS"]
 
 # Steps whose captured gradients may wait for the replay at once (the driver's pre-hook blocks
 # beyond it): a spread holds at most RECORDS x one step's gradient bytes.
@@ -129,3 +132,30 @@ def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_tim
         if s < best_stall - 1e-3:
             best, best_stall = k, s
     return best
+
+
+MIN_POOL = 4096  # the smallest chunk pool (one chunk of one block)
+
+
+def split_budget(setting: int | str, grad_bytes: int, dram_budget: int | None) -> tuple[int | None, int | None]:
+    """``dram_budget`` shared between the chunk pool and a spread's captured gradients:
+    (the pool's budget, the gradients' budget), for ``spread_steps=setting`` and ``grad_bytes``
+    of gradients per step.
+
+    A spread holds the captured gradients of at most RECORDS steps at once, so it takes RECORDS x
+    ``grad_bytes`` off the pool's budget. An explicit ``spread_steps`` whose gradients leave less
+    than MIN_POOL raises ConfigError; "auto" takes them only if the pool keeps at least half the
+    budget, else it never spreads (gradient budget 0). No ``dram_budget`` (the default pool, 2x
+    the state): (None, None), the gradients come on top."""
+    if dram_budget is None or setting == 1:
+        return dram_budget, None
+    need = RECORDS * grad_bytes
+    pool = dram_budget - need
+    if setting == "auto":
+        return (pool, need) if pool >= max(MIN_POOL, dram_budget // 2) else (dram_budget, 0)
+    if pool < MIN_POOL:
+        raise ConfigError(f"spread_steps={setting} holds up to {need} bytes of captured gradients ({RECORDS} steps), "
+                          f"which leave {max(0, pool)} of dram_budget={dram_budget} bytes for the chunk pool "
+                          f"(at least {MIN_POOL} needed); raise dram_budget to at least {need + MIN_POOL} "
+                          "or use spread_steps=1")
+    return pool, need

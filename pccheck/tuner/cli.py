@@ -240,6 +240,9 @@ def _render(console: Console, profile: Profile, choice: Choice, c: Constraints, 
     ch.add_row("recovery bound, eq. (4)", _ms(choice.recovery_bound_s),
                f"l + f t + t min(N f, T_w/t); l = {_ms(choice.load_s)}"
                + (" (estimated m/T_S)" if choice.load_estimated else ""))
+    ch.add_row("spread_steps (\"auto\")", str(choice.spread_steps),
+               f"modelled stall per checkpoint {_ms(choice.spread_stall_s)} over k steps vs {_ms(choice.whole_stall_s)} "
+               f"in one (gradients {_size(choice.grad_bytes)} per step)")
     ch.add_row("storage used", _size(choice.storage_bytes), "(N*+1) m")
     ch.add_row("profiling time", f"{profile.seconds:.1f} s", "")
     console.print(ch)
@@ -277,6 +280,9 @@ def tune(
                             show_default=False)] = None,
     load_time: Annotated[Optional[float], typer.Option("--load-time", help="seconds to load a checkpoint "
                          "(eq. 4; default m / T_S)", show_default=False)] = None,
+    grad_bytes: Annotated[Optional[str], typer.Option("--grad-bytes", help="gradient bytes per step, for "
+                          "spread_steps=\"auto\" (default m/3: fp32 parameters with Adam's two moments)",
+                          show_default=False)] = None,
     threads: Annotated[str, typer.Option("--threads", help="writer thread counts to try")] = "1,2,3,4",
     chunks: Annotated[str, typer.Option("--chunks", help="chunk sizes to try")] = "16MiB,64MiB,256MiB",
     max_n: Annotated[int, typer.Option("--max-n", help="largest N to try (also bounded by S/m - 1)")] = DEFAULT_N_CAP,
@@ -298,7 +304,7 @@ def tune(
     try:
         code = _run(command or [], path, size, iter_time, max_overhead, dram_budget, storage_budget, failure_rate,
                     load_time, threads, chunks, max_n, device, exhaustive, as_json, write, iterations,
-                    warmup_iterations, script_timeout, err)
+                    warmup_iterations, script_timeout, err, grad_bytes)
     except (_BadArgs, ConfigError, PathNotWritableError, ValueError) as exc:
         _fail(as_json, err, exc, 2)
     except PCCheckError as exc:
@@ -316,7 +322,8 @@ def _fail(as_json: bool, err: Console, exc: Exception, code: int) -> None:
 def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_time: Optional[float], q: float,
          dram_budget: str, storage_budget: Optional[str], failure_rate: Optional[float], load_time: Optional[float],
          threads: str, chunks: str, max_n: int, device: str, exhaustive: bool, as_json: bool, write: bool,
-         iterations: int, warmup_iterations: int, script_timeout: float, err: Console) -> int:
+         iterations: int, warmup_iterations: int, script_timeout: float, err: Console,
+         grad_bytes: Optional[str] = None) -> int:
     """The command: every argument checked before anything runs, then profile, choose, report."""
     _check_options(command, iter_time, q, failure_rate, load_time, max_n, device, iterations, warmup_iterations,
                    script_timeout)
@@ -330,7 +337,8 @@ def _run(command: list[str], path: Optional[Path], size: Optional[str], iter_tim
     # budgets need m, which a script may report: checked after it ran
     m, iter_time, t_source = _workload(command, m, iter_time, iterations, warmup_iterations, script_timeout, err)
     M, S = _budgets(m, dram_budget, storage_budget, max_n)
-    constraints = Constraints(m, iter_time, q, M, S, failure_rate, load_time)
+    g = parse_size(grad_bytes, "--grad-bytes") if grad_bytes is not None else None
+    constraints = Constraints(m, iter_time, q, M, S, failure_rate, load_time, grad_bytes=g)
     spec = ProfileSpec(path=path, state_bytes=m, iter_time=iter_time, dram_budget=M, storage_budget=S,
                        threads=thread_list, chunks=chunk_list, n_cap=max_n, device=device, exhaustive=exhaustive,
                        max_overhead=q)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError, PathNotWritableError
 from ..orchestrator.options import AUTO, TUNABLE_LIMITS, EngineOptions, check_int, check_int_or_auto
 from ..persist.files import TUNE_CONFIG, default_path, write_durably
+from ..spread.plan import MAX_STEPS
 from ..version import __version__
 
 if TYPE_CHECKING:
@@ -148,6 +149,12 @@ def _validate(doc: Any, where: Path) -> None:
             raise ConfigError(f"{exc}; {fix}") from None
     if chosen["chunk_size"] % 4096:
         raise ConfigError(f"{where}: chosen.chunk_size must be a multiple of 4096, got {chosen['chunk_size']}; {fix}")
+    k = chosen.get("spread_steps")
+    if k is not None:
+        try:
+            check_int(f"{where}: chosen.spread_steps", k, 1, MAX_STEPS)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; {fix}") from None
     q = chosen.get("max_overhead")
     if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q) or q < 1):
         raise ConfigError(f"{where}: chosen.max_overhead must be a number >= 1, got {q!r}; {fix}")
@@ -155,7 +162,7 @@ def _validate(doc: Any, where: Path) -> None:
 
 def resolve_auto(path: str | os.PathLike[str] | None, interval: int | str = AUTO, max_concurrent: int | str = AUTO,
                  writer_threads: int | str = AUTO, chunk_size: int | str = AUTO, *,
-                 state_bytes: int | None = None) -> dict[str, Any]:
+                 state_bytes: int | None = None, spread_steps: int | str = 1) -> dict[str, Any]:
     """Replaces every argument equal to ``"auto"`` by the choice stored in ``PATH/pccheck-tune.json``,
     or by pccheck's defaults (interval 10, max_concurrent 2, writer_threads 2, chunk_size 64 MiB)
     when there is no config (logged). Other values pass through unchanged.
@@ -163,7 +170,9 @@ def resolve_auto(path: str | os.PathLike[str] | None, interval: int | str = AUTO
     Returns ``{"interval", "max_concurrent", "writer_threads", "chunk_size"}`` (ints) plus
     ``"max_overhead"`` (q for :class:`~pccheck.tuner.online.OnlineTuner`: the stored one, else
     1.03), ``"iter_time_s"`` and ``"tw_s"`` (what the choice was derived from, or None) and
-    ``"source"`` (the config file, or "defaults", or "explicit" when nothing was "auto").
+    ``"source"`` (the config file, or "defaults", or "explicit" when nothing was "auto"), and
+    ``"spread_steps"``: with ``spread_steps="auto"``, the stored k (None if the config holds none,
+    or there is no config: the Checkpointer then learns k as it trains); else the value given.
     ``state_bytes``, when given, is compared with the size the config was tuned for (a warning
     when they differ by more than 2x). Raises ConfigError for a malformed config, or for a string
     other than "auto".
@@ -172,20 +181,25 @@ def resolve_auto(path: str | os.PathLike[str] | None, interval: int | str = AUTO
              "chunk_size": chunk_size}
     for key, v in given.items():
         check_int_or_auto(key, v)
-    out: dict[str, Any] = {"max_overhead": DEFAULT_Q, "iter_time_s": None, "tw_s": None}
+    out: dict[str, Any] = {"max_overhead": DEFAULT_Q, "iter_time_s": None, "tw_s": None,
+                           "spread_steps": None if spread_steps == AUTO else spread_steps}
     auto = [k for k, v in given.items() if v == AUTO]
-    if not auto:
+    if not auto and spread_steps != AUTO:
         return {**given, **out, "source": "explicit"}
     doc = read_config(path)
     target = config_path(path)
     if doc is None:
         out.update({k: (DEFAULTS[k] if v == AUTO else v) for k, v in given.items()})
-        log.info("pccheck: no %s; \"auto\" uses pccheck's defaults for %s (%s). Run `pccheck-tune --path %s "
-                 "--write-config` to tune them", target, ", ".join(auto),
-                 ", ".join(f"{k}={DEFAULTS[k]}" for k in auto), target.parent)
+        if auto:
+            log.info("pccheck: no %s; \"auto\" uses pccheck's defaults for %s (%s). Run `pccheck-tune --path %s "
+                     "--write-config` to tune them", target, ", ".join(auto),
+                     ", ".join(f"{k}={DEFAULTS[k]}" for k in auto), target.parent)
         return {**out, "source": "defaults"}
     chosen = doc["chosen"]
     out.update({k: (chosen[k] if v == AUTO else v) for k, v in given.items()})
+    if spread_steps == AUTO and chosen.get("spread_steps") is not None:
+        out["spread_steps"] = chosen["spread_steps"]
+        auto.append("spread_steps")
     if chosen.get("max_overhead") is not None:
         out["max_overhead"] = float(chosen["max_overhead"])
     for key, src in (("iter_time_s", "iter_time"), ("tw_s", "tw_s")):

@@ -11,6 +11,10 @@
 * With a failure rate (objective "goodput"): the (N, f) that minimises the wasted fraction
   (:func:`~pccheck.tuner.model.waste_fraction`, Young/Daly generalised to N in flight); q is then
   only reported, not enforced.
+* ``spread_steps`` (GoCkpt mode, for ``Checkpointer(spread_steps="auto")``): the k of
+  :func:`pccheck.spread.plan.auto_steps` from the copy bandwidth T_G, the iteration time less the
+  measured update, the update itself, the state and its gradients (default m/3: fp32 parameters
+  with Adam's two moments), within the DRAM budget (:func:`pccheck.spread.plan.split_budget`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..spread.plan import auto_steps, split_budget, stall, stall_overlapped
 from . import model
 from .samples import Profile, StorageSample, WriteTimeSample
 
@@ -42,6 +47,7 @@ class Constraints:
     storage_budget: int | None = None  # S
     failure_rate: float | None = None  # failures per hour; switches the objective to goodput
     load_s: float | None = None      # l for eq. (4); default: m / the best T_S (an estimate)
+    grad_bytes: int | None = None    # gradient bytes per step, for spread_steps (default m // 3)
 
     def __post_init__(self) -> None:
         if self.state_bytes <= 0:
@@ -54,6 +60,8 @@ class Constraints:
             raise ConfigError(f"the failure rate must be > 0 failures per hour, got {self.failure_rate}")
         if self.load_s is not None and not self.load_s >= 0:
             raise ConfigError(f"the load time must be >= 0 seconds, got {self.load_s}")
+        if self.grad_bytes is not None and not self.grad_bytes > 0:
+            raise ConfigError(f"the gradient size must be > 0 bytes, got {self.grad_bytes}")
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,10 @@ class Choice:
     waste_fraction: float | None = None
     goodput: float | None = None             # useful fraction of the time, 1 / (1 + P)
     paper_n: int | None = None               # argmin T_w / N (the paper's N*, without B)
+    spread_steps: int = 1                    # k for spread_steps="auto" (GoCkpt mode)
+    grad_bytes: int = 0                      # the gradient bytes per step k was chosen for
+    whole_stall_s: float = 0.0               # modelled stall per checkpoint copied in one step
+    spread_stall_s: float = 0.0              # modelled stall per checkpoint spread over k steps
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def as_dict(self) -> dict[str, Any]:
@@ -142,6 +154,8 @@ def choose(profile: Profile, c: Constraints, tol: float = DEFAULT_TOL) -> Choice
     b_star = blocked[w.n]
     fb = model.min_interval(0.0, 1, q, t, b_star) if (b_star > 0 and q > 1) else 0
     notes += _why_notes(pick, paper_n, eq3, fb, b_star)
+    g = c.grad_bytes if c.grad_bytes is not None else max(1, m // 3)
+    k, whole, spread = _pick_spread(m, g, tg, t, profile.update_s, dram)
     chunk_eff = _effective_chunk(b, m, dram)
     count = max(1, dram // chunk_eff)
     return Choice(
@@ -170,8 +184,24 @@ def choose(profile: Profile, c: Constraints, tol: float = DEFAULT_TOL) -> Choice
         waste_fraction=pick.waste,
         goodput=pick.goodput,
         paper_n=paper_n,
+        spread_steps=k,
+        grad_bytes=g,
+        whole_stall_s=whole,
+        spread_stall_s=spread,
         notes=tuple(notes),
     )
+
+
+def _pick_spread(m: int, g: int, tg: float, t: float, update_s: float, dram: int) -> tuple[int, float, float]:
+    """(k, modelled stall in one step, modelled stall over k steps) for GoCkpt mode: the copy of
+    m bytes at T_G hides in the iteration less its update; the gradients ride beside the update."""
+    if tg <= 0:
+        return 1, 0.0, 0.0
+    fwd_bwd = max(0.0, t - update_s)
+    _, grad_budget = split_budget("auto", g, dram)
+    k = auto_steps(m, g, tg, fwd_bwd, update_s, grad_budget)
+    whole = stall(1, m, g, tg, fwd_bwd)
+    return k, whole, (stall_overlapped(k, m, g, tg, fwd_bwd, update_s) if k > 1 else whole)
 
 
 @dataclass(frozen=True)
