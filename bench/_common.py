@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import csv
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -344,3 +345,11 @@ def figure_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--dir", type=Path, default=bench_dir / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     return p
+
+
+def pccheck_path_first() -> list[str]:
+    """Where this process finds pccheck (without importing it): a benchmark's child processes look
+    there first, so they load the same pccheck as the parent (the checkout's or the installed one)."""
+    spec = importlib.util.find_spec("pccheck")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return [str(Path(locations[0]).parent)] if locations else []

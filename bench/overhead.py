@@ -345,6 +345,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"{NOISY_OTHER_CPUS} CPUs (0: do not wait; default: %(default)s)")
     p.add_argument("--workloads", default="emulated,real", help="emulated, real or both (default: %(default)s)")
     p.add_argument("--dram-budget", default=None, help="pccheck dram_budget for the emulated workload (default: 2x state)")
+    p.add_argument("--spread", default=None,
+                   help='the GoCkpt row instead (bench.gockpt\'s harness, results in bench/results/gockpt.json): '
+                        'pccheck with spread_steps="auto" or an int against k=1, DCP async_save and none, AdamW '
+                        'state of --size over an emulated copy link of S/(B t) = --link-ratio, one --intervals')
+    p.add_argument("--link-ratio", type=float, default=4.0,
+                   help="with --spread: S/(B t), iterations one snapshot needs on the emulated link (>= 3)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 64MiB, intervals 1,10, short windows; writes overhead-quick.* unless --json")
     p.add_argument("--json", type=Path, default=None,
@@ -353,6 +359,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     args = p.parse_args(argv)
     args.size = parse_size(args.size or ("64MiB" if args.quick else "1GiB"))
+    if args.spread is not None:
+        if args.spread != "auto" and not args.spread.isdigit():
+            p.error('--spread takes "auto" or an integer >= 1')
+        args.intervals = [int(args.intervals or 10)] if "," not in (args.intervals or "") else p.error(
+            "--spread measures one interval: give --intervals N")
+        return args
     intervals = args.intervals or ("1,10" if args.quick else ",".join(map(str, DEFAULT_INTERVALS)))
     args.intervals = [int(x) for x in intervals.split(",") if x.strip()]
     args.real_intervals = list(REAL_INTERVALS[:2] if args.quick else REAL_INTERVALS)
@@ -383,6 +395,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     args = _parse_args(argv)
+    if args.spread is not None:
+        return _spread_row(args, argv)
     t0 = time.perf_counter()
     result = run_benchmark(args)
     result["runtime_s"] = time.perf_counter() - t0
@@ -412,6 +426,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrote.append(json_path.with_suffix(".png"))
     print(f"\nwrote {', '.join(str(p) for p in wrote)}  ({result['runtime_s']:.0f} s)")
     return 0
+
+
+def _spread_row(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--spread``: GoCkpt mode against k = 1, DCP async_save and no checkpoints (bench.gockpt)."""
+    from bench import gockpt
+
+    try:
+        cfg = gockpt.make_config(args.size, args.iter_time, args.link_ratio, args.spread, args.intervals[0],
+                                 2 if args.quick else 4, args.quiet_wait)
+    except ValueError as exc:
+        print(f"python -m bench.overhead: error: {exc}", file=sys.stderr)
+        return 2
+    json_path = args.json or _BENCH_DIR / "results" / ("gockpt-quick.json" if args.quick else "gockpt.json")
+    command = "python -m bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    return gockpt.run_and_report(cfg, gockpt.SYSTEMS, 1 if args.quick else args.repeats, args.dir, json_path, command)
 
 
 if __name__ == "__main__":

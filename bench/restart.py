@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import resource
@@ -69,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, \
-    print_ratio_targets, print_table, pyplot, save_figure, scratch_dir, write_json
+    pccheck_path_first, print_ratio_targets, print_table, pyplot, save_figure, scratch_dir, write_json
 from bench.probes import NOISY_OTHER_CPUS, cpu_busy_s, wait_quiet, write_proc
 from bench.restart_child import PHASES, SAVERS, SYSTEMS, state_bytes
 from bench.systems import COLORS
@@ -104,19 +103,11 @@ class Config:
 
 # -- the children ----------------------------------------------------------------------------------------
 
-def _path_first() -> list[str]:
-    """Where this process finds pccheck (without importing it): the children look there first, so
-    they load the same pccheck as the parent (the checkout's or the installed one)."""
-    spec = importlib.util.find_spec("pccheck")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    return [str(Path(locations[0]).parent)] if locations else []
-
-
 def child_spec(role: str, system: str, workdir: Path, cfg: Config) -> dict[str, Any]:
     """The JSON object a child of ``role`` (train, restart, fresh) is started with."""
     return {"role": role, "system": system, "dir": str(workdir), "nbytes": cfg.nbytes, "blocks": cfg.blocks,
             "batch": cfg.batch, "iter_time": cfg.iter_time, "interval": cfg.interval, "iters": cfg.iters,
-            "path_first": _path_first(), "root": str(_BENCH_DIR.parent)}
+            "path_first": pccheck_path_first(), "root": str(_BENCH_DIR.parent)}
 
 
 def _spawn(spec: dict[str, Any], **kw: Any) -> subprocess.Popen:

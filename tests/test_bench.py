@@ -315,15 +315,43 @@ def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
 
     cfg = {"nbytes": 12 << 20, "grad_bytes": 4 << 20, "iter_time": 0.05, "link_bps": (12 << 20) / 0.2,
            "checkpoints": 2}
-    run = lambda window, k, blocked: {"window_s": window, "iters": 40, "spread_steps": [k] * 2,
-                                       "blocked_s": [blocked] * 2, "replay_s": [0.1] * 2}
-    s = summarize({"none": [{"window_s": 4.0, "iters": 40}], "pccheck_k1": [run(4.3, 1, 0.15)],
-                   "pccheck_spread": [run(4.1, 4, 0.03)]}, cfg)
+    clean = 1.0  # 10 iterations of 0.05 s + a 0.05 s step
+
+    def run(extra, k=None, blocked=None):
+        out = {"ratios": [(clean + e) / clean for e in extra], "deltas_s": list(extra),
+               "cycles_s": [[clean + e, clean] for e in extra], "iters_per_cycle": 10}
+        if k is not None:
+            out.update({"spread_steps": [k] * 2, "blocked_s": [blocked] * 2, "replay_s": [0.1] * 2})
+        return out
+    s = summarize({"none": [run([0.0, 0.01])], "pccheck_k1": [run([0.15, 0.17], 1, 0.15)],
+                   "pccheck_spread": [run([0.04, 0.06], 4, 0.03)]}, cfg)
     assert s["none"]["optimizer_step_s"] == pytest.approx(0.05)
-    assert s["pccheck_k1"]["model_s"] == pytest.approx(0.15) and s["pccheck_k1"]["loop_stall_s"] == pytest.approx(0.15)
+    assert s["none"]["slowdown"] == pytest.approx(1.005)
+    assert s["pccheck_k1"]["model_s"] == pytest.approx(0.15) and s["pccheck_k1"]["loop_stall_s"] == pytest.approx(0.16)
+    assert s["pccheck_spread"]["slowdown"] == pytest.approx(1.05)
     assert s["pccheck_spread"]["paper_model_s"] == pytest.approx(0.2 / 3 * 5 / 2)
-    ratio, spread_fit, k1_fit = s["targets"]
+    ratio, spread_fit, k1_fit, loop = s["targets"]
     assert ratio["value"] == pytest.approx(0.2) and ratio["met"]
     model = s["pccheck_spread"]["model_s"]  # step 4's gradients need 0.067 s of link in a 0.05 s update
     assert model == pytest.approx(0.2 / 3 - 0.05)
     assert spread_fit["value"] == pytest.approx(0.03 / model) and not spread_fit["met"] and k1_fit["met"]
+    assert loop["limit"] == 1.10 and loop["value"] == pytest.approx(1.05) and loop["met"]
+
+
+def test_overhead_spread_row_runs_every_system(tmp_path):
+    """``python -m bench.overhead --spread k``: the GoCkpt row through bench.gockpt's harness."""
+    from bench import overhead
+
+    out = tmp_path / "gockpt.json"
+    assert overhead.main(["--spread", "2", "--quick", "--size", "16MiB", "--intervals", "6", "--quiet-wait", "0",
+                          "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert doc["command"].startswith("python -m bench.overhead --spread 2")
+    assert doc["config"]["interval"] == 6 and doc["config"]["ratio"] == 4.0
+    s = doc["summary"]
+    assert set(s) >= {"none", "pccheck_k1", "pccheck_spread", "dcp_async", "targets"}
+    assert s["pccheck_spread"]["spread_steps"] == 2 and s["pccheck_k1"]["spread_steps"] == 1
+    assert all(r["outcomes"] == ["committed"] * len(r["outcomes"]) for r in doc["runs"]["pccheck_spread"])
+    assert s["pccheck_spread"]["stall_s"] >= 0 and s["none"]["slowdown"] > 0
+    with pytest.raises(SystemExit):
+        overhead.main(["--spread", "2", "--intervals", "10,20"])  # one interval only

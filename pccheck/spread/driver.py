@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from collections import deque
 import threading
@@ -43,6 +44,7 @@ __all__ = ["Spreader", "SpreadResult", "identity"]
 
 log = logging.getLogger("pccheck")
 
+REPLAY_NICE = 10  # the replay thread's nice value (training's threads keep theirs)
 COPY_THREADS = 2  # two threads reach ~20 GB/s memcpy on touched pages here, one ~11 GB/s
 
 
@@ -312,6 +314,14 @@ class Spreader:
         self._part_copies.append((nbytes, time.perf_counter() - t_part))
 
     def _replay_loop(self) -> None:
+        # The replay is background CPU work that must not take the CPU from the training thread
+        # (its optimizer step, or the Python that drives the GPU): it runs at a lower priority
+        # (Linux: a thread's nice value is its own). It has until the next spread begins.
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(REPLAY_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (AttributeError, OSError):
+            log.debug("pccheck: could not lower the spread replay thread's priority", exc_info=True)
         while True:
             kind, *rest = self._queue.get()
             if kind == "stop":
