@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging as _logging
 
-from .errors import (ConfigError, CorruptCheckpointError, DeviceIOError, NativeExtensionError,
+from .errors import (ConfigError, CorruptCheckpointError, CriuError, DeviceIOError, NativeExtensionError,
                      NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, SnapshotError,
                      StorageError, StoreLockedError, UnsupportedDtypeError)
 from .checkpointer import Checkpointer  # loads the native core: fails early, with build instructions
@@ -28,7 +28,7 @@ __all__ = [
     "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
-    "StorageError", "NoSpaceError", "DeviceIOError", "__version__",
+    "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "__version__",
 ]
 
 _logging.getLogger("pccheck").addHandler(_logging.NullHandler())

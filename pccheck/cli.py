@@ -4,6 +4,8 @@
     pccheck verify  [PATH]                              fsck: every meta record and array crc32c
     pccheck inspect [PATH] [--step N]                   a checkpoint's arrays: name, dtype, shape
     pccheck export  [PATH] [--step N] --format safetensors|torch --out FILE
+    pccheck run     [--every S] [--path P] -- CMD ARGS...    checkpoint a whole process with CRIU
+    pccheck resume  [--path P] [--every S]                  restore the newest valid CRIU image
 
 PATH defaults to ``$PCCHECK_DIR``, else ./checkpoints. Every command takes ``--json`` and then
 prints one JSON document on stdout instead of tables. Exit status: 0 success; ``verify``: 1 when
@@ -11,8 +13,8 @@ the latest checkpoint is invalid but an older one is valid, 2 when none is; any 
 2 on an error (the message says what to do). All commands only read the store, so they are safe
 to run while training writes to it (a slot being rewritten shows up as free or invalid).
 
-This module only parses arguments and renders; the work is in :mod:`pccheck.inventory` and
-:mod:`pccheck.export`.
+This module only parses arguments and renders; the work is in :mod:`pccheck.inventory`,
+:mod:`pccheck.export` and :mod:`pccheck.transparent` (``run`` and ``resume`` need root and CRIU).
 """
 
 from __future__ import annotations
@@ -279,6 +281,96 @@ def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (r
             con.print(f"left out (dtype not supported by {fmt.value}): {', '.join(skipped)}", markup=False)
 
     _guard(as_json, run)
+
+
+# -- transparent mode (CRIU) ---------------------------------------------------------------------------
+
+EveryOpt = Annotated[Optional[float], typer.Option("--every", help="seconds between dumps (default: only the "
+                                                   "final dump at SIGTERM)", show_default=False)]
+StorePathOpt = Annotated[Optional[Path], typer.Option("--path", help="store directory (default: $PCCHECK_DIR or "
+                                                      "./checkpoints)", show_default=False)]
+MaxConcurrentOpt = Annotated[int, typer.Option("--max-concurrent", help="dumps persisting at once")]
+WhenBusyOpt = Annotated[str, typer.Option("--when-busy", help="when N dumps persist: block or skip")]
+
+
+def _usage(msg: str) -> None:
+    Console(stderr=True, highlight=False).print(f"usage error: {msg}", markup=False)
+    raise typer.Exit(2)
+
+
+def _supervise(make: Callable[[], Any]) -> None:
+    """Runs a Supervisor to the end: SIGTERM or SIGINT (a preemption notice) makes one final
+    dump, commits it and stops the process; the process's exit code becomes ours."""
+    import signal
+    import threading
+
+    err = Console(stderr=True, highlight=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        sup = make()
+    except PCCheckError as exc:
+        err.print(f"error: {exc}", markup=False)
+        raise typer.Exit(2) from None
+    try:
+        code = None
+        while code is None:
+            if stop.is_set():
+                err.print("pccheck: stopping: a final dump, then the process", markup=False)
+                code = sup.stop(final_dump=True)
+                break
+            code = sup.wait(0.2)
+    finally:
+        sup.close()
+    for e in sup.errors:
+        err.print(f"pccheck: a dump failed (the last committed image stayed): {e}", markup=False)
+    done = [d for d in sup.stats() if d.outcome == "committed"]
+    if done:
+        last = done[-1]
+        err.print(f"pccheck: {len(done)} image(s) committed, the last of step {last.step}: {_bytes(last.image_bytes)}, "
+                  f"process frozen {last.freeze_s:.3f} s", markup=False)
+    raise typer.Exit(code if code is not None and code >= 0 else 128 + abs(code or 0))
+
+
+@app.command("run", context_settings={"allow_interspersed_args": False})
+def run_cmd(cmd: Annotated[Optional[list[str]], typer.Argument(help="after --: the command to run and checkpoint",
+                                                               show_default=False)] = None,
+            every: EveryOpt = None, path: StorePathOpt = None, max_concurrent: MaxConcurrentOpt = 2,
+            when_busy: WhenBusyOpt = "block") -> None:
+    """Run a command and checkpoint the whole process with CRIU (transparent mode, needs root).
+
+    Each dump freezes the process while CRIU writes it to tmpfs; pccheck persists and commits the
+    image in the background. The command's output goes to PATH/output.log and to stdout. SIGTERM:
+    one final dump, then the process is stopped. Exit status: the command's.
+    """
+    if not cmd:
+        _usage("give the command to run after --, e.g. pccheck run --every 30 -- python train.py")
+    if every is not None and not every > 0:
+        _usage(f"--every must be a positive number of seconds, got {every}")
+    if when_busy not in ("block", "skip"):
+        _usage(f"--when-busy takes block or skip, got {when_busy!r}")
+    from .persist.files import default_path
+    from .transparent.supervisor import Supervisor
+
+    _supervise(lambda: Supervisor.start(cmd, path or default_path(), every=every, max_concurrent=max_concurrent,
+                                        when_busy=when_busy, forward=True))
+
+
+@app.command("resume")
+def resume_cmd(path: StorePathOpt = None, every: EveryOpt = None, max_concurrent: MaxConcurrentOpt = 2,
+               when_busy: WhenBusyOpt = "block") -> None:
+    """Restore the newest valid CRIU image at PATH (every crc checked; a damaged newest falls back
+    to an older one) and go on supervising it as `pccheck run` did."""
+    if every is not None and not every > 0:
+        _usage(f"--every must be a positive number of seconds, got {every}")
+    if when_busy not in ("block", "skip"):
+        _usage(f"--when-busy takes block or skip, got {when_busy!r}")
+    from .persist.files import default_path
+    from .transparent.supervisor import Supervisor
+
+    _supervise(lambda: Supervisor.resume(path or default_path(), every=every, max_concurrent=max_concurrent,
+                                         when_busy=when_busy, forward=True))
 
 
 def _version(value: bool) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "StorageError",
     "NoSpaceError",
     "DeviceIOError",
+    "CriuError",
     "storage_error_from_oserror",
 ]
 
@@ -61,6 +62,11 @@ class CorruptCheckpointError(PCCheckError, ValueError):
 class SnapshotError(PCCheckError, RuntimeError):
     """A snapshot's tensors changed while they were being copied (soft copy-on-write was bypassed,
     e.g. an in-place update outside optimizer.step). That checkpoint is discarded."""
+
+
+class CriuError(PCCheckError, RuntimeError):
+    """Transparent mode (pccheck.transparent): CRIU is missing or unusable, or a dump or restore
+    failed. The message says what to do; the last committed image is never touched."""
 
 
 class StorageError(PCCheckError, OSError):

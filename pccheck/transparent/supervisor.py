@@ -1,0 +1,365 @@
+"""The supervised process: started (or restored), dumped with CRIU, persisted by the orchestrator.
+
+A dump freezes the process tree while CRIU writes its image into a tmpfs directory (the
+snapshot; ``--leave-running``, so it goes on at once). The image files then go through
+``Orchestrator.start`` as ``criu/<file>`` arrays: copied into the DRAM chunk pool before it
+returns (the tmpfs copy is deleted then), persisted by the writer threads and committed by the CAS
+in the background, with up to ``max_concurrent`` in flight (``when_busy`` as for any checkpoint).
+
+The child runs in its own session, with stdin from /dev/null and stdout and stderr appended to
+``PATH/output.log`` (``O_APPEND``: CRIU restores an append-only file that grew since the dump);
+``forward=True`` copies that file to this process's stdout as it grows. The supervisor is a child
+subreaper, so a restored tree (``criu restore -d``) becomes its child and its exit status is
+known. The manifest's metadata ``transparent`` object records the command, the pid and the dump.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import ConfigError, CriuError, NoCheckpointError, PCCheckError
+from ..orchestrator.copy_engine import CpuCopyEngine
+from ..orchestrator.options import EngineOptions, check_int
+from ..orchestrator.orchestrator import Orchestrator
+from ..orchestrator.stats import CheckpointStats
+from ..persist.layout import plan
+from ..persist.recovery import load_newest, store_files
+from .criu import Criu
+from .image import read_image, write_image
+
+__all__ = ["DumpStats", "Supervisor", "OUTPUT_LOG", "tmpfs_dir"]
+
+log = logging.getLogger("pccheck")
+
+OUTPUT_LOG = "output.log"
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def tmpfs_dir() -> str:
+    """Where snapshots are dumped: ``$PCCHECK_TMPFS``, else /dev/shm, else the temp directory."""
+    for d in (os.environ.get("PCCHECK_TMPFS"), "/dev/shm"):
+        if d and os.path.isdir(d) and os.access(d, os.W_OK):
+            return d
+    return tempfile.gettempdir()
+
+
+def _become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise CriuError(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
+
+
+@dataclass
+class DumpStats:
+    """One dump: ``freeze_s`` the process tree was stopped (CRIU's dump, an upper bound),
+    ``start_s`` handing the image to the DRAM pool, ``persist_s`` from then until durable."""
+
+    step: int
+    pid: int
+    image_bytes: int
+    files: int
+    freeze_s: float
+    start_s: float
+    persist_s: float | None = None
+    outcome: str = "in flight"   # then "committed", "superseded", "failed" or "skipped"
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Image bytes per second from the dump's start to durable."""
+        if self.persist_s is None or self.outcome != "committed":
+            return None
+        return self.image_bytes / (self.freeze_s + self.start_s + self.persist_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bandwidth": self.bandwidth}
+
+
+class Supervisor:
+    """Runs ``cmd`` under CRIU checkpoints into the store at ``path`` (or, with :meth:`resume`,
+    restores the newest valid image there and supervises it).
+
+    Args:
+        cmd: the command and its arguments.
+        path: the store directory (created); it must hold no store yet (use :meth:`resume`).
+        every: seconds between dumps (None: only :meth:`dump_now`).
+        max_concurrent: dumps in flight at once (persisting); ``when_busy``: "block" or "skip".
+        criu: the criu executable (default: ``$PCCHECK_CRIU``, then PATH).
+        forward: copy the child's output (``PATH/output.log``) to this process's stdout.
+    """
+
+    def __init__(self, cmd: Sequence[str], path: str | os.PathLike[str], *, every: float | None = None,
+                 max_concurrent: int = 2, when_busy: str = "block", criu: str | None = None,
+                 forward: bool = False, _restore: bool = False) -> None:
+        self.cmd = [str(c) for c in cmd] if not isinstance(cmd, str) else []
+        if not self.cmd:
+            raise ConfigError("the command to run is missing: give it as a list, e.g. ['python', 'train.py']")
+        if every is not None and not (isinstance(every, (int, float)) and every > 0):
+            raise ConfigError(f"every must be a positive number of seconds, got {every!r}")
+        check_int("max_concurrent", max_concurrent, 1, 254)
+        self.every = float(every) if every is not None else None
+        self.path = Path(path)
+        self.engine = EngineOptions(max_concurrent=max_concurrent, writer_threads=2, chunk_size=64 << 20,
+                                    when_busy=when_busy)
+        self.criu = Criu(criu)
+        self.criu_version = self.criu.check()
+        if not _restore and self.path.is_dir() and store_files(self.path):
+            raise ConfigError(f"{self.path} already holds checkpoints: continue it with `pccheck resume --path "
+                              f"{self.path}`, or choose another path")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.next_step = 1
+        self._orch: Orchestrator | None = None
+        self._dump_lock = threading.Lock()   # one dump at a time
+        self._stats: dict[int, DumpStats] = {}
+        self._stats_lock = threading.Lock()
+        self._errors: list[PCCheckError] = []
+        self._stop = threading.Event()
+        self._exited = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._forward = forward
+        _become_subreaper()  # before any child exists: a restored tree must come back to us
+
+    # -- starting ------------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, cmd: Sequence[str], path: str | os.PathLike[str], **kw: Any) -> "Supervisor":
+        """Starts ``cmd`` in its own session and supervises it."""
+        sup = cls(cmd, path, **kw)
+        out = os.open(sup.path / OUTPUT_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            pid = os.fork()
+            if pid == 0:  # the child: own session, stdin /dev/null, output appended to the log
+                try:
+                    os.setsid()
+                    devnull = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(devnull, 0)
+                    os.dup2(out, 1)
+                    os.dup2(out, 2)
+                    os.closerange(3, 1 << 16)
+                    os.execvp(sup.cmd[0], sup.cmd)
+                except BaseException:
+                    os._exit(127)
+        finally:
+            os.close(out)
+        sup._attach(pid)
+        return sup
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike[str], *, every: float | None = None, **kw: Any) -> "Supervisor":
+        """Restores the newest valid image at ``path`` (every crc checked first; a damaged newest
+        falls back to an older valid one) and supervises it, dumping into the same store."""
+        r = load_newest(path)
+        meta = r.metadata.get("transparent") if isinstance(r.metadata, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("pid"), int) or not isinstance(meta.get("cmd"), list):
+            raise NoCheckpointError(f"the newest checkpoint at {path} (step {r.step}) is not a transparent-mode "
+                                    "image; pccheck resume restores what `pccheck run` wrote")
+        old = meta["pid"]
+        if os.path.exists(f"/proc/{old}"):
+            raise CriuError(f"PID {old}, the dumped process's, is in use by another process ({_comm(old)}); "
+                            "CRIU restores the original PIDs: wait until it has exited, then resume again")
+        sup = cls(meta["cmd"], path, every=every if every is not None else meta.get("every"), _restore=True, **kw)
+        images = Path(tempfile.mkdtemp(prefix="pccheck-restore-", dir=tmpfs_dir()))
+        try:
+            write_image(r.state, images)
+            del r
+            pid = sup.criu.restore(images)
+        finally:
+            shutil.rmtree(images, ignore_errors=True)
+        sup.next_step = int(meta.get("step", 0)) + 1
+        sup._attach(pid)
+        log.info("pccheck: restored process %d from the image of step %d", pid, sup.next_step - 1)
+        return sup
+
+    def _attach(self, pid: int) -> None:
+        self.pid = pid
+        threads = [threading.Thread(target=self._reap, name="pccheck-supervise", daemon=True)]
+        if self.every is not None:
+            threads.append(threading.Thread(target=self._periodic, name="pccheck-dumps", daemon=True))
+        if self._forward:
+            threads.append(threading.Thread(target=self._forward_output, name="pccheck-output", daemon=True))
+        self._threads = threads
+        for t in threads:
+            t.start()
+
+    # -- the process ---------------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        assert self.pid is not None
+        while True:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                break
+            except ChildProcessError:  # not our child after all: poll until it is gone
+                while os.path.exists(f"/proc/{self.pid}"):
+                    time.sleep(0.05)
+                status = 0
+                break
+            except InterruptedError:
+                continue
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._exited.set()
+
+    def alive(self) -> bool:
+        return self.pid is not None and not self._exited.is_set()
+
+    def _periodic(self) -> None:
+        assert self.every is not None
+        while not self._stop.wait(self.every) and self.alive():
+            try:
+                self.dump_now()
+            except PCCheckError as exc:  # the process runs on; the last committed image stays
+                log.error("pccheck: a dump failed (the last committed image stays): %s", exc)
+                self._errors.append(exc)
+
+    def _forward_output(self) -> None:
+        pos = 0
+        log_path = self.path / OUTPUT_LOG
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            pos = f.tell() if self.next_step > 1 else 0  # a resumed run: only what comes next
+            while True:
+                f.seek(pos)
+                chunk = f.read(1 << 16)
+                if chunk:
+                    pos += len(chunk)
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+                    continue
+                if self._exited.is_set() and f.seek(0, os.SEEK_END) <= pos:
+                    return
+                time.sleep(0.05)
+
+    # -- dumps ---------------------------------------------------------------------------------------
+
+    def _orchestrator(self, arrays: dict[str, Any], metadata: dict[str, Any]) -> Orchestrator:
+        if self._orch is None:
+            layout = plan(arrays)
+            self._orch = Orchestrator(self.path, layout, self.engine, copy_engine=CpuCopyEngine(),
+                                      on_error=self._errors.append, on_finished=self._finished)
+        return self._orch
+
+    def _finished(self, st: CheckpointStats) -> None:
+        with self._stats_lock:
+            d = self._stats.get(st.step)
+            if d is not None:
+                d.persist_s, d.outcome = st.persist_s, st.outcome
+
+    def dump_now(self) -> DumpStats | None:
+        """Dumps the process now and hands the image to the writers; returns its stats (None if
+        the process has exited, or the dump was skipped with ``when_busy="skip"``)."""
+        with self._dump_lock:
+            if not self.alive():
+                return None
+            assert self.pid is not None
+            step = self.next_step
+            images = Path(tempfile.mkdtemp(prefix="pccheck-dump-", dir=tmpfs_dir()))
+            try:
+                freeze = self.criu.dump(self.pid, images)
+                arrays = read_image(images)
+                nbytes = sum(int(a.nbytes) for a in arrays.values())
+                meta = {"transparent": {"pid": self.pid, "cmd": self.cmd, "every": self.every, "step": step,
+                                        "freeze_s": freeze, "image_bytes": nbytes, "criu": self.criu_version,
+                                        "time": time.time()}}
+                orch = self._orchestrator(arrays, meta)
+                stats = DumpStats(step, self.pid, nbytes, len(arrays), freeze, 0.0)
+                with self._stats_lock:
+                    self._stats[step] = stats
+                t0 = time.perf_counter()
+                started = orch.start(step, arrays, meta)  # every byte is in DRAM chunks when it returns
+                stats.start_s = time.perf_counter() - t0
+                del arrays
+            finally:
+                shutil.rmtree(images, ignore_errors=True)
+            self.next_step = step + 1
+            if not started:
+                stats.outcome = "skipped"
+                return None
+            return stats
+
+    # -- ending --------------------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Waits for the process to exit and every dump to be committed; returns its exit code
+        (negative: killed by that signal), or None on timeout."""
+        if not self._exited.wait(timeout):
+            return None
+        self._stop.set()
+        self.flush()
+        for t in self._threads:
+            if t.name == "pccheck-output":
+                t.join(10)  # the last of its output is forwarded before we return
+        return self.returncode
+
+    def flush(self) -> None:
+        """Waits until every dump handed to the writers is committed (or failed)."""
+        with self._dump_lock:
+            if self._orch is not None:
+                self._orch.wait()
+
+    def stop(self, final_dump: bool = True, timeout: float = 30.0) -> int | None:
+        """The preemption path: one final dump, committed, then SIGTERM to the process tree
+        (SIGKILL after ``timeout``); returns its exit code."""
+        self._stop.set()
+        if final_dump and self.alive():
+            try:
+                self.dump_now()
+            finally:
+                self.flush()
+        if self.alive() and self.pid is not None:
+            _signal_tree(self.pid, signal.SIGTERM)
+            if not self._exited.wait(timeout):
+                _signal_tree(self.pid, signal.SIGKILL)
+                self._exited.wait(timeout)
+        return self.wait(timeout)
+
+    def stats(self) -> list[DumpStats]:
+        """Every dump of this supervisor, oldest first."""
+        with self._stats_lock:
+            return [self._stats[k] for k in sorted(self._stats)]
+
+    @property
+    def errors(self) -> list[PCCheckError]:
+        """Background failures (dumps and writes); the last committed image survived each."""
+        return list(self._errors)
+
+    def close(self) -> None:
+        """Stops dumping, waits for the writers and closes the store (the process is left alone)."""
+        self._stop.set()
+        with self._dump_lock:
+            if self._orch is not None:
+                self._orch.close()
+                self._orch = None
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own session and process group
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(pid, sig)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"

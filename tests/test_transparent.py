@@ -1,0 +1,251 @@
+"""Transparent mode (issue 16): a process that knows nothing of pccheck, dumped by CRIU, persisted
+and committed by pccheck, killed and restored. Needs root and a criu that passes `criu check`
+(``make test`` fetches one with scripts/get-criu.sh); skips with the reason otherwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import pccheck
+from pccheck.cli import app
+from pccheck.persist.recovery import read_manifest, read_store, store_files
+from pccheck.transparent import Criu, Supervisor
+from pccheck.transparent.supervisor import OUTPUT_LOG
+
+
+def _usable_criu() -> str | None:
+    try:
+        Criu().check()
+    except pccheck.PCCheckError as exc:
+        return str(exc)
+    return None
+
+
+WHY = _usable_criu()
+needs_criu = pytest.mark.skipif(WHY is not None, reason=f"no usable criu: {WHY}")
+
+N = 1 << 20  # float64 elements: an 8 MiB state
+
+SCRIPT = textwrap.dedent(f"""
+    import sys, time
+    import numpy as np
+    total = int(sys.argv[1])
+    state = np.zeros({N})
+    for step in range(total):
+        state += 1.0                     # every element holds step + 1
+        print(step, float(state.sum()), flush=True)
+        time.sleep(0.01)
+    print("done", flush=True)
+""")
+
+
+def _script(tmp_path: Path) -> Path:
+    p = tmp_path / "count.py"
+    p.write_text(SCRIPT)
+    return p
+
+
+def _lines(path: Path) -> list[str]:
+    return (path / OUTPUT_LOG).read_text().splitlines()
+
+
+def _wait_lines(path: Path, n: int, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while len(_lines(path)) < n:
+        assert time.monotonic() - t0 < timeout, "the process did not get going"
+        time.sleep(0.02)
+
+
+def _check_log(lines: list[str], total: int) -> list[int]:
+    """Every line is `step checksum` with checksum = (step + 1) * N, or "done" last; a restore
+    may repeat steps after the dump, never skip one. Returns where each run (re)started."""
+    assert lines[-1] == "done", lines[-3:]
+    starts, prev = [], -1
+    for ln in lines[:-1]:
+        step_s, csum = ln.split()
+        step = int(step_s)
+        assert float(csum) == (step + 1) * N, ln
+        assert step <= prev + 1, f"a gap before {ln!r}"
+        if step != prev + 1:
+            starts.append(step)
+        prev = step
+    assert prev == total - 1
+    return starts
+
+
+def _kill_tree(sup: Supervisor) -> None:
+    os.killpg(sup.pid, signal.SIGKILL)
+    assert sup.wait(30) == -signal.SIGKILL
+
+
+@needs_criu
+def test_kill_and_resume_continue_from_the_committed_dump(tmp_path):
+    path, total = tmp_path / "ck", 400
+    sup = Supervisor.start([sys.executable, str(_script(tmp_path)), str(total)], path)
+    _wait_lines(path, 30)
+    first = sup.dump_now()
+    sup.flush()
+    _wait_lines(path, len(_lines(path)) + 20)  # it ran on after the dump
+    _kill_tree(sup)
+    sup.close()
+    assert first is not None and first.outcome == "committed" and first.freeze_s > 0 and first.files > 3
+    assert first.image_bytes > N * 8  # the state is in the image
+    killed_at = int(_lines(path)[-1].split()[0])
+
+    sup2 = Supervisor.resume(path)
+    assert sup2.pid == sup.pid and sup2.next_step == 2  # CRIU restores the pid; dumps go on from step 2
+    assert sup2.wait(120) == 0
+    sup2.close()
+    starts = _check_log(_lines(path), total)
+    assert len(starts) == 1 and starts[0] < killed_at  # resumed from the dump, before the kill
+    r = CliRunner().invoke(app, ["verify", str(path)])  # an image is a checkpoint like any other
+    assert r.exit_code == 0, r.output
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _gone(pid: int, timeout: float = 30.0) -> None:
+    """Waits until ``pid`` no longer exists, reaping it if it came to this process (pytest is a
+    child subreaper once a Supervisor ran in it)."""
+    t0 = time.monotonic()
+    while os.path.exists(f"/proc/{pid}"):
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        assert time.monotonic() - t0 < timeout, f"process {pid} did not go away"
+        time.sleep(0.02)
+
+
+@needs_criu
+def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
+    """`pccheck run --every 0.3`, then five times: SIGKILL the supervisor (with any criu it runs)
+    and the whole process tree at a random moment, `pccheck resume`. The log ends complete, every
+    line consistent, no step skipped."""
+    import random
+
+    rng = random.Random(16)
+    path, total = tmp_path / "ck", 700
+    cmd = [sys.executable, "-m", "pccheck.cli"]
+    sup = subprocess.Popen([*cmd, "run", "--every", "0.3", "--path", str(path), "--", sys.executable,
+                            str(_script(tmp_path)), str(total)], start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    resumed = 0
+    for _ in range(5):
+        time.sleep(rng.uniform(1.2, 2.5))  # several dumps committed, one possibly in flight
+        assert sup.poll() is None, sup.stderr.read().decode()[-2000:]
+        work = [c for c in _children(sup.pid) if Path(f"/proc/{c}/cmdline").read_bytes().find(b"count.py") >= 0]
+        assert len(work) == 1
+        os.killpg(sup.pid, signal.SIGKILL)  # the supervisor and a criu it may be running
+        os.killpg(work[0], signal.SIGKILL)  # the training process's own session
+        sup.wait()
+        _gone(work[0])
+        sup = subprocess.Popen([*cmd, "resume", "--every", "0.3", "--path", str(path)], start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        resumed += 1
+    _, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, err.decode()[-2000:]
+    starts = _check_log(_lines(path), total)
+    assert 1 <= len(starts) <= resumed  # every resume went back to a committed image, never past the kill
+
+
+def _flip_newest_image_byte(path: Path, step: int) -> None:
+    for _, file in store_files(path):
+        image = read_store(file)
+        for s in image.slots:
+            if s.meta and s.meta["step"] == step:
+                with open(file, "rb") as f:
+                    man = read_manifest(image, s.slot, f.fileno())
+                entry = max(man.arrays, key=lambda e: e.nbytes)
+                off = image.header["slots_offset"] + s.slot * image.header["slot_capacity"] + entry.offset + 7
+                with open(file, "r+b") as f:
+                    f.seek(off)
+                    b = f.read(1)
+                    f.seek(off)
+                    f.write(bytes([b[0] ^ 0x10]))
+                return
+    raise AssertionError(f"no slot of step {step}")
+
+
+@needs_criu
+def test_a_damaged_newest_image_falls_back_to_the_previous_one(tmp_path, caplog):
+    path, total = tmp_path / "ck", 300
+    sup = Supervisor.start([sys.executable, str(_script(tmp_path)), str(total)], path)
+    _wait_lines(path, 20)
+    a = sup.dump_now()
+    sup.flush()
+    at_a = len(_lines(path))
+    _wait_lines(path, at_a + 40)
+    b = sup.dump_now()
+    sup.flush()
+    _kill_tree(sup)
+    sup.close()
+    assert a is not None and b is not None and (a.step, b.step) == (1, 2)
+    _flip_newest_image_byte(path, 2)
+    with caplog.at_level("WARNING", logger="pccheck"):
+        sup2 = Supervisor.resume(path)
+    assert sup2.wait(120) == 0
+    sup2.close()
+    starts = _check_log(_lines(path), total)
+    # restored from dump 1: it restarted at most where dump 1 left it, before dump 2 was taken
+    assert len(starts) == 1 and starts[0] <= at_a
+    assert "crc" in caplog.text.lower() or "fall" in caplog.text.lower()
+
+
+@needs_criu
+def test_resume_refuses_while_the_dumped_pid_is_in_use(tmp_path):
+    path = tmp_path / "ck"
+    sup = Supervisor.start([sys.executable, str(_script(tmp_path)), "100000"], path)
+    try:
+        _wait_lines(path, 5)
+        sup.dump_now()
+        sup.flush()
+        with pytest.raises(pccheck.CriuError, match=f"PID {sup.pid}.*in use.*wait until it has exited"):
+            Supervisor.resume(path)
+    finally:
+        _kill_tree(sup)
+        sup.close()
+
+
+@needs_criu
+def test_cli_run_forwards_output_and_returns_the_exit_code(tmp_path):
+    path = tmp_path / "ck"
+    p = subprocess.run([sys.executable, "-m", "pccheck.cli", "run", "--every", "0.3", "--path", str(path), "--",
+                        sys.executable, str(_script(tmp_path)), "60"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "done" and p.stdout.splitlines()[0].startswith("0 ")
+    assert "committed" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "pccheck.cli", "run", "--path", str(tmp_path / "e"), "--",
+                        sys.executable, "-c", "raise SystemExit(7)"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 7, p.stderr
+
+
+def test_bad_input_is_refused_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("PCCHECK_CRIU", str(tmp_path / "no-such-criu"))
+    with pytest.raises(pccheck.CriuError, match="PCCHECK_CRIU.*get-criu.sh"):
+        Criu()
+    runner = CliRunner()
+    r = runner.invoke(app, ["run", "--every", "0", "--path", str(tmp_path / "a"), "--", "true"])
+    assert r.exit_code == 2 and "--every" in r.output
+    r = runner.invoke(app, ["run", "--path", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "command" in r.output
+    r = runner.invoke(app, ["run", "--path", str(tmp_path / "a"), "--", "true"])
+    assert r.exit_code == 2 and "PCCHECK_CRIU" in r.output  # no criu: a clear error, nothing run
+    assert not (tmp_path / "a" / OUTPUT_LOG).exists()
