@@ -36,15 +36,19 @@ needs_criu = pytest.mark.skipif(WHY is not None, reason=f"no usable criu: {WHY}"
 N = 1 << 20  # float64 elements: an 8 MiB state
 
 SCRIPT = textwrap.dedent(f"""
-    import sys, time
+    import os, sys, time
     import numpy as np
     total = int(sys.argv[1])
+    own = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "own.log"), "w")  # not O_APPEND
     state = np.zeros({N})
     for step in range(total):
         state += 1.0                     # every element holds step + 1
         print(step, float(state.sum()), flush=True)
+        own.write(f"{{step}} {{float(state.sum())}}\\n")
+        own.flush()
         time.sleep(0.01)
     print("done", flush=True)
+    own.write("done\\n")
 """)
 
 
@@ -107,6 +111,12 @@ def test_kill_and_resume_continue_from_the_committed_dump(tmp_path):
     sup2.close()
     starts = _check_log(_lines(path), total)
     assert len(starts) == 1 and starts[0] < killed_at  # resumed from the dump, before the kill
+    # The script's own log (open for writing, not appending) grew after the dump: it was cut back
+    # to its size at the dump and the later lines set aside, so it reads as one clean run.
+    own = (tmp_path / "own.log").read_text().splitlines()
+    assert _check_log(own, total) == []
+    aside = (tmp_path / "own.log.pcc-after-1").read_text().splitlines()
+    assert aside and [ln.split()[0] for ln in aside] == [str(s) for s in range(starts[0], killed_at + 1)][:len(aside)]
     r = CliRunner().invoke(app, ["verify", str(path)])  # an image is a checkpoint like any other
     assert r.exit_code == 0, r.output
 
@@ -164,6 +174,8 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
     assert sup.returncode == 0, err.decode()[-2000:]
     starts = _check_log(_lines(path), total)
     assert 1 <= len(starts) <= resumed  # every resume went back to a committed image, never past the kill
+    assert _check_log((tmp_path / "own.log").read_text().splitlines(), total) == []  # cut back each time
+    assert len(list(tmp_path.glob("own.log.pcc-after-*"))) >= 1
 
 
 def _flip_newest_image_byte(path: Path, step: int) -> None:
@@ -206,6 +218,7 @@ def test_a_damaged_newest_image_falls_back_to_the_previous_one(tmp_path, caplog)
     starts = _check_log(_lines(path), total)
     # restored from dump 1: it restarted at most where dump 1 left it, before dump 2 was taken
     assert len(starts) == 1 and starts[0] <= at_a
+    assert _check_log((tmp_path / "own.log").read_text().splitlines(), total) == []
     assert "crc" in caplog.text.lower() or "fall" in caplog.text.lower()
 
 
@@ -249,3 +262,18 @@ def test_bad_input_is_refused_clearly(tmp_path, monkeypatch):
     r = runner.invoke(app, ["run", "--path", str(tmp_path / "a"), "--", "true"])
     assert r.exit_code == 2 and "PCCHECK_CRIU" in r.output  # no criu: a clear error, nothing run
     assert not (tmp_path / "a" / OUTPUT_LOG).exists()
+
+
+@needs_criu
+def test_a_file_that_shrank_since_the_dump_is_named_and_nothing_is_restored(tmp_path):
+    path = tmp_path / "ck"
+    sup = Supervisor.start([sys.executable, str(_script(tmp_path)), "100000"], path)
+    _wait_lines(path, 10)
+    sup.dump_now()
+    sup.flush()
+    _kill_tree(sup)
+    sup.close()
+    (tmp_path / "own.log").write_text("")  # the user truncated the process's log
+    with pytest.raises(pccheck.CriuError, match=r"own\.log has 0 bytes, fewer than .* put its bytes back"):
+        Supervisor.resume(path)
+    assert not os.path.exists(f"/proc/{sup.pid}") and not list(tmp_path.glob("own.log.pcc-after-*"))

@@ -7,6 +7,7 @@ size and crc32c. ``resume`` validates the newest image (falling back to an older
 writes it back to tmpfs and restores it.
 
 Modules: :mod:`.criu` (finding and running CRIU), :mod:`.image` (image directory <-> arrays),
+:mod:`.openfiles` (files open for writing: recorded at each dump, cut back before a restore),
 :mod:`.supervisor` (the supervised process, its dumps and resume). ``pccheck run`` and
 ``pccheck resume`` are the command line over :class:`Supervisor`.
 """

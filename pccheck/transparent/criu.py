@@ -81,12 +81,16 @@ class Criu:
                             f"; Debian bookworm's criu 3.17 is known to fail here: {_GET}")
         return version.stdout.strip().splitlines()[0] if version.stdout.strip() else "criu"
 
-    def dump(self, pid: int, images: Path, *, leave_running: bool = True, timeout: float = 600.0) -> float:
+    def dump(self, pid: int, images: Path, *, leave_running: bool = True, action_script: Path | None = None,
+             timeout: float = 600.0) -> float:
         """Dumps the process tree rooted at ``pid`` into ``images``; returns the seconds it took
-        (the tree is frozen for about that long). CriuError with CRIU's log if it fails."""
+        (the tree is frozen for about that long). ``action_script``: run by CRIU at each action
+        (openfiles.py's). CriuError with CRIU's log if it fails."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", DUMP_LOG, "-v2"]
         if leave_running:
             args.append("--leave-running")
+        if action_script is not None:
+            args += ["--action-script", str(action_script)]
         t0 = time.perf_counter()
         r = self._run(args, timeout)
         took = time.perf_counter() - t0

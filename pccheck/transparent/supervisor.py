@@ -16,6 +16,7 @@ known. The manifest's metadata ``transparent`` object records the command, the p
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import ConfigError, CriuError, NoCheckpointError, PCCheckError
+from ..errors import ConfigError, CorruptCheckpointError, CriuError, NoCheckpointError, PCCheckError
 from ..orchestrator.copy_engine import CpuCopyEngine
 from ..orchestrator.options import EngineOptions, check_int
 from ..orchestrator.orchestrator import Orchestrator
@@ -36,7 +37,8 @@ from ..orchestrator.stats import CheckpointStats
 from ..persist.layout import plan
 from ..persist.recovery import load_newest, store_files
 from .criu import Criu
-from .image import read_image, write_image
+from .image import PREFIX, read_image, write_image
+from .openfiles import RECORD, FileProblem, action_script, prepare_files
 
 __all__ = ["DumpStats", "Supervisor", "OUTPUT_LOG", "tmpfs_dir"]
 
@@ -52,6 +54,18 @@ def tmpfs_dir() -> str:
         if d and os.path.isdir(d) and os.access(d, os.W_OK):
             return d
     return tempfile.gettempdir()
+
+
+def _exec_dir(store: Path) -> str:
+    """A directory whose file system allows exec (CRIU runs the action script from it)."""
+    for d in (tmpfs_dir(), tempfile.gettempdir(), str(store)):
+        try:
+            if not os.statvfs(d).f_flag & os.ST_NOEXEC:
+                return d
+        except OSError:
+            continue
+    raise CriuError("no directory that allows exec for CRIU's action script (tmpfs, $TMPDIR and the store "
+                    "are all noexec); set TMPDIR to one that does")
 
 
 def _become_subreaper() -> None:
@@ -129,6 +143,8 @@ class Supervisor:
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
         self._forward = forward
+        self._private = Path(tempfile.mkdtemp(prefix="pccheck-supervisor-", dir=_exec_dir(self.path)))
+        self._action = action_script(self._private)  # records the files open for writing at each dump
         _become_subreaper()  # before any child exists: a restored tree must come back to us
 
     # -- starting ------------------------------------------------------------------------------------
@@ -170,14 +186,26 @@ class Supervisor:
             raise CriuError(f"PID {old}, the dumped process's, is in use by another process ({_comm(old)}); "
                             "CRIU restores the original PIDs: wait until it has exited, then resume again")
         sup = cls(meta["cmd"], path, every=every if every is not None else meta.get("every"), _restore=True, **kw)
+        step = int(meta.get("step", r.step))
+        try:
+            moved = prepare_files(_files_record(r.state), step)
+        except FileProblem as exc:
+            sup.close()
+            raise CriuError(f"cannot restore the image of step {step}: {exc}") from None
+        for path_, aside in moved:
+            log.warning("pccheck: %s grew after the dump of step %d: the bytes written since are in %s, and the "
+                        "restored process writes on from where it was", path_, step, aside)
         images = Path(tempfile.mkdtemp(prefix="pccheck-restore-", dir=tmpfs_dir()))
         try:
             write_image(r.state, images)
             del r
             pid = sup.criu.restore(images)
+        except BaseException:
+            sup.close()
+            raise
         finally:
             shutil.rmtree(images, ignore_errors=True)
-        sup.next_step = int(meta.get("step", 0)) + 1
+        sup.next_step = step + 1
         sup._attach(pid)
         log.info("pccheck: restored process %d from the image of step %d", pid, sup.next_step - 1)
         return sup
@@ -266,7 +294,7 @@ class Supervisor:
             step = self.next_step
             images = Path(tempfile.mkdtemp(prefix="pccheck-dump-", dir=tmpfs_dir()))
             try:
-                freeze = self.criu.dump(self.pid, images)
+                freeze = self.criu.dump(self.pid, images, action_script=self._action)
                 arrays = read_image(images)
                 nbytes = sum(int(a.nbytes) for a in arrays.values())
                 meta = {"transparent": {"pid": self.pid, "cmd": self.cmd, "every": self.every, "step": step,
@@ -341,12 +369,28 @@ class Supervisor:
             if self._orch is not None:
                 self._orch.close()
                 self._orch = None
+            shutil.rmtree(self._private, ignore_errors=True)
 
     def __enter__(self) -> "Supervisor":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _files_record(state: dict[str, Any]) -> dict[str, int]:
+    """The image's record of files open for writing ({path: size}), checked, or {} without one."""
+    raw = state.get(PREFIX + RECORD)
+    if raw is None:
+        return {}
+    try:
+        record = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"the image's {RECORD} is not JSON ({exc})") from None
+    if not isinstance(record, dict) or not all(isinstance(k, str) and k.startswith("/") and isinstance(v, int)
+                                               and not isinstance(v, bool) and v >= 0 for k, v in record.items()):
+        raise CorruptCheckpointError(f"the image's {RECORD} is not a map of absolute paths to sizes")
+    return record
 
 
 def _signal_tree(pid: int, sig: int) -> None:
