@@ -277,3 +277,30 @@ def test_a_file_that_shrank_since_the_dump_is_named_and_nothing_is_restored(tmp_
     with pytest.raises(pccheck.CriuError, match=r"own\.log has 0 bytes, fewer than .* put its bytes back"):
         Supervisor.resume(path)
     assert not os.path.exists(f"/proc/{sup.pid}") and not list(tmp_path.glob("own.log.pcc-after-*"))
+
+
+@needs_criu
+def test_a_cuda_process_is_refused_without_the_plugin_and_cuda_checkpoint(tmp_path):
+    """A process that has a library named like NVIDIA's driver (libcuda.so) mapped: without CRIU's
+    CUDA plugin and cuda-checkpoint (none here) the dump is refused, saying what to install."""
+    from pccheck.transparent.criu import cuda_support
+
+    if all(cuda_support()):
+        pytest.skip("CRIU's CUDA plugin and cuda-checkpoint are installed here")
+    lib = tmp_path / "libcuda.so.1"
+    lib.write_bytes(b"\0" * 4096)
+    code = ("import mmap, sys, time\n"
+            f"f = open({str(lib)!r}, 'rb'); m = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)\n"
+            "print('mapped', flush=True)\n"
+            "time.sleep(60)\n")
+    path = tmp_path / "ck"
+    sup = Supervisor.start([sys.executable, "-c", code], path)
+    try:
+        _wait_lines(path, 1)
+        with pytest.raises(pccheck.CriuError, match="uses CUDA.*cuda-checkpoint.*nothing was dumped"):
+            sup.dump_now()
+        assert sup.stats() == []
+    finally:
+        _kill_tree(sup)
+        sup.close()
+    assert not store_files(path)

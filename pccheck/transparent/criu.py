@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import CriuError
 
-__all__ = ["Criu", "find_criu", "ENV"]
+__all__ = ["Criu", "find_criu", "ENV", "cuda_support", "uses_cuda", "require_cuda_support"]
 
 log = logging.getLogger("pccheck")
 
@@ -40,6 +40,49 @@ def find_criu(explicit: str | os.PathLike[str] | None = None) -> str:
     if path is None:
         raise CriuError(f"no criu found: {ENV} is not set and there is no criu on PATH; {_GET}")
     return path
+
+
+CUDA_PLUGIN = "cuda_plugin.so"
+LIBDIR_ENV = "PCCHECK_CRIU_LIBDIR"
+
+
+def cuda_support() -> tuple[str | None, str | None]:
+    """(the directory holding CRIU's CUDA plugin, the ``cuda-checkpoint`` executable), each None
+    when not found: the plugin in ``$PCCHECK_CRIU_LIBDIR``, then /usr/lib/criu and
+    /usr/local/lib/criu; cuda-checkpoint on PATH."""
+    libdir = None
+    for d in (os.environ.get(LIBDIR_ENV), "/usr/lib/criu", "/usr/local/lib/criu"):
+        if d and os.path.isfile(os.path.join(d, CUDA_PLUGIN)):
+            libdir = d
+            break
+    return libdir, shutil.which("cuda-checkpoint")
+
+
+def uses_cuda(pids: list[int]) -> bool:
+    """Whether any of ``pids`` has NVIDIA's driver library (libcuda) mapped."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                if any(b"/libcuda.so" in line for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def require_cuda_support(pid: int) -> str:
+    """The plugin directory to pass CRIU (``-L``) for a process that uses CUDA; CriuError saying
+    what to install when the plugin or cuda-checkpoint is missing."""
+    libdir, tool = cuda_support()
+    missing = ([f"CRIU's CUDA plugin ({CUDA_PLUGIN}: build CRIU >= 4.0 with its plugins/cuda, then put its "
+                f"directory in {LIBDIR_ENV})"] if libdir is None else []) + \
+              (["NVIDIA's cuda-checkpoint on PATH (github.com/NVIDIA/cuda-checkpoint, driver >= 550)"]
+               if tool is None else [])
+    if missing:
+        raise CriuError(f"process {pid} uses CUDA (libcuda is mapped), and CRIU can checkpoint it only with "
+                        f"{' and '.join(missing)}; nothing was dumped")
+    assert libdir is not None
+    return libdir
 
 
 def _tail(path: Path, lines: int = 12) -> str:
@@ -82,7 +125,7 @@ class Criu:
         return version.stdout.strip().splitlines()[0] if version.stdout.strip() else "criu"
 
     def dump(self, pid: int, images: Path, *, leave_running: bool = True, action_script: Path | None = None,
-             timeout: float = 600.0) -> float:
+             libdir: str | None = None, timeout: float = 600.0) -> float:
         """Dumps the process tree rooted at ``pid`` into ``images``; returns the seconds it took
         (the tree is frozen for about that long). ``action_script``: run by CRIU at each action
         (openfiles.py's). CriuError with CRIU's log if it fails."""
@@ -91,6 +134,8 @@ class Criu:
             args.append("--leave-running")
         if action_script is not None:
             args += ["--action-script", str(action_script)]
+        if libdir is not None:  # plugins (CUDA)
+            args += ["-L", libdir]
         t0 = time.perf_counter()
         r = self._run(args, timeout)
         took = time.perf_counter() - t0
@@ -98,11 +143,13 @@ class Criu:
             raise CriuError(f"criu dump of process {pid} failed (exit {r.returncode}):\n{_tail(images / DUMP_LOG)}")
         return took
 
-    def restore(self, images: Path, *, timeout: float = 600.0) -> int:
+    def restore(self, images: Path, *, libdir: str | None = None, timeout: float = 600.0) -> int:
         """Restores the tree dumped in ``images``, detached (``-d``: the restored root becomes a
         child of the nearest subreaper, the caller); returns its pid."""
         pidfile = images / "restored.pid"
         args = ["restore", "-d", "-D", str(images), "-o", RESTORE_LOG, "-v2", "--pidfile", str(pidfile)]
+        if libdir is not None:
+            args += ["-L", libdir]
         r = self._run(args, timeout)
         if r.returncode != 0:
             tail = _tail(images / RESTORE_LOG)

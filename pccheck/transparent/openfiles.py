@@ -20,12 +20,13 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["RECORD", "open_for_writing", "prepare_files", "action_script"]
+__all__ = ["RECORD", "open_for_writing", "prepare_files", "action_script", "tree_pids"]
 
 RECORD = "pccheck-files.json"
 
 
-def _tree(root: int) -> list[int]:
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every descendant (from /proc)."""
     pids, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -42,7 +43,7 @@ def open_for_writing(root: int) -> dict[str, int]:
     """{path: size} of the regular files the tree rooted at ``root`` holds open for writing,
     not ``O_APPEND``."""
     out: dict[str, int] = {}
-    for pid in _tree(root):
+    for pid in tree_pids(root):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:

@@ -36,9 +36,9 @@ from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
 from ..persist.layout import plan
 from ..persist.recovery import load_newest, store_files
-from .criu import Criu
+from .criu import Criu, require_cuda_support, uses_cuda
 from .image import PREFIX, read_image, write_image
-from .openfiles import RECORD, FileProblem, action_script, prepare_files
+from .openfiles import RECORD, FileProblem, action_script, prepare_files, tree_pids
 
 __all__ = ["DumpStats", "Supervisor", "OUTPUT_LOG", "tmpfs_dir"]
 
@@ -145,6 +145,7 @@ class Supervisor:
         self._forward = forward
         self._private = Path(tempfile.mkdtemp(prefix="pccheck-supervisor-", dir=_exec_dir(self.path)))
         self._action = action_script(self._private)  # records the files open for writing at each dump
+        self._libdir: str | None = None  # CRIU's plugin directory, once the process is seen to use CUDA
         _become_subreaper()  # before any child exists: a restored tree must come back to us
 
     # -- starting ------------------------------------------------------------------------------------
@@ -199,7 +200,9 @@ class Supervisor:
         try:
             write_image(r.state, images)
             del r
-            pid = sup.criu.restore(images)
+            libdir = require_cuda_support(old) if meta.get("cuda") is True else None
+            sup._libdir = libdir
+            pid = sup.criu.restore(images, libdir=libdir)
         except BaseException:
             sup.close()
             raise
@@ -294,10 +297,13 @@ class Supervisor:
             step = self.next_step
             images = Path(tempfile.mkdtemp(prefix="pccheck-dump-", dir=tmpfs_dir()))
             try:
-                freeze = self.criu.dump(self.pid, images, action_script=self._action)
+                if self._libdir is None and uses_cuda(tree_pids(self.pid)):
+                    self._libdir = require_cuda_support(self.pid)  # CRIU's CUDA plugin, or a clear refusal
+                freeze = self.criu.dump(self.pid, images, action_script=self._action, libdir=self._libdir)
                 arrays = read_image(images)
                 nbytes = sum(int(a.nbytes) for a in arrays.values())
                 meta = {"transparent": {"pid": self.pid, "cmd": self.cmd, "every": self.every, "step": step,
+                                        "cuda": self._libdir is not None,
                                         "freeze_s": freeze, "image_bytes": nbytes, "criu": self.criu_version,
                                         "time": time.time()}}
                 orch = self._orchestrator(arrays, meta)
