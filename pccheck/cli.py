@@ -321,6 +321,10 @@ def _supervise(make: Callable[[], Any]) -> None:
                 code = sup.stop(final_dump=True)
                 break
             code = sup.wait(0.2)
+    except PCCheckError as exc:  # e.g. the writers failed: stop the process, keep the last image
+        err.print(f"error: {exc}", markup=False)
+        sup.stop(final_dump=False)
+        code = 2
     finally:
         sup.close()
     for e in sup.errors:

@@ -11,9 +11,10 @@
 #
 # Idempotent: a wrapper that already answers `--version` is reused. Exit status 1 (with the reason
 # on stderr) when the packages cannot be fetched; callers then run without CRIU (tests skip).
+# The wrapper runs as root (CRIU needs it): keep PREFIX where only root can write.
 set -eu
 
-PREFIX=${PCCHECK_CRIU_PREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/pccheck/criu-trixie}
+PREFIX=${PCCHECK_CRIU_PREFIX:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/pccheck/criu-trixie}
 MIRROR=${PCCHECK_CRIU_MIRROR:-http://deb.debian.org/debian}
 SUITE=trixie
 WRAPPER=$PREFIX/criu
@@ -45,7 +46,7 @@ apt_private() {
         -o APT::Sandbox::User=root -o APT::Architecture=amd64 -o APT::Architectures=amd64 "$@"
 }
 echo "get-criu.sh: reading the $SUITE package lists into $APT" >&2
-apt_private apt-get update >&2
+apt_private apt-get update >&2 || { echo "get-criu.sh: cannot read the $SUITE package lists" >&2; exit 1; }
 
 # criu and the libraries it loads, found by following Depends (library packages only: libc6's own
 # dependencies end the walk), resolved against trixie's lists alone.
@@ -66,7 +67,8 @@ while [ -n "$want" ]; do
     want=$next
 done
 echo "get-criu.sh: fetching$seen" >&2
-(cd "$APT/debs" && apt_private apt-get download $seen >&2)
+rm -f "$APT"/debs/*.deb  # one version of each package, never a mix from an earlier run
+(cd "$APT/debs" && apt_private apt-get download $seen >&2) || { echo "get-criu.sh: download failed" >&2; exit 1; }
 for deb in "$APT"/debs/*.deb; do
     dpkg -x "$deb" "$PREFIX/root"
 done

@@ -267,6 +267,9 @@ def test_auto_starts_from_the_tuned_k_and_keeps_learning(tmp_path, caplog):
     # gives no clear reason to move
     assert _spread_run(tuned(tmp_path / "a", 3), "auto", None)[0] == 3
     assert 'starts from the tuned 3' in caplog.text
+    # a tuned k, but the DRAM budget leaves no room for captured gradients: never spreads
+    g = grad_bytes(make("adamw")[1])
+    assert _spread_run(tuned(tmp_path / "c", 3), "auto", None, RECORDS * g + 4096) == [1, 1, 1]
     # stored 1, but the link measured while training needs ~4 iterations per snapshot: k moves up
     ks = _spread_run(tuned(tmp_path / "b", 1), "auto", 4.0)
     assert ks[0] == 1 and max(ks[1:]) > 1, ks

@@ -304,3 +304,25 @@ def test_a_cuda_process_is_refused_without_the_plugin_and_cuda_checkpoint(tmp_pa
         _kill_tree(sup)
         sup.close()
     assert not store_files(path)
+
+
+@needs_criu
+def test_a_file_the_process_only_reads_that_grew_is_named_and_left_alone(tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 1000)
+    code = ("import time\n"
+            f"f = open({str(data)!r}, 'rb'); f.read(10)\n"
+            "print('reading', flush=True)\n"
+            "time.sleep(60)\n")
+    path = tmp_path / "ck"
+    sup = Supervisor.start([sys.executable, "-c", code], path)
+    _wait_lines(path, 1)
+    sup.dump_now()
+    sup.flush()
+    _kill_tree(sup)
+    sup.close()
+    with open(data, "ab") as f:
+        f.write(b"more")  # someone appended to the input after the dump
+    with pytest.raises(pccheck.CriuError, match=r"data\.bin, which the process only reads, grew from 1000 to 1004"):
+        Supervisor.resume(path)
+    assert data.stat().st_size == 1004 and not list(tmp_path.glob("data.bin.pcc-after-*"))

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from .driver import Spreader, SpreadResult, identity
-from .plan import auto_steps, split_budget, stall, stall_overlapped
+from .plan import RECORDS, auto_steps, split_budget, stall, stall_overlapped
 from .replay import check_replayable
 
 __all__ = ["SpreadMode", "budget_split", "check_spread", "grad_bytes", "substitute"]
@@ -69,12 +69,14 @@ class SpreadMode:
         self.setting = setting
         # "auto": None until learned (or the k pccheck-tune stored, ``tuned``), then re-learned
         # as checkpoints finish (steps_for_next).
-        self.k: int | None = (tuned if setting == "auto" else int(setting))
-        if setting == "auto" and tuned is not None:
-            log.info("pccheck: spread_steps=\"auto\" starts from the tuned %d", tuned)
         self.optimizer = optimizer
         self.grad_budget = grad_budget  # budget_split's: bytes of captured gradients "auto" may use
-        self._learned_from = 0  # finished checkpoints "auto" had seen when it last chose
+        self.k: int | None = (tuned if setting == "auto" else int(setting))
+        if setting == "auto" and not self._grads_fit():
+            self.k = 1  # the budget leaves no room for captured gradients: never spread
+        elif setting == "auto" and tuned is not None:
+            log.info("pccheck: spread_steps=\"auto\" starts from the tuned %d", tuned)
+        self._learned_last: Any = None  # the newest finished checkpoint "auto" chose from
         self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None))
         self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls
         self._last_step: int | None = None
@@ -120,9 +122,9 @@ class SpreadMode:
     # -- how many steps -----------------------------------------------------------------------------
 
     def steps_for_next(self, finished: Sequence[Any], interval: int) -> int:
-        """k for the checkpoint about to begin: the ``spread_steps`` given, or "auto"'s, at most
-        half the interval (a spread finishing and the next one beginning in the same call would
-        make that call wait for the first one's replay). "auto": 1 until a checkpoint has finished and two iterations were timed (or the
+        """k for the checkpoint about to begin: the ``spread_steps`` given, or "auto"'s, which is
+        at most half the interval (a spread finishing and the next one beginning in the same call
+        would make that call wait for the first one's replay). "auto": 1 until a checkpoint has finished and two iterations were timed (or the
         tuned k); then the stall model's choice from what was measured, chosen again whenever
         another checkpoint has finished (the online tuner's side of k)."""
         if self.setting != "auto":
@@ -130,11 +132,17 @@ class SpreadMode:
         self._learn(finished)
         return min(self.k or 1, max(1, interval // 2))
 
+    def _grads_fit(self) -> bool:
+        return self.grad_budget is None or RECORDS * grad_bytes(self.optimizer) <= self.grad_budget
+
     def _learn(self, finished: Sequence[Any]) -> None:
-        done = [st for st in finished if st.outcome != "failed" and st.copied_s > 0]
-        if len(done) <= self._learned_from or len(self._calls) < 2:
+        if not self._grads_fit():
+            self.k = 1
             return
-        self._learned_from = len(done)
+        done = [st for st in finished if st.outcome != "failed" and st.copied_s > 0]
+        if not done or done[-1] is self._learned_last or len(self._calls) < 2:
+            return
+        self._learned_last = done[-1]
         # The link's bandwidth: the spread's own part copies, else a whole copy's wall time.
         bandwidth = self.spreader.copy_bandwidth()
         if bandwidth is None:

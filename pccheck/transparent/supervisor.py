@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +46,7 @@ __all__ = ["DumpStats", "Supervisor", "OUTPUT_LOG", "tmpfs_dir"]
 log = logging.getLogger("pccheck")
 
 OUTPUT_LOG = "output.log"
+UNKNOWN_EXIT = 255  # the exit code reported when the process's status could not be read
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -140,6 +142,8 @@ class Supervisor:
         self._stats_lock = threading.Lock()
         self._errors: list[PCCheckError] = []
         self._stop = threading.Event()
+        self._closed = False  # guarded by _dump_lock: no dump starts after close()
+        self._popen: subprocess.Popen | None = None
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
         self._forward = forward
@@ -156,21 +160,18 @@ class Supervisor:
         sup = cls(cmd, path, **kw)
         out = os.open(sup.path / OUTPUT_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            pid = os.fork()
-            if pid == 0:  # the child: own session, stdin /dev/null, output appended to the log
-                try:
-                    os.setsid()
-                    devnull = os.open(os.devnull, os.O_RDONLY)
-                    os.dup2(devnull, 0)
-                    os.dup2(out, 1)
-                    os.dup2(out, 2)
-                    os.closerange(3, 1 << 16)
-                    os.execvp(sup.cmd[0], sup.cmd)
-                except BaseException:
-                    os._exit(127)
+            # Own session, stdin /dev/null, output appended to the log; SIGPIPE back to its default.
+            child = subprocess.Popen(sup.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                     start_new_session=True)
+        except OSError as exc:
+            sup.close()
+            raise ConfigError(f"cannot start {sup.cmd[0]!r}: {exc.strerror or exc}") from None
         finally:
             os.close(out)
-        sup._attach(pid)
+        # Reaped by _reap (os.waitpid), never through the Popen object; kept referenced so that
+        # subprocess's own clean-up (of dropped Popen objects) never reaps it first.
+        sup._popen = child
+        sup._attach(child.pid)
         return sup
 
     @classmethod
@@ -186,28 +187,33 @@ class Supervisor:
         if os.path.exists(f"/proc/{old}"):
             raise CriuError(f"PID {old}, the dumped process's, is in use by another process ({_comm(old)}); "
                             "CRIU restores the original PIDs: wait until it has exited, then resume again")
+        step = meta.get("step", r.step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not all(isinstance(c, str) for c in meta["cmd"]):
+            raise CorruptCheckpointError(f"the transparent-mode metadata of step {r.step} is malformed")
+        record = _files_record(r.state)
+        libdir = require_cuda_support(old) if meta.get("cuda") is True else None  # before anything changes
         sup = cls(meta["cmd"], path, every=every if every is not None else meta.get("every"), _restore=True, **kw)
-        step = int(meta.get("step", r.step))
+        images: Path | None = None
         try:
-            moved = prepare_files(_files_record(r.state), step)
-        except FileProblem as exc:
-            sup.close()
-            raise CriuError(f"cannot restore the image of step {step}: {exc}") from None
-        for path_, aside in moved:
-            log.warning("pccheck: %s grew after the dump of step %d: the bytes written since are in %s, and the "
-                        "restored process writes on from where it was", path_, step, aside)
-        images = Path(tempfile.mkdtemp(prefix="pccheck-restore-", dir=tmpfs_dir()))
-        try:
+            # Every check is done: now the files the process writes are cut back to the dump.
+            try:
+                moved = prepare_files(record, step)
+            except FileProblem as exc:
+                raise CriuError(f"cannot restore the image of step {step}: {exc}") from None
+            for path_, aside in moved:
+                log.warning("pccheck: %s grew after the dump of step %d: the bytes written since are in %s, and "
+                            "the restored process writes on from where it was", path_, step, aside)
+            images = Path(tempfile.mkdtemp(prefix="pccheck-restore-", dir=tmpfs_dir()))
             write_image(r.state, images)
             del r
-            libdir = require_cuda_support(old) if meta.get("cuda") is True else None
             sup._libdir = libdir
             pid = sup.criu.restore(images, libdir=libdir)
         except BaseException:
             sup.close()
             raise
         finally:
-            shutil.rmtree(images, ignore_errors=True)
+            if images is not None:
+                shutil.rmtree(images, ignore_errors=True)
         sup.next_step = step + 1
         sup._attach(pid)
         log.info("pccheck: restored process %d from the image of step %d", pid, sup.next_step - 1)
@@ -232,14 +238,16 @@ class Supervisor:
             try:
                 _, status = os.waitpid(self.pid, 0)
                 break
-            except ChildProcessError:  # not our child after all: poll until it is gone
+            except ChildProcessError:  # not our child after all: its status is unknown
                 while os.path.exists(f"/proc/{self.pid}"):
                     time.sleep(0.05)
-                status = 0
+                log.error("pccheck: process %d was not this supervisor's child; its exit status is unknown",
+                          self.pid)
+                status = None
                 break
             except InterruptedError:
                 continue
-        self.returncode = os.waitstatus_to_exitcode(status)
+        self.returncode = os.waitstatus_to_exitcode(status) if status is not None else UNKNOWN_EXIT
         self._exited.set()
 
     def alive(self) -> bool:
@@ -291,7 +299,7 @@ class Supervisor:
         """Dumps the process now and hands the image to the writers; returns its stats (None if
         the process has exited, or the dump was skipped with ``when_busy="skip"``)."""
         with self._dump_lock:
-            if not self.alive():
+            if not self.alive() or self._closed:
                 return None
             assert self.pid is not None
             step = self.next_step
@@ -349,8 +357,10 @@ class Supervisor:
         if final_dump and self.alive():
             try:
                 self.dump_now()
-            finally:
                 self.flush()
+            except PCCheckError as exc:  # the process is stopped anyway; the last committed image stays
+                log.error("pccheck: the final dump failed (the last committed image stays): %s", exc)
+                self._errors.append(exc)
         if self.alive() and self.pid is not None:
             _signal_tree(self.pid, signal.SIGTERM)
             if not self._exited.wait(timeout):
@@ -372,6 +382,7 @@ class Supervisor:
         """Stops dumping, waits for the writers and closes the store (the process is left alone)."""
         self._stop.set()
         with self._dump_lock:
+            self._closed = True
             if self._orch is not None:
                 self._orch.close()
                 self._orch = None
@@ -384,8 +395,8 @@ class Supervisor:
         self.close()
 
 
-def _files_record(state: dict[str, Any]) -> dict[str, int]:
-    """The image's record of files open for writing ({path: size}), checked, or {} without one."""
+def _files_record(state: dict[str, Any]) -> dict[str, list[int]]:
+    """The image's record of open files ({path: [size, writing]}), checked, or {} without one."""
     raw = state.get(PREFIX + RECORD)
     if raw is None:
         return {}
@@ -393,9 +404,11 @@ def _files_record(state: dict[str, Any]) -> dict[str, int]:
         record = json.loads(bytes(raw).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"the image's {RECORD} is not JSON ({exc})") from None
-    if not isinstance(record, dict) or not all(isinstance(k, str) and k.startswith("/") and isinstance(v, int)
-                                               and not isinstance(v, bool) and v >= 0 for k, v in record.items()):
-        raise CorruptCheckpointError(f"the image's {RECORD} is not a map of absolute paths to sizes")
+    def entry_ok(k: Any, v: Any) -> bool:
+        return (isinstance(k, str) and k.startswith("/") and "\0" not in k and isinstance(v, list) and len(v) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v) and v[1] in (0, 1))
+    if not isinstance(record, dict) or not all(entry_ok(k, v) for k, v in record.items()):
+        raise CorruptCheckpointError(f"the image's {RECORD} is not a map of absolute paths to [size, writing]")
     return record
 
 
