@@ -279,6 +279,12 @@ def test_a_file_that_shrank_since_the_dump_is_named_and_nothing_is_restored(tmp_
     assert not os.path.exists(f"/proc/{sup.pid}") and not list(tmp_path.glob("own.log.pcc-after-*"))
 
 
+def _holding(file: Path, then: str) -> list[str]:
+    """A process that opens ``file`` for reading, runs ``then``, says so and sleeps."""
+    return [sys.executable, "-c", f"import mmap, time\nf = open({str(file)!r}, 'rb'); {then}\n"
+                                  "print('holding', flush=True)\ntime.sleep(60)\n"]
+
+
 @needs_criu
 def test_a_cuda_process_is_refused_without_the_plugin_and_cuda_checkpoint(tmp_path):
     """A process that has a library named like NVIDIA's driver (libcuda.so) mapped: without CRIU's
@@ -289,12 +295,8 @@ def test_a_cuda_process_is_refused_without_the_plugin_and_cuda_checkpoint(tmp_pa
         pytest.skip("CRIU's CUDA plugin and cuda-checkpoint are installed here")
     lib = tmp_path / "libcuda.so.1"
     lib.write_bytes(b"\0" * 4096)
-    code = ("import mmap, sys, time\n"
-            f"f = open({str(lib)!r}, 'rb'); m = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)\n"
-            "print('mapped', flush=True)\n"
-            "time.sleep(60)\n")
     path = tmp_path / "ck"
-    sup = Supervisor.start([sys.executable, "-c", code], path)
+    sup = Supervisor.start(_holding(lib, "m = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)"), path)
     try:
         _wait_lines(path, 1)
         with pytest.raises(pccheck.CriuError, match="uses CUDA.*cuda-checkpoint.*nothing was dumped"):
@@ -310,12 +312,8 @@ def test_a_cuda_process_is_refused_without_the_plugin_and_cuda_checkpoint(tmp_pa
 def test_a_file_the_process_only_reads_that_grew_is_named_and_left_alone(tmp_path):
     data = tmp_path / "data.bin"
     data.write_bytes(b"x" * 1000)
-    code = ("import time\n"
-            f"f = open({str(data)!r}, 'rb'); f.read(10)\n"
-            "print('reading', flush=True)\n"
-            "time.sleep(60)\n")
     path = tmp_path / "ck"
-    sup = Supervisor.start([sys.executable, "-c", code], path)
+    sup = Supervisor.start(_holding(data, "f.read(10)"), path)
     _wait_lines(path, 1)
     sup.dump_now()
     sup.flush()
