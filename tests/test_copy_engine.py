@@ -105,3 +105,23 @@ def test_soft_cow_with_helpers_saves_the_state_before_the_step(store_dir):
     assert pccheck.load_latest(store_dir, model=back).step == 3
     for k, v in back.state_dict().items():
         assert torch.equal(v, expect[k]), k
+
+
+def test_helpers_outlive_a_pool_remade_for_a_grown_state(store_dir):
+    """Adam's state appears at its first step: the default-sized pool is remade inside that
+    checkpoint's start. The helpers stay (restarting them there would wait for the new pool's
+    prefaulter), and stop only at close."""
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = {t.ident for t in _copy_threads()}
+    with pccheck.Checkpointer(model, opt, path=store_dir, interval=1, copy_engine=CpuCopyEngine(threads=2)) as ck:
+        ck.maybe_checkpoint(1)
+        ck.wait()
+        crew = {t.ident for t in _copy_threads()} - before
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()  # the state triples
+        ck.maybe_checkpoint(2)
+        ck.wait()
+        assert {t.ident for t in _copy_threads()} - before == crew and len(crew) == 1
+        assert ck.stats().checkpoints[-1].nbytes > 2 * ck.stats().checkpoints[0].nbytes
+    assert {t.ident for t in _copy_threads()} == before

@@ -9,7 +9,8 @@ Call protocol::
     engine.copy(job, src, until)                  # fill chunks up to stream byte `until` (0: all)
     # ... possibly on another thread, possibly several threads at once:
     engine.copy(job, src)                         # the rest; returns when no chunk is left to claim
-    engine.detach()                               # once, at close
+    engine.detach()                               # the pool goes (at close, or remade for a grown state)
+    engine.close()                                # at close: the engine's own threads stop
 
 Chunks go to the writer threads as soon as each is filled, so persisting overlaps copying
 (the paper's pipelining, §4.1). Engines claim chunks from the job one at a time, so the training
@@ -31,7 +32,7 @@ import errno
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -72,6 +73,10 @@ class CopyEngine(ABC):
         """Called once when the pool goes away (the Checkpointer closes, or the pool is remade);
         the pool's memory must not be used afterwards."""
         self.native_engine = None
+
+    def close(self) -> None:
+        """Called when the orchestrator that used this engine closes (after :meth:`detach`):
+        release what the engine holds for itself (threads). A later :meth:`attach` may reuse it."""
 
     def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
         """Describes the arrays of one snapshot, on the training thread."""
@@ -140,14 +145,15 @@ class CpuCopyEngine(CopyEngine):
 
     def attach(self, native_engine: Any) -> None:
         super().attach(native_engine)
-        if self._crew is None:  # detached before (a pool remade, or the engine reused): restart
+        if self._crew is None:  # closed before and reused by another orchestrator: restart
             self._crew = self._start_crew()
 
-    def detach(self) -> None:
+    def close(self) -> None:
+        # The helpers outlive a pool remade by a growing state (detach + attach): restarting them
+        # then would wait for the new pool's prefaulter (threads.py). They stop here.
         crew, self._crew = self._crew, None
         if crew is not None:
             crew.shutdown(wait=True)
-        super().detach()
 
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:
         crew = self._crew
@@ -160,9 +166,10 @@ class CpuCopyEngine(CopyEngine):
         try:
             job.copy(0)
         finally:
-            for f in helpers:
-                if not f.cancel():
-                    f.result()
+            started = [f for f in helpers if not f.cancel()]
+            futures_wait(started)
+        for f in started:
+            f.result()  # a helper's error, once all have stopped (the caller's own comes first)
 
     # The reserve stand-in: host memory plays the device's spare memory, so the staging protocol
     # runs (and is tested) without a GPU. It only pays off where shipping is slower than staging

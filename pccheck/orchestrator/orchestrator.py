@@ -157,13 +157,18 @@ class Orchestrator:
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
-        self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced)
+        try:
+            self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced)
+        except BaseException:
+            copy_engine.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
+            raise
         self._pool = started_pool(self.max_concurrent, "pccheck-commit")
         try:
             self._make_engine(layout.data_len)
         except BaseException:
             self._pool.shutdown(wait=True)
             self.store.close()
+            copy_engine.close()
             raise
         self._inflight = threading.BoundedSemaphore(self.max_concurrent)
         self._futures: set[Future] = set()
@@ -535,6 +540,7 @@ class Orchestrator:
         try:
             self.reserve = None  # frees the device memory
             self.copy_engine.detach()
+            self.copy_engine.close()
             self.engine.close()  # unmaps the chunk pool
         finally:
             with self._store_lock:  # retire_if_allowed (a coordinator's thread) sees _closed first
