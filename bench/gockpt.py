@@ -15,13 +15,14 @@ go through the same link. Systems, each in a fresh process state (a new model) a
 - ``pccheck_spread``: the same with ``spread_steps=--spread``;
 - ``dcp_async``: ``dcp.async_save`` of the same state (its staging is a CPU copy: not held to B).
 
-Per system, paired cycles of ``--interval`` c iterations: a *checkpointed* cycle (the call that
-begins a checkpoint, the c iterations, then everything of that checkpoint waited for: replay, copy,
-write, all timed, so work that outlives its cycle counts against it) followed by a *clean* cycle
-(no checkpoint), ``--checkpoints`` timed pairs after one untimed pair (its checkpoint sizes the
-store, and "auto" decides k from it). Slowdown = median over the pairs of checkpointed / clean,
-as if checkpointing every c iterations; the pairing cancels this VM's drift (its CPU optimizer
-step swings by 30% between processes), and ``none``'s pairs give the noise floor. Stall per
+Per system, triples of cycles of ``--interval`` c iterations, in one process: A begins a
+checkpoint (its call timed), B runs on while the checkpoint's background work ends (whatever
+outlives B is waited for, timed: replay, copy, write), C is clean. Checkpointing every c
+iterations, each interval holds one checkpoint's A-part and the previous one's B-part, so the
+loop pays (A - C) + (B - C) per checkpoint: slowdown = median over the triples of (A + B - C) / C.
+``--checkpoints`` timed triples follow one untimed (its checkpoint sizes the store, and "auto"
+decides k from it). Measuring within one process cancels this VM's drift (its CPU optimizer step
+swings by 30% between processes); ``none``'s triples give the noise floor. Stall per
 checkpoint = what the training thread waited for it (``ck.stats()``: the call, the optimizer pre-hook's
 waits and gradient captures), against ``pccheck.spread.plan``'s models at the configured B, t, S,
 gradient bytes and the clean cycles' optimizer step time: ``stall_overlapped`` (pccheck copies the
@@ -68,12 +69,12 @@ def make_workload(nbytes: int, iter_time: float) -> tuple[Any, Any, Any]:
 
 
 def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """One system: a warm-up pair of cycles, then ``checkpoints`` timed pairs (see the module doc)."""
+    """One system: a warm-up triple of cycles, then ``checkpoints`` timed triples (the module doc)."""
     import torch
 
     torch.set_num_threads(1)
     model, opt, step = make_workload(cfg["nbytes"], cfg["iter_time"])
-    cycle, pairs = cfg["interval"], cfg["checkpoints"]
+    cycle, triples = cfg["interval"], cfg["checkpoints"]
     ck: Any = None
     saver: Any = None
     drain: Any = None
@@ -82,53 +83,60 @@ def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any
         from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
 
         spread = cfg["spread"] if system == "pccheck_spread" else 1
-        # a checkpoint every other cycle: the one after it is the clean cycle it is paired with
-        ck = pccheck.Checkpointer(model, opt, path=workdir, interval=2 * cycle, max_concurrent=2,
+        # a checkpoint every third cycle (see run_cycle)
+        ck = pccheck.Checkpointer(model, opt, path=workdir, interval=3 * cycle, max_concurrent=2,
                                   copy_engine=ThrottledCopyEngine(cfg["link_bps"]), spread_steps=spread)
         call, drain = ck.maybe_checkpoint, ck.wait
     elif system == "dcp_async":
         from bench.systems import make_loop_system
         from bench.workloads import Workload
 
-        saver = make_loop_system("dcp_async", Workload("gockpt", model, opt, step, ""), workdir, 2 * cycle, None)
+        saver = make_loop_system("dcp_async", Workload("gockpt", model, opt, step, ""), workdir, 3 * cycle, None)
         call, drain = saver.after_step, saver.drain
     else:
         def call(s: int) -> bool:
             return False
 
-    def run_cycle(first: int, checkpointed: bool) -> float:
-        """Seconds of steps first .. first+cycle-1 and their calls, where step first-1's call began
-        a checkpoint if ``checkpointed`` (timed in this cycle), and everything of it was waited for
-        at the end (timed too: work that outlives its cycle counts as stall)."""
+    def run_cycle(first: int, begins: bool = False, drains: bool = False) -> float:
+        """Seconds of steps first .. first+cycle-1 and their calls (the last step's call is left to
+        the next cycle). ``begins``: step first-1's call, which begins a checkpoint, is timed here;
+        ``drains``: everything of it is waited for at the end, timed."""
         t0 = time.perf_counter()
-        if checkpointed:
+        if begins:
             call(first - 1)
         for s in range(first, first + cycle - 1):
             step()
             call(s)
-        step()  # the last step of the cycle; its call begins the next checkpoint (or nothing)
-        if checkpointed and drain is not None:
+        step()
+        if drains and drain is not None:
             drain()
         return time.perf_counter() - t0
 
+    # Triples of cycles: A begins a checkpoint, B runs on while its background work ends (what
+    # outlives B is waited for and timed), C is clean. Run every c iterations, each interval
+    # holds one checkpoint's A-part and the previous one's B-part: per checkpoint the loop pays
+    # (A - C) + (B - C), so the slowdown is (A + B - C) / C, measured within one process.
     s = 0
-    for _ in range(2 * cycle - 1):  # up to the step before the first checkpoint
+    for _ in range(3 * cycle - 1):  # up to the step before the first checkpoint
         s += 1
         step()
         call(s)
     s += 1
     step()
     ratios, deltas, cycles = [], [], []
-    for i in range(pairs + 1):      # pair 0: the warm-up ("auto" measures B and t from its checkpoint)
-        t_ck = run_cycle(s + 1, True)
+    for i in range(triples + 1):    # triple 0: the warm-up ("auto" measures B and t from its checkpoint)
+        t_a = run_cycle(s + 1, begins=True)
         s += cycle
-        call(s)                     # an ordinary call (no checkpoint is due): clean cycle next
-        t_clean = run_cycle(s + 1, False)
+        call(s)
+        t_b = run_cycle(s + 1, drains=True)
+        s += cycle
+        call(s)
+        t_c = run_cycle(s + 1)
         s += cycle
         if i:
-            ratios.append(t_ck / t_clean)
-            deltas.append(t_ck - t_clean)
-            cycles.append([t_ck, t_clean])
+            ratios.append((t_a + t_b - t_c) / t_c)
+            deltas.append(t_a + t_b - 2 * t_c)
+            cycles.append([t_a, t_b, t_c])
     out: dict[str, Any] = {"ratios": ratios, "deltas_s": deltas, "cycles_s": cycles, "iters_per_cycle": cycle}
     if ck is not None:
         ck.wait()
@@ -179,14 +187,14 @@ def run_benchmark(cfg: dict[str, Any], systems: Sequence[str], repeats: int, bas
 def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dict[str, Any]:
     """Medians per system. The stall per checkpoint is what the training thread waited for it
     (``blocked_s`` of ``ck.stats()``: the call, the pre-hook waits and gradient captures). The loop:
-    over every pair, (checkpointed cycle) / (clean cycle) and their difference; ``none``'s pairs
-    show the noise floor of that measure."""
+    over every triple, (A + B - C) / C and A + B - 2C (see the module doc); ``none``'s triples show
+    the noise floor of that measure."""
     from pccheck.spread.plan import stall, stall_overlapped
 
     def pooled(rs: list[dict[str, Any]], key: str) -> list[float]:
         return [x for r in rs for x in r[key]]
 
-    clean = [c[1] for r in runs["none"] for c in r["cycles_s"]]
+    clean = [c[-1] for r in runs["none"] for c in r["cycles_s"]]
     cycle = runs["none"][0]["iters_per_cycle"]
     step_time = max(0.0, statistics.median(clean) / cycle - cfg["iter_time"])  # the emulated optimizer step
     out: dict[str, Any] = {"none": {"slowdown": statistics.median(pooled(runs["none"], "ratios")),
@@ -197,7 +205,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
             continue
         row: dict[str, Any] = {"slowdown": statistics.median(pooled(rs, "ratios")),
                                "loop_stall_s": statistics.median(pooled(rs, "deltas_s")),
-                               "slowdown_pairs": pooled(rs, "ratios")}
+                               "slowdown_runs": pooled(rs, "ratios")}
         if system.startswith("pccheck"):
             k = int(statistics.median(pooled(rs, "spread_steps")))
             args = (cfg["nbytes"], cfg["grad_bytes"], cfg["link_bps"], cfg["iter_time"])
@@ -254,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--spread", default="auto", help='spread_steps of pccheck_spread: "auto" or an int')
     p.add_argument("--interval", type=int, default=20,
                    help="iterations per cycle c, as if checkpointing every c (default 20)")
-    p.add_argument("--checkpoints", type=int, default=4, help="timed pairs of cycles (one checkpoint each)")
+    p.add_argument("--checkpoints", type=int, default=4, help="timed triples of cycles (one checkpoint each)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--quiet-wait", type=float, default=10.0)

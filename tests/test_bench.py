@@ -319,7 +319,7 @@ def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
 
     def run(extra, k=None, blocked=None):
         out = {"ratios": [(clean + e) / clean for e in extra], "deltas_s": list(extra),
-               "cycles_s": [[clean + e, clean] for e in extra], "iters_per_cycle": 10}
+               "cycles_s": [[clean + e, clean, clean] for e in extra], "iters_per_cycle": 10}
         if k is not None:
             out.update({"spread_steps": [k] * 2, "blocked_s": [blocked] * 2, "replay_s": [0.1] * 2})
         return out
