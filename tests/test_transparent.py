@@ -324,3 +324,20 @@ def test_a_file_the_process_only_reads_that_grew_is_named_and_left_alone(tmp_pat
     with pytest.raises(pccheck.CriuError, match=r"data\.bin, which the process only reads, grew from 1000 to 1004"):
         Supervisor.resume(path)
     assert data.stat().st_size == 1004 and not list(tmp_path.glob("data.bin.pcc-after-*"))
+
+
+def test_scratch_directories_of_killed_supervisors_are_swept(tmp_path):
+    from pccheck.transparent.supervisor import sweep_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"pccheck-dump-{dead.pid}-abc"
+    live = tmp_path / f"pccheck-dump-{os.getpid()}-abc"
+    other = tmp_path / f"pccheck-other-{dead.pid}-abc"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "pages-1.img").write_bytes(b"x")
+    if os.path.exists(f"/proc/{dead.pid}"):
+        pytest.skip("the pid was reused at once")
+    assert sweep_stale(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -19,6 +19,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,7 @@ from .criu import Criu, require_cuda_support, uses_cuda
 from .image import PREFIX, read_image, write_image
 from .openfiles import RECORD, FileProblem, action_script, prepare_files, tree_pids
 
-__all__ = ["DumpStats", "Supervisor", "OUTPUT_LOG", "tmpfs_dir"]
+__all__ = ["DumpStats", "Supervisor", "OUTPUT_LOG", "sweep_stale", "tmpfs_dir"]
 
 log = logging.getLogger("pccheck")
 
@@ -56,6 +57,34 @@ def tmpfs_dir() -> str:
         if d and os.path.isdir(d) and os.access(d, os.W_OK):
             return d
     return tempfile.gettempdir()
+
+
+_SCRATCH = re.compile(r"^pccheck-(?:dump|restore|supervisor)-(\d+)-")
+
+
+def _scratch(kind: str, parent: str) -> Path:
+    """A new private directory named after this process (so a later supervisor can sweep it up
+    if this one is killed: a dump's directory holds a whole process image in RAM)."""
+    return Path(tempfile.mkdtemp(prefix=f"pccheck-{kind}-{os.getpid()}-", dir=parent))
+
+
+def sweep_stale(parent: str) -> list[str]:
+    """Removes the scratch directories in ``parent`` left by supervisors that no longer run;
+    returns their names."""
+    gone = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return gone
+    for e in entries:
+        m = _SCRATCH.match(e.name)
+        if m and e.is_dir(follow_symlinks=False) and not os.path.exists(f"/proc/{m.group(1)}"):
+            shutil.rmtree(e.path, ignore_errors=True)
+            gone.append(e.name)
+    if gone:
+        log.info("pccheck: removed %d scratch directories of supervisors that were killed: %s", len(gone),
+                 ", ".join(gone))
+    return gone
 
 
 def _exec_dir(store: Path) -> str:
@@ -147,7 +176,9 @@ class Supervisor:
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
         self._forward = forward
-        self._private = Path(tempfile.mkdtemp(prefix="pccheck-supervisor-", dir=_exec_dir(self.path)))
+        for d in {tmpfs_dir(), _exec_dir(self.path)}:
+            sweep_stale(d)
+        self._private = _scratch("supervisor", _exec_dir(self.path))
         self._action = action_script(self._private)  # records the files open for writing at each dump
         self._libdir: str | None = None  # CRIU's plugin directory, once the process is seen to use CUDA
         _become_subreaper()  # before any child exists: a restored tree must come back to us
@@ -203,7 +234,7 @@ class Supervisor:
             for path_, aside in moved:
                 log.warning("pccheck: %s grew after the dump of step %d: the bytes written since are in %s, and "
                             "the restored process writes on from where it was", path_, step, aside)
-            images = Path(tempfile.mkdtemp(prefix="pccheck-restore-", dir=tmpfs_dir()))
+            images = _scratch("restore", tmpfs_dir())
             write_image(r.state, images)
             del r
             sup._libdir = libdir
@@ -303,7 +334,7 @@ class Supervisor:
                 return None
             assert self.pid is not None
             step = self.next_step
-            images = Path(tempfile.mkdtemp(prefix="pccheck-dump-", dir=tmpfs_dir()))
+            images = _scratch("dump", tmpfs_dir())
             try:
                 if self._libdir is None and uses_cuda(tree_pids(self.pid)):
                     self._libdir = require_cuda_support(self.pid)  # CRIU's CUDA plugin, or a clear refusal
