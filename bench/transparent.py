@@ -125,7 +125,7 @@ def plain_dumps(criu: Any, script: Path, rss: int, work: Path) -> dict[str, floa
     return {"freeze_tmpfs_s": freeze, "disk_dump_s": dumped, "disk_durable_s": durable, "image_bytes": image}
 
 
-def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 2) -> dict[str, float]:
+def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 3) -> dict[str, float]:
     """pccheck's dumps of the workload: the freeze and the time until each is durable."""
     from pccheck.transparent import Supervisor
 
@@ -148,7 +148,7 @@ def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 2) -> dict[st
             _kill(sup.pid)
         sup.close()
         shutil.rmtree(path, ignore_errors=True)
-    # the first dump also opens the store and sizes the pool: the steady state is the last one
+    # the first dumps also open the store and fault the DRAM pool in: the steady state is the last one
     return {"freeze_s": freezes[-1], "durable_s": durable[-1], "image_bytes": image,
             "freeze_all_s": freezes, "durable_all_s": durable}
 

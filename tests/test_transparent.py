@@ -39,8 +39,9 @@ SCRIPT = textwrap.dedent(f"""
     import os, sys, time
     import numpy as np
     total = int(sys.argv[1])
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else {N}
     own = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "own.log"), "w")  # not O_APPEND
-    state = np.zeros({N})
+    state = np.zeros(n)
     for step in range(total):
         state += 1.0                     # every element holds step + 1
         print(step, float(state.sum()), flush=True)
@@ -69,15 +70,15 @@ def _wait_lines(path: Path, n: int, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def _check_log(lines: list[str], total: int) -> list[int]:
-    """Every line is `step checksum` with checksum = (step + 1) * N, or "done" last; a restore
+def _check_log(lines: list[str], total: int, n: int = N) -> list[int]:
+    """Every line is `step checksum` with checksum = (step + 1) * n, or "done" last; a restore
     may repeat steps after the dump, never skip one. Returns where each run (re)started."""
     assert lines[-1] == "done", lines[-3:]
     starts, prev = [], -1
     for ln in lines[:-1]:
         step_s, csum = ln.split()
         step = int(step_s)
-        assert float(csum) == (step + 1) * N, ln
+        assert float(csum) == (step + 1) * n, ln
         assert step <= prev + 1, f"a gap before {ln!r}"
         if step != prev + 1:
             starts.append(step)
@@ -146,20 +147,20 @@ def _gone(pid: int, timeout: float = 30.0) -> None:
 
 @needs_criu
 def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
-    """`pccheck run --every 0.3`, then five times: SIGKILL the supervisor (with any criu it runs)
-    and the whole process tree at a random moment, `pccheck resume`. The log ends complete, every
-    line consistent, no step skipped."""
+    """`pccheck run --every 1` of a process with a 200 MB state, then five times: SIGKILL the
+    supervisor (with any criu it runs) and the whole process tree at a random moment, `pccheck
+    resume`. The log ends complete, every line consistent, no step skipped."""
     import random
 
     rng = random.Random(16)
-    path, total = tmp_path / "ck", 700
+    path, total, n = tmp_path / "ck", 500, 25_000_000
     cmd = [sys.executable, "-m", "pccheck.cli"]
-    sup = subprocess.Popen([*cmd, "run", "--every", "0.3", "--path", str(path), "--", sys.executable,
-                            str(_script(tmp_path)), str(total)], start_new_session=True,
+    sup = subprocess.Popen([*cmd, "run", "--every", "1", "--path", str(path), "--", sys.executable,
+                            str(_script(tmp_path)), str(total), str(n)], start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     resumed = 0
     for _ in range(5):
-        time.sleep(rng.uniform(1.2, 2.5))  # several dumps committed, one possibly in flight
+        time.sleep(rng.uniform(2.5, 4.0))  # a dump committed, another possibly in flight
         assert sup.poll() is None, sup.stderr.read().decode()[-2000:]
         work = [c for c in _children(sup.pid) if Path(f"/proc/{c}/cmdline").read_bytes().find(b"count.py") >= 0]
         assert len(work) == 1
@@ -167,14 +168,14 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
         os.killpg(work[0], signal.SIGKILL)  # the training process's own session
         sup.wait()
         _gone(work[0])
-        sup = subprocess.Popen([*cmd, "resume", "--every", "0.3", "--path", str(path)], start_new_session=True,
+        sup = subprocess.Popen([*cmd, "resume", "--every", "1", "--path", str(path)], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         resumed += 1
     _, err = sup.communicate(timeout=180)
     assert sup.returncode == 0, err.decode()[-2000:]
-    starts = _check_log(_lines(path), total)
+    starts = _check_log(_lines(path), total, n)
     assert 1 <= len(starts) <= resumed  # every resume went back to a committed image, never past the kill
-    assert _check_log((tmp_path / "own.log").read_text().splitlines(), total) == []  # cut back each time
+    assert _check_log((tmp_path / "own.log").read_text().splitlines(), total, n) == []  # cut back each time
     assert len(list(tmp_path.glob("own.log.pcc-after-*"))) >= 1
 
 
