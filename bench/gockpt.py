@@ -189,7 +189,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
     (``blocked_s`` of ``ck.stats()``: the call, the pre-hook waits and gradient captures). The loop:
     over every triple, (A + B - C) / C and A + B - 2C (see the module doc); ``none``'s triples show
     the noise floor of that measure."""
-    from pccheck.spread.plan import stall, stall_overlapped
+    from pccheck.spread.plan import modelled_stall, stall
 
     def pooled(rs: list[dict[str, Any]], key: str) -> list[float]:
         return [x for r in rs for x in r[key]]
@@ -211,7 +211,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
             args = (cfg["nbytes"], cfg["grad_bytes"], cfg["link_bps"], cfg["iter_time"])
             row.update({"spread_steps": k, "stall_s": statistics.median(pooled(rs, "blocked_s")),
                         "paper_model_s": stall(k, *args),
-                        "model_s": stall(1, *args) if k == 1 else stall_overlapped(k, *args, step_time),
+                        "model_s": modelled_stall(k, *args, step_time),
                         "replay_s": statistics.median(pooled(rs, "replay_s"))})
         out[system] = row
     targets = []

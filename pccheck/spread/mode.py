@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from .driver import Spreader, SpreadResult, identity
-from .plan import RECORDS, auto_steps, split_budget, stall, stall_overlapped
+from .plan import RECORDS, auto_steps, modelled_stall, split_budget
 from .replay import check_replayable
 
 __all__ = ["SpreadMode", "budget_split", "check_spread", "grad_bytes", "substitute"]
@@ -124,9 +124,10 @@ class SpreadMode:
     def steps_for_next(self, finished: Sequence[Any], interval: int) -> int:
         """k for the checkpoint about to begin: the ``spread_steps`` given, or "auto"'s, which is
         at most half the interval (a spread finishing and the next one beginning in the same call
-        would make that call wait for the first one's replay). "auto": 1 until a checkpoint has finished and two iterations were timed (or the
-        tuned k); then the stall model's choice from what was measured, chosen again whenever
-        another checkpoint has finished (the online tuner's side of k)."""
+        would make that call wait for the first one's replay). "auto": 1 until a checkpoint has
+        finished and two iterations were timed (or the tuned k); then the stall model's choice
+        from what was measured, chosen again whenever another checkpoint has finished (the
+        online tuner's side of k)."""
         if self.setting != "auto":
             return int(self.setting)
         self._learn(finished)
@@ -167,11 +168,7 @@ class SpreadMode:
         if k == self.k:
             return
         # Hysteresis: move only for a clear gain (10% and 1 ms of modelled stall), not on noise.
-        def model(n: int) -> float:
-            if n == 1:
-                return stall(1, nbytes, grads, bandwidth, fwd_bwd)
-            return (stall_overlapped(n, nbytes, grads, bandwidth, fwd_bwd, step_time) if overlapped
-                    else stall(n, nbytes, grads, bandwidth, fwd_bwd))
-        if model(k) < 0.9 * model(self.k) - 1e-3:  # (auto_steps keeps k = 1 where the gradients do not fit)
+        args = (nbytes, grads, bandwidth, fwd_bwd, step_time, overlapped)
+        if modelled_stall(k, *args) < 0.9 * modelled_stall(self.k, *args) - 1e-3:
             log.info("pccheck: spread_steps=\"auto\" moves from %d to %d (%s)", self.k, k, why)
             self.k = k

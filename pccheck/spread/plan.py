@@ -29,8 +29,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "auto_steps", "split_budget", "MAX_STEPS",
-           "RECORDS"]
+__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "modelled_stall", "auto_steps", "split_budget",
+           "MAX_STEPS", "RECORDS"]
 
 # Steps whose captured gradients may wait for the replay at once (the driver's pre-hook blocks
 # beyond it): a spread holds at most RECORDS x one step's gradient bytes.
@@ -117,18 +117,26 @@ def stall_overlapped(k: int, state_bytes: float, grad_bytes: float, bandwidth: f
     return total
 
 
+def modelled_stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
+                   step_time: float = 0.0, overlapped: bool = True) -> float:
+    """The stall of a snapshot spread over ``k`` steps: :func:`stall` for k = 1 (one step, no
+    gradients) and where the gradients are copied before the update, else :func:`stall_overlapped`."""
+    if k == 1 or not overlapped:
+        return stall(k, state_bytes, grad_bytes, bandwidth, iter_time)
+    return stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time)
+
+
 def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
                step_time: float = 0.0, grad_budget: float | None = None, overlapped: bool = True) -> int:
-    """The k in 1..MAX_STEPS with the least stall by :func:`stall_overlapped` (``overlapped``:
-    gradients copied beside the update) or :func:`stall` (copied before it), the smallest k among
-    equals (within 1 ms), leaving out every k > 1 when the captured gradients of the steps that
-    may wait for the replay at once (RECORDS) exceed ``grad_budget``."""
-    best, best_stall = 1, stall(1, state_bytes, grad_bytes, bandwidth, iter_time)
+    """The k in 1..MAX_STEPS with the least :func:`modelled_stall`, the smallest k among equals
+    (within 1 ms), leaving out every k > 1 when the captured gradients of the steps that may wait
+    for the replay at once (RECORDS) exceed ``grad_budget``."""
+    args = (state_bytes, grad_bytes, bandwidth, iter_time, step_time, overlapped)
+    best, best_stall = 1, modelled_stall(1, *args)
     if grad_budget is not None and RECORDS * grad_bytes > grad_budget:
         return best
     for k in range(2, MAX_STEPS + 1):
-        s = (stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time) if overlapped
-             else stall(k, state_bytes, grad_bytes, bandwidth, iter_time))
+        s = modelled_stall(k, *args)
         if s < best_stall - 1e-3:
             best, best_stall = k, s
     return best

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..spread.plan import auto_steps, split_budget, stall, stall_overlapped
+from ..spread.plan import auto_steps, modelled_stall, split_budget
 from . import model
 from .samples import Profile, StorageSample, WriteTimeSample
 
@@ -200,8 +200,7 @@ def _pick_spread(m: int, g: int, tg: float, t: float, update_s: float, dram: int
     fwd_bwd = max(0.0, t - update_s)
     _, grad_budget = split_budget("auto", g, dram)
     k = auto_steps(m, g, tg, fwd_bwd, update_s, grad_budget)
-    whole = stall(1, m, g, tg, fwd_bwd)
-    return k, whole, (stall_overlapped(k, m, g, tg, fwd_bwd, update_s) if k > 1 else whole)
+    return k, modelled_stall(1, m, g, tg, fwd_bwd, update_s), modelled_stall(k, m, g, tg, fwd_bwd, update_s)
 
 
 @dataclass(frozen=True)
