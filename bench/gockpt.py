@@ -68,6 +68,31 @@ def make_workload(nbytes: int, iter_time: float) -> tuple[Any, Any, Any]:
     return model, opt, step
 
 
+def _make_system(system: str, cfg: dict[str, Any], model: Any, opt: Any, step: Any,
+                 workdir: Path) -> tuple[Any, Any, Any, Any]:
+    """(Checkpointer or None, DCP saver or None, the per-iteration call, the drain) of a system,
+    checkpointing every third cycle (see run_system)."""
+    cycle = cfg["interval"]
+    if system.startswith("pccheck"):
+        import pccheck
+        from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
+
+        spread = cfg["spread"] if system == "pccheck_spread" else 1
+        ck = pccheck.Checkpointer(model, opt, path=workdir, interval=3 * cycle, max_concurrent=2,
+                                  copy_engine=ThrottledCopyEngine(cfg["link_bps"]), spread_steps=spread)
+        return ck, None, ck.maybe_checkpoint, ck.wait
+    if system == "dcp_async":
+        from bench.systems import make_loop_system
+        from bench.workloads import Workload
+
+        saver = make_loop_system("dcp_async", Workload("gockpt", model, opt, step, ""), workdir, 3 * cycle, None)
+        return None, saver, saver.after_step, saver.drain
+
+    def call(s: int) -> bool:
+        return False
+    return None, None, call, None
+
+
 def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """One system: a warm-up triple of cycles, then ``checkpoints`` timed triples (the module doc)."""
     import torch
@@ -75,27 +100,7 @@ def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any
     torch.set_num_threads(1)
     model, opt, step = make_workload(cfg["nbytes"], cfg["iter_time"])
     cycle, triples = cfg["interval"], cfg["checkpoints"]
-    ck: Any = None
-    saver: Any = None
-    drain: Any = None
-    if system.startswith("pccheck"):
-        import pccheck
-        from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
-
-        spread = cfg["spread"] if system == "pccheck_spread" else 1
-        # a checkpoint every third cycle (see run_cycle)
-        ck = pccheck.Checkpointer(model, opt, path=workdir, interval=3 * cycle, max_concurrent=2,
-                                  copy_engine=ThrottledCopyEngine(cfg["link_bps"]), spread_steps=spread)
-        call, drain = ck.maybe_checkpoint, ck.wait
-    elif system == "dcp_async":
-        from bench.systems import make_loop_system
-        from bench.workloads import Workload
-
-        saver = make_loop_system("dcp_async", Workload("gockpt", model, opt, step, ""), workdir, 3 * cycle, None)
-        call, drain = saver.after_step, saver.drain
-    else:
-        def call(s: int) -> bool:
-            return False
+    ck, saver, call, drain = _make_system(system, cfg, model, opt, step, workdir)
 
     def run_cycle(first: int, begins: bool = False, drains: bool = False) -> float:
         """Seconds of steps first .. first+cycle-1 and their calls (the last step's call is left to
