@@ -19,6 +19,7 @@ import pccheck
 from pccheck.cli import app
 from pccheck.persist.recovery import read_manifest, read_store, store_files
 from pccheck.transparent import Criu, Supervisor
+from pccheck.transparent.openfiles import tree_pids
 from pccheck.transparent.supervisor import OUTPUT_LOG
 
 
@@ -122,16 +123,6 @@ def test_kill_and_resume_continue_from_the_committed_dump(tmp_path):
     assert r.exit_code == 0, r.output
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def _gone(pid: int, timeout: float = 30.0) -> None:
     """Waits until ``pid`` no longer exists, reaping it if it came to this process (pytest is a
     child subreaper once a Supervisor ran in it)."""
@@ -162,7 +153,7 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
     for _ in range(5):
         time.sleep(rng.uniform(2.5, 4.0))  # a dump committed, another possibly in flight
         assert sup.poll() is None, sup.stderr.read().decode()[-2000:]
-        work = [c for c in _children(sup.pid) if Path(f"/proc/{c}/cmdline").read_bytes().find(b"count.py") >= 0]
+        work = [c for c in tree_pids(sup.pid)[1:] if Path(f"/proc/{c}/cmdline").read_bytes().find(b"count.py") >= 0]
         assert len(work) == 1
         os.killpg(sup.pid, signal.SIGKILL)  # the supervisor and a criu it may be running
         os.killpg(work[0], signal.SIGKILL)  # the training process's own session
