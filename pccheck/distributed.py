@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -61,11 +62,15 @@ class Group:
     store: Any  # a PrefixStore over the default group's store
 
 
-# (default process group, pccheck's Group over it): new_group costs ~0.1 s, and a job calls
-# detect_group at every Checkpointer and load. Invariant: every rank calls detect_group at the
-# same points (new_group is collective), so every rank has a cached Group or none, and reuses or
-# creates it at the same call; a re-initialised default group (destroy + init) gets a new one.
-_cached: tuple[Any, Group] | None = None
+# (default process group, pccheck's gloo group over it), both held weakly: new_group costs ~0.1 s,
+# and a job calls detect_group at every Checkpointer and load. Invariant: every rank calls
+# detect_group at the same points (new_group is collective), so every rank has a cached group or
+# none, and reuses or creates it at the same call; a re-initialised default group (destroy + init)
+# gets a new one. Invariant: the cache never keeps a process group alive. destroy_process_group
+# then frees both while Python runs; a group kept into interpreter exit has gloo worker threads
+# that drop their last collective's tensors there and abort the process (torch needs the GIL for
+# that, and finalization refuses it).
+_cached: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
 
 
 def detect_group() -> Group | None:
@@ -84,13 +89,12 @@ def detect_group() -> Group | None:
     from torch.distributed import distributed_c10d as c10d
 
     default = dist.group.WORLD
-    if _cached is not None and _cached[0] is default:
-        return _cached[1]
-    pg = dist.new_group(backend="gloo")  # collective: every rank creates it at the same point
+    pg = _cached[1]() if _cached is not None and _cached[0]() is default else None
+    if pg is None:
+        pg = dist.new_group(backend="gloo")  # collective: every rank creates it at the same point
+        _cached = (weakref.ref(default), weakref.ref(pg))
     store = dist.PrefixStore("pccheck/", c10d._get_default_store())
-    group = Group(dist.get_rank(), dist.get_world_size(), pg, store)
-    _cached = (default, group)
-    return group
+    return Group(dist.get_rank(), dist.get_world_size(), pg, store)
 
 
 def _valid_checkpoints(directory: Path, full: bool,
