@@ -66,6 +66,7 @@ def _rate(log: Path, t_from: float, t_to: float) -> float:
 
 
 def _start_plain(script: Path, rss: int, out: Path) -> int:
+    out.unlink(missing_ok=True)  # a fresh log: the wait below counts this process's lines only
     with open(out, "ab") as f:
         p = subprocess.Popen([sys.executable, str(script), str(rss)], stdin=subprocess.DEVNULL, stdout=f,
                              stderr=subprocess.STDOUT, start_new_session=True)
@@ -99,30 +100,36 @@ def _fsync_tree(d: Path) -> None:
         os.close(fd)
 
 
-def plain_dumps(criu: Any, script: Path, rss: int, work: Path) -> dict[str, float]:
-    """A plain criu dump of the workload into tmpfs (the freeze), then into the disk + fsync."""
+def plain_dumps(criu: Any, script: Path, rss: int, work: Path, dumps: int = 3) -> dict[str, Any]:
+    """Plain criu dumps of the workload, as many as pccheck's and of the same process, so that both
+    are timed in the same steady state (the last one): into tmpfs (the freeze), then into the
+    disk + fsync."""
     from pccheck.transparent.supervisor import tmpfs_dir
 
     pid = _start_plain(script, rss, work / "plain.out")
+    freezes, dumped, durable = [], [], []
     try:
-        shm = Path(tempfile.mkdtemp(prefix="bench-criu-", dir=tmpfs_dir()))
-        try:
-            freeze = criu.dump(pid, shm)
-        finally:
-            shutil.rmtree(shm, ignore_errors=True)
-        disk = work / "plain-images"
-        disk.mkdir()
-        os.sync()
-        t0 = time.perf_counter()
-        criu.dump(pid, disk)
-        dumped = time.perf_counter() - t0
-        _fsync_tree(disk)
-        durable = time.perf_counter() - t0
-        image = sum(e.stat().st_size for e in os.scandir(disk))
-        shutil.rmtree(disk)
+        for _ in range(dumps):
+            shm = Path(tempfile.mkdtemp(prefix="bench-criu-", dir=tmpfs_dir()))
+            try:
+                freezes.append(criu.dump(pid, shm))
+            finally:
+                shutil.rmtree(shm, ignore_errors=True)
+        for _ in range(dumps):
+            disk = work / "plain-images"
+            disk.mkdir()
+            os.sync()
+            t0 = time.perf_counter()
+            criu.dump(pid, disk)
+            dumped.append(time.perf_counter() - t0)
+            _fsync_tree(disk)
+            durable.append(time.perf_counter() - t0)
+            image = sum(e.stat().st_size for e in os.scandir(disk))
+            shutil.rmtree(disk)
     finally:
         _kill(pid)
-    return {"freeze_tmpfs_s": freeze, "disk_dump_s": dumped, "disk_durable_s": durable, "image_bytes": image}
+    return {"freeze_tmpfs_s": freezes[-1], "disk_dump_s": dumped[-1], "disk_durable_s": durable[-1],
+            "image_bytes": image, "freeze_all_s": freezes, "durable_all_s": durable}
 
 
 def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 3) -> dict[str, float]:
@@ -133,7 +140,7 @@ def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 3) -> dict[st
     sup = Supervisor.start([sys.executable, str(script), str(rss)], path)
     try:
         _wait_output(path / "output.log", 5)
-        freezes, durable = [], []
+        freezes, durable, parts = [], [], []
         for _ in range(dumps):
             os.sync()
             t0 = time.perf_counter()
@@ -142,6 +149,7 @@ def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 3) -> dict[st
             durable.append(time.perf_counter() - t0)
             assert st is not None and st.outcome == "committed", st
             freezes.append(st.freeze_s)
+            parts.append({"freeze_s": st.freeze_s, "start_s": st.start_s, "persist_s": st.persist_s})
         image = st.image_bytes
     finally:
         if sup.pid is not None:
@@ -150,7 +158,7 @@ def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 3) -> dict[st
         shutil.rmtree(path, ignore_errors=True)
     # the first dumps also open the store and fault the DRAM pool in: the steady state is the last one
     return {"freeze_s": freezes[-1], "durable_s": durable[-1], "image_bytes": image,
-            "freeze_all_s": freezes, "durable_all_s": durable}
+            "freeze_all_s": freezes, "durable_all_s": durable, "parts": parts}
 
 
 def slowdown(script: Path, rss: int, work: Path, every: float | None, window: float) -> float:
