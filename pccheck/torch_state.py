@@ -11,7 +11,10 @@ Tree encoding (JSON): str-keyed dicts as ``{"d": {...}}``, other dicts (the opti
 keys) as ``{"dk": [[key, value], ...]}``, tuples as ``{"t": [...]}``, lists as lists, tensors as
 ``{"T": name}``, numpy arrays as ``{"A": name}``, non-finite floats as ``{"f": "nan"}``, torch
 dtypes/devices as ``{"dtype": "float32"}`` / ``{"device": "cuda:0"}``; ints, finite floats, str,
-bool and None as themselves. Anything else is refused with a ConfigError naming its path.
+bool and None as themselves. Anything else is refused with a ConfigError naming its path, except
+in a :class:`Flattener` made with ``serialize_other`` (pccheck.lightning: a framework's checkpoint
+dict holds user objects): there it is stored with ``torch.save`` as a uint8 array, ``{"P": name}``,
+and rebuilt only by ``torch.load(weights_only=True)`` (the ``as_serialized`` of :func:`rebuild`).
 
 The tree also holds ``"order"``: the array names in the order a lazy restore should read them
 (pccheck.lazy): each module's own parameters and buffers in the order the modules first ran
@@ -27,6 +30,7 @@ in the background until the optimizer's next step (soft copy-on-write).
 
 from __future__ import annotations
 
+import io
 import math
 import random
 import sys
@@ -40,7 +44,7 @@ from .errors import ConfigError, CorruptCheckpointError
 from .sharded.dtensor import check_placements, global_rank, has_dtensors, is_dtensor, local_part
 from .sharded.geometry import full_box
 
-__all__ = ["Snapshot", "TorchState", "rebuild", "unwrap_extra", "state_tree"]
+__all__ = ["Snapshot", "TorchState", "Flattener", "rebuild", "unwrap_extra", "state_tree"]
 
 
 @dataclass
@@ -69,14 +73,18 @@ def _identity(t: Any) -> tuple | None:
             tuple(t.shape), tuple(t.stride()), t.dtype) if t.numel() else None
 
 
-class _Flattener:
-    """``rank`` set: a sharded state (FORMAT.md §9): the model's and the optimizer's tensors
-    become ``{"S": fqn}`` leaves with an entry in :attr:`shards`, each rank storing only its
-    local shards, and a replicated tensor stored by the lowest rank holding it."""
+class Flattener:
+    """A nested state as named arrays (:attr:`arrays`) and the JSON tree :meth:`encode` returns.
 
-    def __init__(self, rank: int | None = None) -> None:
+    ``rank`` set: a sharded state (FORMAT.md §9): the model's and the optimizer's tensors
+    become ``{"S": fqn}`` leaves with an entry in :attr:`shards`, each rank storing only its
+    local shards, and a replicated tensor stored by the lowest rank holding it.
+    ``serialize_other``: a value of no other kind becomes a ``{"P": path}`` leaf (torch.save bytes)."""
+
+    def __init__(self, rank: int | None = None, *, serialize_other: bool = False) -> None:
         self.arrays: dict[str, Any] = {}
         self.rank = rank
+        self.serialize_other = serialize_other
         self.shards: dict[str, Any] = {}
         self._seen: dict[tuple, dict[str, str]] = {}  # storage identity -> its leaf (tied tensors)
 
@@ -140,33 +148,51 @@ class _Flattener:
             return {"dtype": str(x).removeprefix("torch.")}
         if torch is not None and isinstance(x, torch.device):
             return {"device": str(x)}
+        if self.serialize_other and torch is not None:
+            return self._serialized(path, x, torch)
         raise ConfigError(f"{path}: cannot checkpoint a {type(x).__name__}; state must hold tensors, "
                           "numpy arrays and plain values (int, float, str, bool, None, list, tuple, dict)")
 
 
+    def _serialized(self, path: str, x: Any, torch: Any) -> dict[str, str]:
+        buf = io.BytesIO()
+        try:
+            torch.save(x, buf)
+        except Exception as exc:  # pickling a lambda, a lock, an open file, ...
+            raise ConfigError(f"{path}: cannot checkpoint a {type(x).__name__}: neither the JSON tree nor "
+                              f"torch.save can hold it ({type(exc).__name__}: {exc})") from None
+        self.arrays[path] = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+        return {"P": path}
+
+
 def rebuild(tree: Any, arrays: Mapping[str, Any], as_tensor: Callable[[str], Any],
-            as_shard: Callable[[str], Any] | None = None) -> Any:
+            as_shard: Callable[[str], Any] | None = None, *,
+            as_serialized: Callable[[str], Any] | None = None) -> Any:
     """Inverse of the tree encoding; ``as_tensor(name)`` makes the tensor for a ``{"T": name}``
-    leaf, ``as_shard(fqn)`` the one for a ``{"S": fqn}`` leaf of a sharded state (FORMAT.md §9)."""
+    leaf, ``as_shard(fqn)`` the one for a ``{"S": fqn}`` leaf of a sharded state (FORMAT.md §9),
+    ``as_serialized(name)`` the value of a ``{"P": name}`` leaf (a tree without the callback
+    that has one is refused as malformed)."""
     if isinstance(tree, list):
-        return [rebuild(v, arrays, as_tensor, as_shard) for v in tree]
+        return [rebuild(v, arrays, as_tensor, as_shard, as_serialized=as_serialized) for v in tree]
     if not isinstance(tree, dict):
         return tree
     if len(tree) != 1:
         raise CorruptCheckpointError("malformed state tree")
     (tag, v), = tree.items()
     if tag == "d" and isinstance(v, dict):
-        return {k: rebuild(x, arrays, as_tensor, as_shard) for k, x in v.items()}
+        return {k: rebuild(x, arrays, as_tensor, as_shard, as_serialized=as_serialized) for k, x in v.items()}
     if tag == "dk" and isinstance(v, list):
-        return {kv[0]: rebuild(kv[1], arrays, as_tensor, as_shard) for kv in v}
+        return {kv[0]: rebuild(kv[1], arrays, as_tensor, as_shard, as_serialized=as_serialized) for kv in v}
     if tag == "t" and isinstance(v, list):
-        return tuple(rebuild(x, arrays, as_tensor, as_shard) for x in v)
+        return tuple(rebuild(x, arrays, as_tensor, as_shard, as_serialized=as_serialized) for x in v)
     if tag == "T" and isinstance(v, str) and v in arrays:
         return as_tensor(v)
     if tag == "S" and isinstance(v, str) and as_shard is not None:
         return as_shard(v)
     if tag == "A" and isinstance(v, str) and v in arrays:
         return arrays[v]
+    if tag == "P" and isinstance(v, str) and v in arrays and as_serialized is not None:
+        return as_serialized(v)
     if tag == "f" and v in ("nan", "inf", "-inf"):
         return float(v)
     if tag == "dtype" and isinstance(v, str):
@@ -221,7 +247,7 @@ class TorchState:
     def snapshot(self) -> Snapshot:
         import torch
 
-        f = _Flattener(self._rank)
+        f = Flattener(self._rank)
         # Eager first: buffers (forward changes them) and user-marked tensors, then the RNG states.
         sd = self.model.state_dict()
         buffers = {name for name, _ in self.model.named_buffers(remove_duplicate=False)}  # one walk

@@ -1,0 +1,293 @@
+"""pccheck as PyTorch Lightning's ``CheckpointIO`` plugin (public as ``pccheck.lightning``).
+
+    trainer = lightning.Trainer(plugins=[pccheck.lightning.CheckpointIO()], callbacks=[
+        ModelCheckpoint(dirpath="ckpt", every_n_train_steps=50, save_last=True)])
+    trainer.fit(model, ckpt_path="last")      # resumes from pccheck's newest valid checkpoint
+
+Write path: Lightning hands ``save_checkpoint`` the checkpoint dict (rank 0 only). Its tensors
+alias the live model and optimizer: nothing is cloned on the device. The model's tensors and
+everything else outside ``optimizer_states`` are copied into the DRAM chunk pool before
+``save_checkpoint`` returns; the optimizer's state is copied in the background, and a global
+optimizer step pre-hook makes the next ``optimizer.step()`` wait only for what is not yet copied
+(soft copy-on-write; a tensor changed meanwhile fails that checkpoint, never silently). Persist
+and commit (the CAS) go on behind training, up to ``max_concurrent`` at once.
+
+Names: the store lives in ``path`` (default: ``.pccheck`` beside the first checkpoint file
+Lightning names), and at each file name Lightning gives pccheck leaves a small JSON pointer
+(:mod:`.named`), so Lightning's own file logic (``ckpt_path="last"``, top-k, version counters,
+``save_last="link"``) works unchanged. ``load_checkpoint`` follows the pointer to the newest valid
+checkpoint carrying that name; for ``last*.ckpt``, one that never became durable (a crash right
+after it was handed over) falls back to the newest valid checkpoint of any name. A file that is
+not a pointer (a torch.save checkpoint from before) is loaded by Lightning's own reader with
+``weights_only=True``. ``remove_checkpoint`` removes the pointer; the store's slots are reused
+only by newer commits, so the newest valid checkpoint is never at risk.
+
+The dict becomes pccheck's JSON tree (``pccheck.torch_state``); values JSON cannot hold
+(``hyper_parameters`` objects and the like) are stored with torch's serializer and loaded only
+with ``torch.load(weights_only=True)``; one it refuses raises a ConfigError naming its key.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ConfigError, PCCheckError
+from ..orchestrator.engine_choice import select_copy_engine
+from ..orchestrator.options import EngineOptions
+from ..orchestrator.orchestrator import Orchestrator
+from ..orchestrator.stats import CheckpointStats
+from ..persist.layout import plan
+from ..torch_state import Flattener, rebuild
+from ..tuner.config import resolve_auto
+from ..persist.files import fsync_dir
+from .named import load_named, pointer_bytes, read_pointer, stage_durable, write_pointer
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("pccheck.lightning needs PyTorch Lightning: pip install 'pccheck[lightning]'") from exc
+
+__all__ = ["CheckpointIO", "encode_checkpoint", "decode_checkpoint"]
+
+log = logging.getLogger("pccheck")
+
+FRAMEWORK = "lightning"
+KEY = "lightning"          # the metadata object and the tree key of a Lightning checkpoint
+_OPTIMIZER = "ckpt/optimizer_states/"  # arrays copied in the background (only optimizer.step changes them)
+
+
+def encode_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The checkpoint dict as (arrays, tree, n_eager): arrays by name, the eager ones (everything
+    outside the optimizers' state) first."""
+    fl = Flattener(serialize_other=True)
+    tree = {KEY: fl.encode("ckpt", checkpoint)}
+    eager = {k: v for k, v in fl.arrays.items() if not k.startswith(_OPTIMIZER)}
+    later = {k: v for k, v in fl.arrays.items() if k.startswith(_OPTIMIZER)}
+    return {**eager, **later}, tree, len(eager)
+
+
+def decode_checkpoint(r: Any, map_location: Any = None) -> dict[str, Any]:
+    """The checkpoint dict of a loaded Lightning checkpoint (:class:`pccheck.Restored`)."""
+    import torch
+
+    from ..arrays import torch_dtype
+
+    tree = r.tree.get(KEY) if isinstance(r.tree, dict) else None
+    if tree is None:
+        raise ConfigError(f"{r.path}: step {r.step} is not a Lightning checkpoint (written by pccheck.lightning); "
+                          "load it with pccheck.load_latest")
+    device = map_location if isinstance(map_location, (str, torch.device)) else None
+
+    def as_tensor(name: str) -> Any:
+        a = r.state[name]
+        t = torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
+        if name in r.torch_dtypes:
+            t = t.view(torch_dtype(r.torch_dtypes[name]))
+        return t.to(device) if device is not None else t
+
+    def as_serialized(name: str) -> Any:
+        key = name.removeprefix("ckpt/")
+        try:
+            return torch.load(io.BytesIO(r.state[name].tobytes()), weights_only=True, map_location=device)
+        except Exception as exc:  # torch's unpickler refuses what weights_only does not allow
+            raise ConfigError(f"checkpoint key {key!r} holds an object that torch.load(weights_only=True) refuses "
+                              f"({_why(exc)}); pccheck "
+                              "never unpickles more than that: store it as plain values, or allow its class with "
+                              "torch.serialization.add_safe_globals before loading") from None
+
+    return rebuild(tree, r.state, as_tensor, as_serialized=as_serialized)
+
+
+class CheckpointIO(_LightningCheckpointIO):
+    """Lightning's ``CheckpointIO`` through pccheck.
+
+    Args:
+        path: the store directory (default: ``.pccheck`` in the directory of the first checkpoint
+            Lightning saves or loads).
+        max_concurrent, writer_threads, chunk_size, dram_budget, storage, when_busy: the engine's
+            options (:class:`pccheck.EngineOptions`); "auto" takes ``pccheck-tune``'s choice
+            stored in the store directory, or the defaults.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, **engine: Any) -> None:
+        super().__init__()
+        self.path = Path(path) if path is not None else None
+        try:
+            self.engine = EngineOptions(**engine)
+        except TypeError as exc:
+            raise ConfigError(f"pccheck.lightning.CheckpointIO: {exc}; the options are those of "
+                              "pccheck.EngineOptions") from None
+        self._orch: Orchestrator | None = None
+        self._past_stats: list[CheckpointStats] = []
+        self._errors: list[PCCheckError] = []
+        self._reported = 0
+        self._hook: Any = None
+        self._lock = threading.Lock()
+        self._names_lock = threading.Lock()  # pointer files: written, replaced and removed under it
+        self._names = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")  # pointers' fsyncs, in order
+
+    # -- Lightning's interface ---------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Copies the checkpoint into DRAM (the optimizer state until its next step) and returns;
+        persist and commit go on in the background. Leaves a pointer file at ``path``."""
+        if storage_options is not None:
+            raise ConfigError("pccheck.lightning.CheckpointIO takes no storage_options")
+        self._raise_pending()
+        target = Path(os.fspath(path))
+        arrays, tree, n_eager = encode_checkpoint(checkpoint)
+        step = checkpoint.get("global_step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"the checkpoint's global_step must be an int >= 0, got {step!r}")
+        meta = {KEY: {"name": target.name, "global_step": step, "epoch": checkpoint.get("epoch")}}
+        with self._lock:
+            orch = self._orchestrator(target, arrays)
+            versions = [(k, t, t._version) for k, t in list(arrays.items())[n_eager:] if hasattr(t, "_version")]
+            started = orch.start(step, arrays, meta, tree=tree, n_eager=n_eager, validate=_unchanged(versions))
+        if not started:  # when_busy="skip": nothing was saved, so no name may point at it
+            log.warning("pccheck: skipped the checkpoint %s (step %d): max_concurrent checkpoints are in flight",
+                        target, step)
+            return
+        # Visible at once (Lightning looks for its files right away), durable from a background
+        # thread: an fsync here would wait behind the checkpoint's own writes.
+        data = pointer_bytes(target, self.store, target.name, step, FRAMEWORK)
+        with self._names_lock:
+            write_pointer(target, data, durable=False)
+        self._names.submit(self._make_durable, target, data)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint named by ``path``: its newest valid copy in the store (every crc32c
+        checked). ``weights_only`` is accepted for Lightning's signature; pccheck never unpickles
+        more than ``torch.load(weights_only=True)`` does, whatever it says."""
+        target = Path(os.fspath(path))
+        if not target.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        ptr = read_pointer(target)
+        if ptr is None:  # not pccheck's: a torch.save checkpoint, read by Lightning's own reader
+            return TorchCheckpointIO().load_checkpoint(target, map_location=map_location, weights_only=True)
+        with self._lock:
+            if self._orch is not None and Path(ptr.store).resolve() == self.store.resolve():
+                self._orch.wait()  # this process's own checkpoints in flight: let them commit first
+        r = load_named(ptr.store, ptr.name, KEY, newest_if_gone=ptr.name.startswith("last"))
+        return decode_checkpoint(r, map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Removes the pointer at ``path`` (Lightning's top-k retention); the checkpoint's slot is
+        reused by a later commit, never before one."""
+        target = Path(os.fspath(path))
+        if target.is_file() and read_pointer(target) is not None:
+            with self._names_lock:
+                target.unlink(missing_ok=True)
+            log.debug("pccheck: removed the checkpoint name %s", target)
+        elif target.exists():  # not ours: do what Lightning's default plugin does
+            TorchCheckpointIO().remove_checkpoint(target)
+
+    def teardown(self) -> None:
+        """Waits until every checkpoint in flight is committed (or failed), then closes the store."""
+        with self._lock:
+            orch, self._orch = self._orch, None
+            if orch is not None:
+                self._past_stats = list(orch.stats)
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+        if orch is not None:
+            orch.close()  # waits for the checkpoints in flight
+        self._names.shutdown(wait=True)
+        self._names = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")
+        for exc in self._errors[self._reported:]:
+            log.error("pccheck: a Lightning checkpoint failed in the background (the last committed one stays "
+                      "loadable): %s", exc)
+        self._reported = len(self._errors)
+
+    # -- pccheck's side ----------------------------------------------------------------------------
+
+    @property
+    def store(self) -> Path:
+        """The store directory (set by the first save when ``path`` was not given)."""
+        if self.path is None:
+            raise ConfigError("pccheck.lightning.CheckpointIO has no store yet: nothing was saved, and no path given")
+        return self.path
+
+    @property
+    def errors(self) -> list[PCCheckError]:
+        """Checkpoints that failed in the background; the last committed one survived each."""
+        return list(self._errors)
+
+    def stats(self) -> list[CheckpointStats]:
+        """Per checkpoint since the store was opened (kept after teardown): the stall, the copy,
+        the optimizer step's wait for it (``cow_wait_s``), the persist and the outcome."""
+        with self._lock:
+            return list(self._orch.stats) if self._orch is not None else list(self._past_stats)
+
+    def wait(self) -> None:
+        """Waits until every checkpoint handed over is committed (or failed)."""
+        with self._lock:
+            if self._orch is not None:
+                self._orch.wait()
+
+    def _orchestrator(self, target: Path, arrays: dict[str, Any]) -> Orchestrator:
+        if self._orch is None:
+            if self.path is None:
+                self.path = target.parent / ".pccheck"
+            self.path.mkdir(parents=True, exist_ok=True)
+            e = self.engine
+            engine = e.with_values(resolve_auto(self.path, 1, e.max_concurrent, e.writer_threads, e.chunk_size))
+            self._orch = Orchestrator(self.path, plan(arrays), engine, copy_engine=select_copy_engine(arrays),
+                                      on_error=self._errors.append)
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            # Soft copy-on-write: any optimizer's step first waits for the optimizer state still
+            # being copied (Lightning gives the plugin the dict, not the optimizer: the hook is global).
+            self._hook = register_optimizer_step_pre_hook(self._before_step)
+        return self._orch
+
+    def _make_durable(self, target: Path, data: bytes) -> None:
+        try:
+            tmp = stage_durable(target, data)
+            # Invariant: a name Lightning removed is never brought back, and a newer pointer of
+            # the same name is never replaced by an older one: both change only under this lock.
+            with self._names_lock:
+                if not target.is_file() or target.read_bytes() != data:
+                    tmp.unlink()
+                    return
+                os.replace(tmp, target)
+            fsync_dir(target.parent)
+        except OSError as exc:
+            log.warning("pccheck: the checkpoint name %s is not durable yet: %s", target, exc)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        orch = self._orch
+        if orch is not None:
+            orch.ensure_copied()
+
+    def _raise_pending(self) -> None:
+        if len(self._errors) > self._reported:
+            exc = self._errors[self._reported]
+            self._reported = len(self._errors)
+            raise exc
+
+
+def _why(exc: Exception) -> str:
+    """The line of torch's refusal that names what it refused (its first line is boilerplate)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "global" in ln.lower() or "unpickler" in ln.lower()]
+    return (named or lines or [type(exc).__name__])[0]
+
+
+def _unchanged(versions: list[tuple[str, Any, int]]) -> Callable[[], str | None]:
+    """The check run once the background copy is done: no tensor it read was changed meanwhile."""
+    def check() -> str | None:
+        changed = [k for k, t, v in versions if t._version != v]
+        if changed:
+            return (f"{len(changed)} optimizer tensor(s) changed while being copied (first: {changed[0]!r}) "
+                    "outside optimizer.step(); this checkpoint is dropped, the last committed one stays")
+        return None
+    return check
