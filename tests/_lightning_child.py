@@ -26,7 +26,9 @@ class Net(L.LightningModule):
     def __init__(self, sleep: float) -> None:
         super().__init__()
         self.sleep = sleep
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        # BatchNorm: buffers that forward changes (copied eagerly, never behind the step hook)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], idx: int) -> torch.Tensor:
         x, y = batch

@@ -5,12 +5,13 @@
     trainer.fit(model, ckpt_path="last")      # resumes from pccheck's newest valid checkpoint
 
 Write path: Lightning hands ``save_checkpoint`` the checkpoint dict (rank 0 only). Its tensors
-alias the live model and optimizer: nothing is cloned on the device. The model's tensors and
-everything else outside ``optimizer_states`` are copied into the DRAM chunk pool before
-``save_checkpoint`` returns; the optimizer's state is copied in the background, and a global
+alias the live model and optimizer: nothing is cloned on the device. The optimizers' state and
+the parameters they step are copied into the DRAM chunk pool in the background, and a global
 optimizer step pre-hook makes the next ``optimizer.step()`` wait only for what is not yet copied
-(soft copy-on-write; a tensor changed meanwhile fails that checkpoint, never silently). Persist
-and commit (the CAS) go on behind training, up to ``max_concurrent`` at once.
+(soft copy-on-write; a tensor changed meanwhile fails that checkpoint, never silently). The rest
+(buffers, which forward changes; anything else) is copied before ``save_checkpoint`` returns.
+The same hook tells which storages are parameters. Persist and commit (the CAS) go on behind
+training, up to ``max_concurrent`` at once.
 
 Names: the store lives in ``path`` (default: ``.pccheck`` beside the first checkpoint file
 Lightning names), and at each file name Lightning gives pccheck leaves a small JSON pointer
@@ -63,14 +64,23 @@ KEY = "lightning"          # the metadata object and the tree key of a Lightning
 _OPTIMIZER = "ckpt/optimizer_states/"  # arrays copied in the background (only optimizer.step changes them)
 
 
-def encode_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """The checkpoint dict as (arrays, tree, n_eager): arrays by name, the eager ones (everything
-    outside the optimizers' state) first."""
+def encode_checkpoint(checkpoint: dict[str, Any], params: frozenset[int] = frozenset()) -> \
+        tuple[dict[str, Any], dict[str, Any], int]:
+    """The checkpoint dict as (arrays, tree, n_eager): arrays by name, the eager ones first.
+
+    Background (copied while training goes on, until the next optimizer step): the optimizers'
+    state, and tensors whose storage is a parameter some optimizer steps (``params``: storage
+    addresses). Everything else (buffers, which forward changes; anything unknown) is eager."""
     fl = Flattener(serialize_other=True)
     tree = {KEY: fl.encode("ckpt", checkpoint)}
-    eager = {k: v for k, v in fl.arrays.items() if not k.startswith(_OPTIMIZER)}
-    later = {k: v for k, v in fl.arrays.items() if k.startswith(_OPTIMIZER)}
-    return {**eager, **later}, tree, len(eager)
+
+    def later(name: str, t: Any) -> bool:
+        return name.startswith(_OPTIMIZER) or (hasattr(t, "untyped_storage") and t.numel() > 0
+                                               and t.untyped_storage().data_ptr() in params)
+
+    eager = {k: v for k, v in fl.arrays.items() if not later(k, v)}
+    rest = {k: v for k, v in fl.arrays.items() if later(k, v)}
+    return {**eager, **rest}, tree, len(eager)
 
 
 def decode_checkpoint(r: Any, map_location: Any = None) -> dict[str, Any]:
@@ -129,6 +139,8 @@ class CheckpointIO(_LightningCheckpointIO):
         self._errors: list[PCCheckError] = []
         self._reported = 0
         self._hook: Any = None
+        self._optimizers: set[int] = set()     # ids of the optimizers seen stepping
+        self._params: frozenset[int] = frozenset()  # their parameters' storage addresses
         self._lock = threading.Lock()
         self._names_lock = threading.Lock()  # pointer files: written, replaced and removed under it
         self._names = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")  # pointers' fsyncs, in order
@@ -142,7 +154,8 @@ class CheckpointIO(_LightningCheckpointIO):
             raise ConfigError("pccheck.lightning.CheckpointIO takes no storage_options")
         self._raise_pending()
         target = Path(os.fspath(path))
-        arrays, tree, n_eager = encode_checkpoint(checkpoint)
+        self._watch_optimizers()
+        arrays, tree, n_eager = encode_checkpoint(checkpoint, self._params)
         step = checkpoint.get("global_step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"the checkpoint's global_step must be an int >= 0, got {step!r}")
@@ -193,13 +206,13 @@ class CheckpointIO(_LightningCheckpointIO):
         """Waits until every checkpoint in flight is committed (or failed), then closes the store."""
         with self._lock:
             orch, self._orch = self._orch, None
-            if orch is not None:
-                self._past_stats = list(orch.stats)
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
+            self._optimizers, self._params = set(), frozenset()  # a later fit has new ones
         if orch is not None:
             orch.close()  # waits for the checkpoints in flight
+            self._past_stats = list(orch.stats)
         self._names.shutdown(wait=True)
         self._names = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")
         for exc in self._errors[self._reported:]:
@@ -242,12 +255,17 @@ class CheckpointIO(_LightningCheckpointIO):
             engine = e.with_values(resolve_auto(self.path, 1, e.max_concurrent, e.writer_threads, e.chunk_size))
             self._orch = Orchestrator(self.path, plan(arrays), engine, copy_engine=select_copy_engine(arrays),
                                       on_error=self._errors.append)
+        return self._orch
+
+    def _watch_optimizers(self) -> None:
+        """Soft copy-on-write: every optimizer's step first waits for what a checkpoint still
+        copies, and tells which storages are parameters (Lightning gives the plugin the dict, not
+        the optimizer: the hook is global). Registered once Lightning first saves; Lightning
+        saves after an optimizer step, so a model's parameters are known from its second save."""
+        if self._hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            # Soft copy-on-write: any optimizer's step first waits for the optimizer state still
-            # being copied (Lightning gives the plugin the dict, not the optimizer: the hook is global).
             self._hook = register_optimizer_step_pre_hook(self._before_step)
-        return self._orch
 
     def _make_durable(self, target: Path, data: bytes) -> None:
         try:
@@ -267,6 +285,10 @@ class CheckpointIO(_LightningCheckpointIO):
         orch = self._orch
         if orch is not None:
             orch.ensure_copied()
+        if id(optimizer) not in self._optimizers:  # its parameters may be copied in the background
+            self._optimizers.add(id(optimizer))
+            self._params = self._params | {p.untyped_storage().data_ptr() for g in optimizer.param_groups
+                                           for p in g["params"] if p.numel()}
 
     def _raise_pending(self) -> None:
         if len(self._errors) > self._reported:
@@ -287,7 +309,8 @@ def _unchanged(versions: list[tuple[str, Any, int]]) -> Callable[[], str | None]
     def check() -> str | None:
         changed = [k for k, t, v in versions if t._version != v]
         if changed:
-            return (f"{len(changed)} optimizer tensor(s) changed while being copied (first: {changed[0]!r}) "
-                    "outside optimizer.step(); this checkpoint is dropped, the last committed one stays")
+            return (f"{len(changed)} parameter or optimizer tensor(s) changed while being copied (first: "
+                    f"{changed[0]!r}) outside optimizer.step(); this checkpoint is dropped, the last committed "
+                    "one stays")
         return None
     return check
