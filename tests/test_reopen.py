@@ -63,3 +63,31 @@ def test_a_damaged_latest_keeps_the_fallback_until_a_new_checkpoint_commits(tmp_
             ck.wait()
             assert store._guarded == []  # step 3 is durable: recovery no longer needs step 1
     assert pccheck.load_latest(tmp_path).step == 3
+
+
+def test_a_repaired_word_never_names_a_slot_whose_data_is_damaged(tmp_path):
+    """A crash after a commit's data and meta record but before its word: the word on disk is
+    0 and the newest slot's data is damaged. Reopening repairs CHECK_ADDR (a commit barrier that
+    may reach the disk at once), so it must name the newest slot that validates, never the
+    damaged one: a power cut right after the reopen then still recovers step 2. (Found by
+    test_powerloss's reopen simulation: the word named the damaged slot, and recovery fell back
+    behind it.)"""
+    state = _store(tmp_path, steps=(1, 2, 3))
+    file = recovery.store_files(tmp_path)[0][1]
+    image = recovery.read_store(file)
+    damaged = max((s for s in image.slots if s.meta), key=lambda s: s.meta["counter"])
+    assert damaged.meta["step"] == 3
+    with open(file, "r+b") as f:
+        f.seek(128)  # CHECK_ADDR (FORMAT.md §2): as if the commit's word never reached the disk
+        f.write(bytes(8))
+        f.seek(recovery.slot_base(image, damaged.slot))
+        f.write(b"\xff" * 4096)
+    recovery._validated.clear()  # as in a fresh process
+    with pccheck.Checkpointer(state, tmp_path, **KW) as ck:
+        word = recovery.read_store(file)
+        assert word.check_word != 0 and word.word_slot != damaged.slot
+        assert word.slots[word.word_slot].meta["step"] == 2
+        assert pccheck.load_latest(tmp_path).step == 2
+        ck.checkpoint(4)
+        ck.wait()
+    assert pccheck.load_latest(tmp_path).step == 4

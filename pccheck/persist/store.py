@@ -207,7 +207,9 @@ class SlotStore:
         latest and is not reused before a newer checkpoint commits. So the guarded fallback
         leaves one slot fewer to write into; with two slots only (max_concurrent=1) none would be
         left, and in a group (hold_replaced) the coordinator owns the held list: then the data is
-        validated here, synchronously, and a damaged latest is skipped by repairing the word.
+        validated here, synchronously, and a damaged latest is skipped by repairing the word. The
+        data is also validated here when the word must be repaired (it does not name the slot
+        chosen), since the repaired word is a commit barrier.
         """
         with open(image.path, "rb", buffering=0) as f:
             full = self.hold_replaced or image.header["num_slots"] <= 2
@@ -217,6 +219,18 @@ class SlotStore:
                 return 0, ()
             slot, man, problems = found
             word = _native.make_word(man.counter, slot)
+            if not full and word != image.check_word and not was_validated(image, slot):
+                # Invariant: a word written here is a commit barrier (it may reach the disk at
+                # once), so it only ever names a slot whose every byte checked out. The word on
+                # disk does not name this one (a crash before its commit's word was durable, or a
+                # stale word): validate now, falling back as recovery would. Rare: a clean reopen
+                # continues from the slot the word already names, validated in the background.
+                found = first_valid(image, lambda s: load_slot(image, s, fd=f.fileno()))
+                if found is None:
+                    return 0, ()
+                slot, man, problems = found
+                word = _native.make_word(man.counter, slot)
+                full = True
             if image.check_word and word != image.check_word:
                 log.warning("pccheck: %s: CHECK_ADDR repaired to slot %d (step %d): %s", image.path, slot,
                             man.step, "; ".join(problems))
