@@ -153,7 +153,6 @@ class Flattener:
         raise ConfigError(f"{path}: cannot checkpoint a {type(x).__name__}; state must hold tensors, "
                           "numpy arrays and plain values (int, float, str, bool, None, list, tuple, dict)")
 
-
     def _serialized(self, path: str, x: Any, torch: Any) -> dict[str, str]:
         buf = io.BytesIO()
         try:

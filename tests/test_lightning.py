@@ -163,6 +163,12 @@ def test_names_retention_and_fallbacks(tmp_path):
     assert not (tmp_path / "epoch=0-step=15.ckpt").exists()
     io.teardown()
     assert CheckpointIO().load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 15
+    # A pointer a power cut left empty: "last" loads the newest valid checkpoint; another name says why not.
+    (tmp_path / "last-v1.ckpt").write_bytes(b"")
+    (tmp_path / "epoch=0-step=20.ckpt").write_bytes(b"")
+    assert CheckpointIO(tmp_path / "store").load_checkpoint(tmp_path / "last-v1.ckpt")["global_step"] == 15
+    with pytest.raises(pccheck.NoCheckpointError, match="is empty"):
+        CheckpointIO(tmp_path / "store").load_checkpoint(tmp_path / "epoch=0-step=20.ckpt")
     # A damaged newest "last": the newest valid checkpoint of any name is loaded (step 15's other
     # copy); with that damaged too, nothing valid is left, and that is what the error says.
     assert _flip(tmp_path / "store") == 15

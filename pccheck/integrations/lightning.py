@@ -38,15 +38,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ConfigError, PCCheckError
+from ..errors import ConfigError, NoCheckpointError, PCCheckError
 from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
+from ..persist.files import fsync_dir
 from ..persist.layout import plan
+from ..persist.recovery import load_newest
 from ..torch_state import Flattener, rebuild
 from ..tuner.config import resolve_auto
-from ..persist.files import fsync_dir
 from .named import load_named, pointer_bytes, read_pointer, stage_durable, write_pointer
 
 try:
@@ -182,6 +183,14 @@ class CheckpointIO(_LightningCheckpointIO):
         target = Path(os.fspath(path))
         if not target.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        if target.stat().st_size == 0:  # a pointer a power cut left empty before it was durable
+            store = self.path if self.path is not None else target.parent / ".pccheck"
+            if target.name.startswith("last") and store.is_dir():
+                log.warning("pccheck: %s is empty (a power cut before it was durable); loading the newest valid "
+                            "checkpoint in %s", target, store)
+                return decode_checkpoint(load_newest(store), map_location)
+            raise NoCheckpointError(f"{target} is empty: a power cut left the name before it was durable; load "
+                                    "last.ckpt (the newest valid checkpoint) instead")
         ptr = read_pointer(target)
         if ptr is None:  # not pccheck's: a torch.save checkpoint, read by Lightning's own reader
             return TorchCheckpointIO().load_checkpoint(target, map_location=map_location, weights_only=True)
