@@ -173,7 +173,7 @@ class CheckpointIO(_LightningCheckpointIO):
         # thread: an fsync here would wait behind the checkpoint's own writes.
         data = pointer_bytes(target, self.store, target.name, step, FRAMEWORK)
         with self._names_lock:
-            write_pointer(target, data, durable=False)
+            write_pointer(target, data)
         self._names.submit(self._make_durable, target, data)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Frameworks such as Lightning name each checkpoint by a path (``…/epoch=1-step=
 and leaves at that path a small JSON *pointer*: which store, which name. The name also goes into
 the checkpoint's own metadata, so a pointer never trusts the store to still hold what it named:
 
-- :func:`write_pointer` writes one crash-safely (temporary name, fsync, rename, fsync dir);
+- :func:`write_pointer` leaves one at once (whole, not yet durable), :func:`stage_durable`
+  prepares its durable copy for the caller to rename over it under the caller's lock;
 - :func:`read_pointer` reads one back (None for any other file, e.g. a torch.save checkpoint);
 - :func:`load_named` loads the newest checkpoint of the store that carries the name and
   validates (every crc32c), falling back to an older one of the same name; with ``newest_if_gone``
@@ -24,13 +25,11 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..errors import CorruptCheckpointError, NoCheckpointError
-from ..persist.files import write_durably
 from ..persist.recovery import Restored, load_newest, load_slot, read_manifest, scan
 
-__all__ = ["Pointer", "pointer_bytes", "write_pointer", "stage_durable", "read_pointer", "load_named", "metadata_of"]
+__all__ = ["Pointer", "pointer_bytes", "write_pointer", "stage_durable", "read_pointer", "load_named"]
 
 log = logging.getLogger("pccheck")
 
@@ -58,16 +57,12 @@ def pointer_bytes(path: Path, store: Path, name: str, step: int, framework: str)
     return json.dumps(doc, indent=1).encode()
 
 
-def write_pointer(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Leaves the pointer ``data`` at ``path``; it appears whole (temporary name, rename).
-    ``durable=False`` leaves out the fsyncs, for a caller that cannot wait for the disk and makes
-    it durable later with :func:`stage_durable` (until then a power cut may lose it, or leave it
-    empty)."""
+def write_pointer(path: Path, data: bytes) -> None:
+    """Leaves the pointer ``data`` at ``path``. It appears whole (temporary name, rename) but not
+    durably: the caller, which cannot wait for the disk, makes it durable later with
+    :func:`stage_durable` (until then a power cut may lose it, or leave it empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if durable:
-        write_durably(path, lambda f: f.write(data))
-        return
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         tmp.write_bytes(data)
@@ -154,9 +149,3 @@ def load_named(store: Path, name: str, key: str, *, newest_if_gone: bool = False
         f"{store} holds no valid checkpoint named {name!r}{detail}: it was never committed (the run stopped "
         "before it was durable) or newer checkpoints have taken its slot (the store keeps max_concurrent + 1); "
         "load the last checkpoint instead, or keep fewer checkpoints in flight between the ones you keep")
-
-
-def metadata_of(r: Restored, key: str) -> dict[str, Any]:
-    """The ``key`` object of a loaded checkpoint's metadata ({} if absent)."""
-    meta = r.metadata.get(key) if isinstance(r.metadata, dict) else None
-    return meta if isinstance(meta, dict) else {}
