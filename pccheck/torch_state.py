@@ -44,7 +44,7 @@ from .errors import ConfigError, CorruptCheckpointError
 from .sharded.dtensor import check_placements, global_rank, has_dtensors, is_dtensor, local_part
 from .sharded.geometry import full_box
 
-__all__ = ["Snapshot", "TorchState", "Flattener", "rebuild", "unwrap_extra", "state_tree"]
+__all__ = ["Snapshot", "TorchState", "Flattener", "tensor_from", "rebuild", "unwrap_extra", "state_tree"]
 
 
 @dataclass
@@ -162,6 +162,19 @@ class Flattener:
                               f"torch.save can hold it ({type(exc).__name__}: {exc})") from None
         self.arrays[path] = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
         return {"P": path}
+
+
+def tensor_from(arrays: Mapping[str, np.ndarray], torch_dtypes: Mapping[str, str], name: str,
+                map_location: Any = None) -> Any:
+    """The tensor of a loaded array (its own memory where it can; the saved torch dtype where
+    numpy has none), on ``map_location`` if given."""
+    import torch
+
+    a = arrays[name]
+    t = torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
+    if name in torch_dtypes:
+        t = t.view(torch_dtype(torch_dtypes[name]))
+    return t.to(map_location) if map_location is not None else t
 
 
 def rebuild(tree: Any, arrays: Mapping[str, Any], as_tensor: Callable[[str], Any],
@@ -295,14 +308,8 @@ class TorchState:
     def restore(self, tree: Mapping[str, Any], arrays: Mapping[str, np.ndarray], torch_dtypes: Mapping[str, str],
                 map_location: Any = None) -> dict[str, Any]:
         """Puts a checkpoint back in place; returns the nested state (tensors on ``map_location``)."""
-        import torch
-
         def as_tensor(name: str) -> Any:
-            a = arrays[name]
-            t = torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
-            if name in torch_dtypes:
-                t = t.view(torch_dtype(torch_dtypes[name]))
-            return t.to(map_location) if map_location is not None else t
+            return tensor_from(arrays, torch_dtypes, name, map_location)
 
         state = unwrap_extra(rebuild(state_tree(tree), arrays, as_tensor))
         self.apply(state)

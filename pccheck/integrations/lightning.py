@@ -46,7 +46,7 @@ from ..orchestrator.stats import CheckpointStats
 from ..persist.files import fsync_dir
 from ..persist.layout import plan
 from ..persist.recovery import load_newest
-from ..torch_state import Flattener, rebuild
+from ..torch_state import Flattener, rebuild, tensor_from
 from ..tuner.config import resolve_auto
 from .named import load_named, pointer_bytes, read_pointer, stage_durable, write_pointer
 
@@ -79,16 +79,14 @@ def encode_checkpoint(checkpoint: dict[str, Any], params: frozenset[int] = froze
         return name.startswith(_OPTIMIZER) or (hasattr(t, "untyped_storage") and t.numel() > 0
                                                and t.untyped_storage().data_ptr() in params)
 
-    eager = {k: v for k, v in fl.arrays.items() if not later(k, v)}
-    rest = {k: v for k, v in fl.arrays.items() if later(k, v)}
-    return {**eager, **rest}, tree, len(eager)
+    background = {k: later(k, v) for k, v in fl.arrays.items()}
+    order = sorted(background, key=background.__getitem__)  # stable: eager first, each in tree order
+    return {k: fl.arrays[k] for k in order}, tree, sum(not b for b in background.values())
 
 
 def decode_checkpoint(r: Any, map_location: Any = None) -> dict[str, Any]:
     """The checkpoint dict of a loaded Lightning checkpoint (:class:`pccheck.Restored`)."""
     import torch
-
-    from ..arrays import torch_dtype
 
     tree = r.tree.get(KEY) if isinstance(r.tree, dict) else None
     if tree is None:
@@ -97,11 +95,7 @@ def decode_checkpoint(r: Any, map_location: Any = None) -> dict[str, Any]:
     device = map_location if isinstance(map_location, (str, torch.device)) else None
 
     def as_tensor(name: str) -> Any:
-        a = r.state[name]
-        t = torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
-        if name in r.torch_dtypes:
-            t = t.view(torch_dtype(r.torch_dtypes[name]))
-        return t.to(device) if device is not None else t
+        return tensor_from(r.state, r.torch_dtypes, name, device)
 
     def as_serialized(name: str) -> Any:
         key = name.removeprefix("ckpt/")
