@@ -1,16 +1,19 @@
-"""Framework integrations: a Lightning run that checkpoints every ``--every`` steps, with
-Lightning's default ``TorchCheckpointIO``, its ``AsyncCheckpointIO``, and ``pccheck.lightning``.
+"""Framework integrations: a Lightning run and a Hugging Face Trainer run that checkpoint every
+``--every`` steps. Lightning: its default ``TorchCheckpointIO``, its ``AsyncCheckpointIO``, and
+``pccheck.lightning``. Trainer: its own checkpoints (``save_steps``) and ``pccheck.hf.Callback``.
 
     python -m bench.integrations [--size 1GiB] [--steps 40] [--every 10] [--repeats 2]
                                  [--json bench/results/integrations.json]
 
 The model: Linear(2048, 2048) blocks with AdamW, so that parameters plus the optimizer's two
-moments make ``--size``; batches of 16 random rows on the CPU. Each variant runs in a fresh
-process (``--repeats`` times, interleaved), with a ModelCheckpoint keeping the newest file
-(``save_top_k=1``). Measured: iterations per second over the run (after 2 warm-up steps), the
-time the training thread is blocked per save (the plugin's ``save_checkpoint``; for pccheck also
-the optimizer step's wait for the state still being copied), and the wait at the end of ``fit``
-for saves still in flight. A run without checkpoints gives the baseline it/s.
+moments make ``--size``; batches of 16 random rows on the CPU (the same for both frameworks).
+Each variant runs in a fresh process (``--repeats`` times, interleaved), keeping the newest
+checkpoint (Lightning's ``save_top_k=1``, the Trainer's ``save_total_limit=1``). Measured:
+iterations per second over the run (after 2 warm-up steps), the time the training thread is
+blocked per save (Lightning: the plugin's ``save_checkpoint``; the Trainer: from the end of a
+saving step to the start of the next; for pccheck also the optimizer step's wait for the state
+still being copied), and the wait at the end for saves still in flight. A run of each framework
+without checkpoints gives its baseline it/s.
 """
 
 from __future__ import annotations
@@ -28,12 +31,21 @@ from typing import Any, Sequence
 from bench._common import fmt, format_size, host_info, machine_label, parse_size, \
     pccheck_path_first, print_table, pyplot, save_figure, scratch_dir, versions, write_json
 
-VARIANTS = ("none", "torch", "async", "pccheck")
+LIGHTNING = ("none", "torch", "async", "pccheck")
+HF = ("hf-none", "hf-own", "hf-pccheck")
+VARIANTS = LIGHTNING + HF
 WIDTH = 2048
+
+
+def blocks_for(size: int) -> int:
+    """Linear(WIDTH, WIDTH) blocks whose parameters and two AdamW moments (fp32) make ``size``."""
+    return max(1, round(size / (3 * 4 * WIDTH * (WIDTH + 1))))
 
 
 def child(variant: str, size: int, steps: int, every: int, root: Path, out: Path) -> None:
     """One Lightning run (in its own process); writes its measures to ``out`` as JSON."""
+    if variant in HF:
+        return hf_child(variant, size, steps, every, root, out)
     import lightning as L
     import torch
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -82,7 +94,7 @@ def child(variant: str, size: int, steps: int, every: int, root: Path, out: Path
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     torch.manual_seed(0)
-    blocks = max(1, round(size / (3 * 4 * WIDTH * (WIDTH + 1))))  # params + two AdamW moments, fp32
+    blocks = blocks_for(size)
     data = DataLoader(TensorDataset(torch.randn(16 * steps, WIDTH)), batch_size=16)
     inner = {"torch": TorchCheckpointIO, "async": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
              "pccheck": _pccheck_io, "none": None}[variant]
@@ -104,6 +116,64 @@ def child(variant: str, size: int, steps: int, every: int, root: Path, out: Path
     if variant == "pccheck":
         stats = io.inner.stats()  # type: ignore[union-attr]
         res["cow_wait_s"] = [st.cow_wait_s for st in stats]
+        res["outcomes"] = [st.outcome for st in stats]
+    out.write_text(json.dumps(res))
+
+
+def hf_child(variant: str, size: int, steps: int, every: int, root: Path, out: Path) -> None:
+    """One Hugging Face Trainer run (in its own process); writes its measures to ``out``."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import pccheck.hf
+
+    class Net(torch.nn.Module):
+        def __init__(self, blocks: int) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(blocks)])
+
+        def forward(self, x: Any) -> dict[str, Any]:
+            return {"loss": self.net(x).pow(2).mean()}
+
+    class Clock(TrainerCallback):
+        """Step ends and starts; first in the list, so a save at a step's end falls between."""
+
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.begins: list[float] = []
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    torch.manual_seed(0)
+    blocks = blocks_for(size)
+    data = [{"x": x} for x in torch.randn(16 * steps, WIDTH)]
+    args = TrainingArguments(str(root), max_steps=steps, per_device_train_batch_size=16, learning_rate=1e-4,
+                             optim="adamw_torch", logging_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, save_strategy="steps", save_steps=every, save_total_limit=1)
+    clock = Clock()
+    callbacks: list[Any] = [clock]
+    pc = pccheck.hf.Callback(root / "pccheck", interval=every) if variant == "hf-pccheck" else None
+    if pc is not None:
+        callbacks.append(pc)
+    elif variant == "hf-none":
+        args.save_strategy = "no"
+    trainer = Trainer(model=Net(blocks), args=args, train_dataset=data, callbacks=callbacks)
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    s = clock.ends[2:]
+    gaps = [b - e for e, b in zip(clock.ends, clock.begins[1:])]
+    saving = [gaps[i - 1] for i in range(every, len(gaps) + 1, every)] if variant != "hf-none" else []
+    res: dict[str, Any] = {"variant": variant, "blocks": blocks, "state_bytes": 3 * 4 * blocks * WIDTH * (WIDTH + 1),
+                           "it_per_s": (len(s) - 1) / (s[-1] - s[0]), "fit_s": total, "blocking_s": saving,
+                           "teardown_s": total - (clock.ends[-1] - t0)}
+    if pc is not None:
+        stats = pc.stats().checkpoints
+        res["cow_wait_s"] = [st.cow_wait_s for st in stats][:len(saving)]
         res["outcomes"] = [st.outcome for st in stats]
     out.write_text(json.dumps(res))
 
@@ -132,9 +202,8 @@ def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
         blocking = [b + w for r in rs for b, w in zip(r["blocking_s"], r.get("cow_wait_s", [0.0] * len(r["blocking_s"])))]
         out[v] = {"it_per_s": med(r["it_per_s"] for r in rs), "blocking_per_save_s": med(blocking) if blocking else None,
                   "teardown_s": med(r["teardown_s"] for r in rs), "saves": len(blocking)}
-    base = out["none"]["it_per_s"]
     for v in out:
-        out[v]["slowdown"] = base / out[v]["it_per_s"]
+        out[v]["slowdown"] = out["hf-none" if v in HF else "none"]["it_per_s"] / out[v]["it_per_s"]
     return out
 
 
@@ -142,11 +211,14 @@ def plot(path: Path, res: dict[str, Any]) -> bool:
     plt = pyplot(path)
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [v for v in VARIANTS if v != "none"]
-    ax.bar(names, [res["summary"][v]["blocking_per_save_s"] for v in names], color=["#999", "#bbb", "#2a7"])
-    ax.set_ylabel("training blocked per save (s)")
-    ax.set_title(f"Lightning, {format_size(res['state_bytes'])} state; {res['machine']}", fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    for ax, title, names in ((axes[0], "Lightning", ["torch", "async", "pccheck"]),
+                             (axes[1], "HF Trainer", ["hf-own", "hf-pccheck"])):
+        ax.bar(names, [res["summary"][v]["blocking_per_save_s"] for v in names],
+               color=["#999", "#bbb", "#2a7"][-len(names):])
+        ax.set_title(title, fontsize=9)
+    axes[0].set_ylabel("training blocked per save (s)")
+    fig.suptitle(f"{format_size(res['state_bytes'])} state; {res['machine']}", fontsize=8)
     save_figure(fig, path)
     return True
 
@@ -176,18 +248,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs[v].append(run_child(v, size, args.steps, args.every, work))
     summary = summarize_runs(runs)
     ratio = summary["pccheck"]["blocking_per_save_s"] / summary["async"]["blocking_per_save_s"]
+    hf_ratio = summary["hf-pccheck"]["blocking_per_save_s"] / summary["hf-own"]["blocking_per_save_s"]
     res = {"benchmark": "bench.integrations", "date": time.strftime("%Y-%m-%d %H:%M %Z"), "host": host,
-           "machine": machine_label(host), "versions": versions(["lightning", "torch"]),
+           "machine": machine_label(host), "versions": versions(["lightning", "transformers", "torch"]),
            "state_bytes": runs["pccheck"][0]["state_bytes"], "steps": args.steps, "every": args.every,
            "repeats": args.repeats, "runs": runs, "summary": summary,
            "targets": [{"what": "Lightning: blocking per save, pccheck / AsyncCheckpointIO", "limit": 0.3,
                         "value": ratio, "met": ratio <= 0.3}],
+           "hf_blocking_ratio": hf_ratio,  # pccheck.hf / the Trainer's own saves (the issue sets no limit)
            "command": "python -m bench.integrations " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print_table(f"Lightning, {format_size(res['state_bytes'])} state (params + AdamW), a save every {args.every} "
-                f"steps; medians of {args.repeats} ({res['machine']})",
-                ["checkpoint IO", "it/s", "slowdown", "blocked per save (s)", "wait at the end (s)"],
+    print_table(f"{format_size(res['state_bytes'])} state (params + AdamW), a save every {args.every} steps; "
+                f"medians of {args.repeats} ({res['machine']})",
+                ["run", "it/s", "slowdown", "blocked per save (s)", "wait at the end (s)"],
                 [[v, fmt(s["it_per_s"], ".3f"), fmt(s["slowdown"], ".3f"), fmt(s["blocking_per_save_s"], ".3f"),
                   fmt(s["teardown_s"], ".3f")] for v, s in summary.items()])
+    print(f"HF Trainer: blocking per save, pccheck.hf / the Trainer's own: {hf_ratio:.3f}")
     for t in res["targets"]:
         print(f"target: {t['what']}: {t['value']:.3f} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
     write_json(args.json, res)

@@ -46,6 +46,8 @@ def assert_same_tree(a, b, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
         assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), f"{path} differs"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:

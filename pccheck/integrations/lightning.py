@@ -34,21 +34,16 @@ import io
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, NoCheckpointError, PCCheckError
-from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
-from ..persist.files import fsync_dir
-from ..persist.layout import plan
 from ..persist.recovery import load_newest
 from ..torch_state import Flattener, rebuild, tensor_from
-from ..tuner.config import resolve_auto
-from .named import load_named, pointer_bytes, read_pointer, stage_durable, write_pointer
+from .named import Pointers, load_named, open_store, pointer_bytes, read_pointer
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
@@ -137,8 +132,7 @@ class CheckpointIO(_LightningCheckpointIO):
         self._optimizers: set[int] = set()     # ids of the optimizers seen stepping
         self._params: frozenset[int] = frozenset()  # their parameters' storage addresses
         self._lock = threading.Lock()
-        self._names_lock = threading.Lock()  # pointer files: written, replaced and removed under it
-        self._names = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")  # pointers' fsyncs, in order
+        self._names = Pointers()
 
     # -- Lightning's interface ---------------------------------------------------------------------
 
@@ -163,12 +157,7 @@ class CheckpointIO(_LightningCheckpointIO):
             log.warning("pccheck: skipped the checkpoint %s (step %d): max_concurrent checkpoints are in flight",
                         target, step)
             return
-        # Visible at once (Lightning looks for its files right away), durable from a background
-        # thread: an fsync here would wait behind the checkpoint's own writes.
-        data = pointer_bytes(target, self.store, target.name, step, FRAMEWORK)
-        with self._names_lock:
-            write_pointer(target, data)
-        self._names.submit(self._make_durable, target, data)
+        self._names.leave(target, pointer_bytes(target, self.store, target.name, step, FRAMEWORK))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint named by ``path``: its newest valid copy in the store (every crc32c
@@ -199,8 +188,7 @@ class CheckpointIO(_LightningCheckpointIO):
         reused by a later commit, never before one."""
         target = Path(os.fspath(path))
         if target.is_file() and read_pointer(target) is not None:
-            with self._names_lock:
-                target.unlink(missing_ok=True)
+            self._names.remove(target)
             log.debug("pccheck: removed the checkpoint name %s", target)
         elif target.exists():  # not ours: do what Lightning's default plugin does
             TorchCheckpointIO().remove_checkpoint(target)
@@ -216,8 +204,7 @@ class CheckpointIO(_LightningCheckpointIO):
         if orch is not None:
             orch.close()  # waits for the checkpoints in flight
             self._past_stats = list(orch.stats)
-        self._names.shutdown(wait=True)
-        self._names = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")
+        self._names.flush()
         for exc in self._errors[self._reported:]:
             log.error("pccheck: a Lightning checkpoint failed in the background (the last committed one stays "
                       "loadable): %s", exc)
@@ -253,11 +240,7 @@ class CheckpointIO(_LightningCheckpointIO):
         if self._orch is None:
             if self.path is None:
                 self.path = target.parent / ".pccheck"
-            self.path.mkdir(parents=True, exist_ok=True)
-            e = self.engine
-            engine = e.with_values(resolve_auto(self.path, 1, e.max_concurrent, e.writer_threads, e.chunk_size))
-            self._orch = Orchestrator(self.path, plan(arrays), engine, copy_engine=select_copy_engine(arrays),
-                                      on_error=self._errors.append)
+            self._orch = open_store(self.path, self.engine, arrays, self._errors.append)
         return self._orch
 
     def _watch_optimizers(self) -> None:
@@ -269,20 +252,6 @@ class CheckpointIO(_LightningCheckpointIO):
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._hook = register_optimizer_step_pre_hook(self._before_step)
-
-    def _make_durable(self, target: Path, data: bytes) -> None:
-        try:
-            tmp = stage_durable(target, data)
-            # Invariant: a name Lightning removed is never brought back, and a newer pointer of
-            # the same name is never replaced by an older one: both change only under this lock.
-            with self._names_lock:
-                if not target.is_file() or target.read_bytes() != data:
-                    tmp.unlink()
-                    return
-                os.replace(tmp, target)
-            fsync_dir(target.parent)
-        except OSError as exc:
-            log.warning("pccheck: the checkpoint name %s is not durable yet: %s", target, exc)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         orch = self._orch

@@ -1,12 +1,12 @@
 """Checkpoints a framework knows by a file name, kept in a pccheck store (FORMAT.md §10).
 
-Frameworks such as Lightning name each checkpoint by a path (``…/epoch=1-step=50.ckpt``,
+Frameworks such as Lightning and Accelerate name each checkpoint by a path (``…/epoch=1-step=50.ckpt``,
 ``last.ckpt``) and look for it on the file system. pccheck writes the state into its slot store
 and leaves at that path a small JSON *pointer*: which store, which name. The name also goes into
 the checkpoint's own metadata, so a pointer never trusts the store to still hold what it named:
 
-- :func:`write_pointer` leaves one at once (whole, not yet durable), :func:`stage_durable`
-  prepares its durable copy for the caller to rename over it under the caller's lock;
+- :class:`Pointers` leaves one at once (whole, not yet durable: :func:`write_pointer`) and makes
+  it durable from a background thread (:func:`stage_durable`, renamed over it under its lock);
 - :func:`read_pointer` reads one back (None for any other file, e.g. a torch.save checkpoint);
 - :func:`load_named` loads the newest checkpoint of the store that carries the name and
   validates (every crc32c), falling back to an older one of the same name; with ``newest_if_gone``
@@ -23,19 +23,38 @@ import json
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
-from ..errors import CorruptCheckpointError, NoCheckpointError
+from ..errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
+from ..orchestrator.engine_choice import select_copy_engine
+from ..orchestrator.options import EngineOptions
+from ..orchestrator.orchestrator import Orchestrator
+from ..persist.files import fsync_dir
+from ..persist.layout import plan
 from ..persist.recovery import Restored, load_newest, load_slot, read_manifest, scan
+from ..tuner.config import resolve_auto
 
-__all__ = ["Pointer", "pointer_bytes", "write_pointer", "stage_durable", "read_pointer", "load_named"]
+__all__ = ["open_store", "Pointer", "Pointers", "pointer_bytes", "write_pointer", "stage_durable", "read_pointer",
+           "load_named"]
 
 log = logging.getLogger("pccheck")
 
 POINTER_FORMAT = "pccheck-named"
 POINTER_VERSION = 1
 _MAX_POINTER = 64 << 10  # a pointer is a few hundred bytes; anything larger is another file
+
+
+def open_store(path: Path, engine: EngineOptions, arrays: Mapping[str, Any],
+               on_error: Callable[[PCCheckError], None]) -> Orchestrator:
+    """The orchestrator over the store at ``path`` that a plugin's named checkpoints go to: the
+    engine's "auto" fields take ``pccheck-tune``'s choice stored there, or the defaults."""
+    path.mkdir(parents=True, exist_ok=True)
+    tuned = engine.with_values(resolve_auto(path, 1, engine.max_concurrent, engine.writer_threads,
+                                            engine.chunk_size))
+    return Orchestrator(path, plan(arrays), tuned, copy_engine=select_copy_engine(arrays), on_error=on_error)
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,48 @@ def stage_durable(path: Path, data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
+
+
+class Pointers:
+    """The pointer files one plugin leaves: each visible at once, durable soon after.
+
+    A framework looks for its file right after a save, so :meth:`leave` writes it whole at once;
+    an fsync there would wait behind the checkpoint's own writes, so a background thread makes it
+    durable. Invariant: a name the framework removed is never brought back, and a newer pointer
+    of the same name is never replaced by an older one: pointers change only under :attr:`lock`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")  # fsyncs, in order
+
+    def leave(self, target: Path, data: bytes) -> None:
+        """Leaves the pointer ``data`` at ``target`` now, and makes it durable in the background."""
+        with self.lock:
+            write_pointer(target, data)
+        self._pool.submit(self._make_durable, target, data)
+
+    def remove(self, target: Path) -> None:
+        """Removes the pointer at ``target`` (a framework's retention)."""
+        with self.lock:
+            target.unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Waits until every pointer left so far is durable (or failed, logged)."""
+        self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pccheck-names")
+
+    def _make_durable(self, target: Path, data: bytes) -> None:
+        try:
+            tmp = stage_durable(target, data)
+            with self.lock:
+                if not target.is_file() or target.read_bytes() != data:
+                    tmp.unlink()
+                    return
+                os.replace(tmp, target)
+            fsync_dir(target.parent)
+        except OSError as exc:
+            log.warning("pccheck: the checkpoint name %s is not durable yet: %s", target, exc)
 
 
 def read_pointer(path: Path) -> Pointer | None:
