@@ -85,6 +85,25 @@ def test_save_load_roundtrip_single_process(tmp_path):
     assert torch.equal(r.state["w"], sd["w"]) and torch.equal(r.state["h"], sd["h"])
 
 
+class Opaque:
+    """A class torch.load(weights_only=True) does not allow (its unpickling could run anything)."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_a_byte_item_weights_only_refuses_is_never_unpickled(tmp_path):
+    dcp.save({"w": torch.ones(3), "obj": Opaque(7)}, storage_writer=pccheck.dcp.Writer(tmp_path / "ck"))
+    out = {"w": torch.zeros(3), "obj": None}
+    # DCP wraps a storage reader's error in its CheckpointException (per rank): pccheck's is inside.
+    with pytest.raises(CheckpointException, match=r"ConfigError: 'obj'.*weights_only=True.*Opaque"):
+        dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
+    assert out["obj"] is None
+    with torch.serialization.safe_globals([Opaque]):  # allowed by the user: it loads
+        dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
+    assert isinstance(out["obj"], Opaque) and out["obj"].x == 7
+
+
 def test_empty_state_dict_saves_and_loads(tmp_path):
     # A plan with no items (DCP's own e2e test_no_dist / a Stateful returning {}) still commits a
     # slot and is recorded as finished: finish learns the save from a marker WriteResult.

@@ -229,6 +229,21 @@ class Writer(StorageWriter, AsyncStager):
             close_stores(self.path)
 
 
+def _check_weights_only(fqn: str, data: bytes) -> None:
+    """DCP's planner unpickles a byte item (``torch.load(weights_only=False)``). pccheck only lets
+    it have bytes that ``torch.load(weights_only=True)`` takes: the same stream, so the planner's
+    load runs nothing the restricted unpickler refused."""
+    import torch
+
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # the restricted unpickler names what it refused
+        first = next((ln.strip() for ln in str(exc).splitlines() if "global" in ln.lower()), type(exc).__name__)
+        raise ConfigError(f"{fqn!r}: a saved non-tensor value that torch.load(weights_only=True) refuses ({first}); "
+                          "pccheck never unpickles more than that: save plain values, or allow the class with "
+                          "torch.serialization.add_safe_globals before loading") from None
+
+
 def _nbytes(x: Any) -> int:
     return int(x.nbytes) if hasattr(x, "nbytes") else int(x.numel() * x.element_size())
 
@@ -306,7 +321,9 @@ class Reader(StorageReader):
             if not uses[loc]:
                 del cache[loc]  # last use: free it
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(src.numpy().tobytes()))
+                data = src.numpy().tobytes()
+                _check_weights_only(req.storage_index.fqn, data)
+                planner.load_bytes(req, io.BytesIO(data))
                 continue
             for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                 src = src.narrow(d, int(o), int(n))
