@@ -177,6 +177,26 @@ def tensor_from(arrays: Mapping[str, np.ndarray], torch_dtypes: Mapping[str, str
     return t.to(map_location) if map_location is not None else t
 
 
+def load_serialized(key: str, data: bytes, device: Any = None) -> Any:
+    """A ``{"P": …}`` value: ``torch.load(weights_only=True)`` of its bytes, nothing more."""
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location=device)
+    except Exception as exc:  # torch's unpickler refuses what weights_only does not allow
+        raise ConfigError(f"checkpoint key {key!r} holds an object that torch.load(weights_only=True) refuses "
+                          f"({_why(exc)}); pccheck "
+                          "never unpickles more than that: store it as plain values, or allow its class with "
+                          "torch.serialization.add_safe_globals before loading") from None
+
+
+def _why(exc: Exception) -> str:
+    """The line of torch's refusal that names what it refused (its first line is boilerplate)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "global" in ln.lower() or "unpickler" in ln.lower()]
+    return (named or lines or [type(exc).__name__])[0]
+
+
 def rebuild(tree: Any, arrays: Mapping[str, Any], as_tensor: Callable[[str], Any],
             as_shard: Callable[[str], Any] | None = None, *,
             as_serialized: Callable[[str], Any] | None = None) -> Any:

@@ -3,7 +3,8 @@
     python _lightning_child.py IO DIR MAX_STEPS RESUME WORLD [SLEEP]
 
 IO: "pccheck" (pccheck.lightning.CheckpointIO, store in DIR/.pccheck) or "torch" (Lightning's
-default TorchCheckpointIO). A ModelCheckpoint saves into DIR every 5 steps (all kept, plus
+default TorchCheckpointIO); "fsdp-pccheck" / "fsdp-torch": FSDP2 (fully_shard in configure_model)
+under pccheck.lightning.ModelParallelStrategy / Lightning's own, on WORLD CPU ranks over gloo. A ModelCheckpoint saves into DIR every 5 steps (all kept, plus
 last.ckpt). RESUME: "none", or the ckpt_path given to fit ("last", or a file). WORLD > 1: DDP on
 gloo over CPU processes (Lightning launches the other ranks). Rank 0 prints ``LOSS <step> <loss>``
 per training step (the step the update is about to make), flushed, with the loss's exact repr.
@@ -18,7 +19,7 @@ import time
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -29,6 +30,16 @@ class Net(L.LightningModule):
         # BatchNorm: buffers that forward changes (copied eagerly, never behind the step hook)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
                                        torch.nn.Linear(32, 1))
+
+    def configure_model(self) -> None:
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], idx: int) -> torch.Tensor:
         x, y = batch
@@ -58,9 +69,14 @@ def main(argv: list[str]) -> None:
         import pccheck.lightning
 
         plugins.append(pccheck.lightning.CheckpointIO())
+    strategy: object = DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
+    if io.startswith("fsdp-"):
+        import pccheck.lightning
+
+        cls = pccheck.lightning.ModelParallelStrategy if io == "fsdp-pccheck" else ModelParallelStrategy
+        strategy = cls(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
     trainer = L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=world, deterministic=True, logger=False,
-        strategy=DDPStrategy(process_group_backend="gloo") if world > 1 else "auto",
+        max_steps=max_steps, accelerator="cpu", devices=world, deterministic=True, logger=False, strategy=strategy,
         enable_progress_bar=False, enable_model_summary=False, plugins=plugins,
         callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5, save_top_k=-1, save_last=True)])
     trainer.fit(Net(sleep), loader, ckpt_path=None if resume == "none" else resume)

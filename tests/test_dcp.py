@@ -96,7 +96,7 @@ def test_a_byte_item_weights_only_refuses_is_never_unpickled(tmp_path):
     dcp.save({"w": torch.ones(3), "obj": Opaque(7)}, storage_writer=pccheck.dcp.Writer(tmp_path / "ck"))
     out = {"w": torch.zeros(3), "obj": None}
     # DCP wraps a storage reader's error in its CheckpointException (per rank): pccheck's is inside.
-    with pytest.raises(CheckpointException, match=r"ConfigError: 'obj'.*weights_only=True.*Opaque"):
+    with pytest.raises(CheckpointException, match=r"ConfigError: checkpoint key 'obj'.*weights_only=True.*Opaque"):
         dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
     assert out["obj"] is None
     with torch.serialization.safe_globals([Opaque]):  # allowed by the user: it loads

@@ -35,6 +35,7 @@ from torch.futures import Future as TorchFuture
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..orchestrator.options import EngineOptions
 from ..sharded.index import CheckpointSet, find_sets
+from ..torch_state import load_serialized
 from ..tuner.config import resolve_auto
 from .dcp_format import Located, Written, set_metadata, slot_contents
 from .dcp_stage import LEASE_KEY, ORDER_KEY, StagingPool, release_lease, staged_order
@@ -233,15 +234,7 @@ def _check_weights_only(fqn: str, data: bytes) -> None:
     """DCP's planner unpickles a byte item (``torch.load(weights_only=False)``). pccheck only lets
     it have bytes that ``torch.load(weights_only=True)`` takes: the same stream, so the planner's
     load runs nothing the restricted unpickler refused."""
-    import torch
-
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # the restricted unpickler names what it refused
-        first = next((ln.strip() for ln in str(exc).splitlines() if "global" in ln.lower()), type(exc).__name__)
-        raise ConfigError(f"{fqn!r}: a saved non-tensor value that torch.load(weights_only=True) refuses ({first}); "
-                          "pccheck never unpickles more than that: save plain values, or allow the class with "
-                          "torch.serialization.add_safe_globals before loading") from None
+    load_serialized(fqn, data)
 
 
 def _nbytes(x: Any) -> int:

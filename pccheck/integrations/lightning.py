@@ -30,7 +30,6 @@ with ``torch.load(weights_only=True)``; one it refuses raises a ConfigError nami
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
@@ -42,7 +41,7 @@ from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
 from ..persist.recovery import load_newest
-from ..torch_state import Flattener, rebuild, tensor_from
+from ..torch_state import Flattener, load_serialized, rebuild, tensor_from
 from .named import Pointers, load_named, open_store, pointer_bytes, read_pointer
 
 try:
@@ -93,14 +92,7 @@ def decode_checkpoint(r: Any, map_location: Any = None) -> dict[str, Any]:
         return tensor_from(r.state, r.torch_dtypes, name, device)
 
     def as_serialized(name: str) -> Any:
-        key = name.removeprefix("ckpt/")
-        try:
-            return torch.load(io.BytesIO(r.state[name].tobytes()), weights_only=True, map_location=device)
-        except Exception as exc:  # torch's unpickler refuses what weights_only does not allow
-            raise ConfigError(f"checkpoint key {key!r} holds an object that torch.load(weights_only=True) refuses "
-                              f"({_why(exc)}); pccheck "
-                              "never unpickles more than that: store it as plain values, or allow its class with "
-                              "torch.serialization.add_safe_globals before loading") from None
+        return load_serialized(name.removeprefix("ckpt/"), r.state[name].tobytes(), device)
 
     return rebuild(tree, r.state, as_tensor, as_serialized=as_serialized)
 
@@ -267,13 +259,6 @@ class CheckpointIO(_LightningCheckpointIO):
             exc = self._errors[self._reported]
             self._reported = len(self._errors)
             raise exc
-
-
-def _why(exc: Exception) -> str:
-    """The line of torch's refusal that names what it refused (its first line is boilerplate)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    named = [ln for ln in lines if "global" in ln.lower() or "unpickler" in ln.lower()]
-    return (named or lines or [type(exc).__name__])[0]
 
 
 def _unchanged(versions: list[tuple[str, Any, int]]) -> Callable[[], str | None]:
