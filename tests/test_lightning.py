@@ -97,6 +97,31 @@ def test_sigkill_then_resume_last_matches_lightnings_own_resume(tmp_path):
     assert resumed == expected
 
 
+def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings_own(tmp_path):
+    # Lightning's ModelParallelStrategy on 2 CPU ranks (gloo), the model sharded with FSDP2; the
+    # last layer's bias and weight are smaller than the mesh, so rank 1 holds empty shards.
+    ref_dir, mine_dir = tmp_path / "torch", tmp_path / "pccheck"
+    run("fsdp-torch", ref_dir, 20, world=2)
+    kill_at = random.randint(11, 16)
+    proc = subprocess.Popen([sys.executable, CHILD, "fsdp-pccheck", str(mine_dir), "20", "none", "2", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith("LOSS ") and int(line.split()[1]) >= kill_at:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)  # both ranks (Lightning started rank 1 from rank 0)
+    proc.wait()
+
+    assert (mine_dir / "last.ckpt").is_file() and not any(p.is_dir() for p in mine_dir.glob("*.ckpt"))
+    resumed = run("fsdp-pccheck", mine_dir, 20, "last", world=2)
+    step = min(resumed)
+    assert step % 5 == 0 and 5 <= step <= kill_at, (step, kill_at)
+    ref_ckpt = torch_file(ref_dir, step)  # Lightning's own: a DCP directory
+    assert ref_ckpt.is_dir()
+    expected = run("fsdp-torch", tmp_path / "torch-resume", 20, str(ref_ckpt), world=2)
+    assert sorted(resumed) == list(range(step, 20)), sorted(resumed)
+    assert resumed == expected
+
+
 def test_ddp_two_ranks_on_gloo_resume_matches_lightnings_own(tmp_path):
     ref_dir, mine_dir = tmp_path / "torch", tmp_path / "pccheck"
     run("torch", ref_dir, 10, world=2)

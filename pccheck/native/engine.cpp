@@ -150,8 +150,13 @@ std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
   job->stream_len_ = stream_len;
   job->chunk_size_ = chunk_size_;
   job->nchunks_ = (stream_len + chunk_size_ - 1) / chunk_size_;
-  std::sort(sources.begin(), sources.end(),
-            [](const ArraySource& a, const ArraySource& b) { return a.offset < b.offset; });
+  // Invariant: regions in layout order. A zero-size array shares its offset with the array
+  // after it (plan() aligns, then adds 0 bytes), so ties sort the empty one first; a plain
+  // offset sort (not stable) could put it after the array it shares the offset with, and
+  // refuse a valid layout (FSDP2 gives a rank empty shards of a small parameter).
+  std::sort(sources.begin(), sources.end(), [](const ArraySource& a, const ArraySource& b) {
+    return a.offset < b.offset || (a.offset == b.offset && a.nbytes < b.nbytes);
+  });
   uint64_t prev_end = 0;
   for (auto& s : sources) {
     if (s.shape.size() != s.strides.size() || s.shape.size() > 64)
