@@ -418,6 +418,13 @@ def state_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {"d": {k: v for k, v in tree.items() if k != "shards"}}
 
 
+def rng_state() -> dict[str, Any]:
+    """The Python, numpy, torch (and CUDA, once initialized) RNG states, as a checkpoint saves them."""
+    import torch
+
+    return _rng_state(torch)
+
+
 def _rng_state(torch: Any) -> dict[str, Any]:
     st: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                           "torch": torch.get_rng_state()}

@@ -1,13 +1,15 @@
 """A real Hugging Face Trainer (or Accelerate) run for tests/test_hf.py.
 
-    python _hf_child.py trainer OUT MODE MAX_STEPS [KILL_AT]
+    python _hf_child.py trainer OUT MODE MAX_STEPS [KILL_AT [SETTING]]
     python _hf_child.py accelerate OUT
 
 trainer: a tiny GPT-2 built from a config (no downloads, dropout on) trains MAX_STEPS steps of
-4 samples on CPU over 16 batches an epoch, logging every 5 steps. MODE:
-  "own"        the Trainer's own checkpoints every 5 steps (OUT/checkpoint-N), no pccheck;
+4 samples on CPU over 16 batches an epoch, logging every 5 steps. SETTING "plain" (default):
+checkpoints every 5 steps, a linear schedule with warmup; "eval": checkpoints every 4 steps, an
+evaluation every 4 steps that feeds ReduceLROnPlateau and the best metric (eval_loss). MODE:
+  "own"        the Trainer's own checkpoints (OUT/checkpoint-N), no pccheck;
   "own:DIR"    the same, resumed with resume_from_checkpoint=DIR;
-  "pccheck"    pccheck.hf.Callback(OUT/pc, interval=5), resumed from cb.latest(), which is copied
+  "pccheck"    pccheck.hf.Callback(OUT/pc) at the same interval, resumed from cb.latest(), which is copied
                to OUT/resumed-from (for the test to compare with the Trainer's own files);
 KILL_AT: SIGKILL the process at the end of that step. At the end, it prints ``RESUMED <dir>``,
 ``HISTORY <json>`` (the log history) and saves the final weights to OUT/final.pt.
@@ -29,7 +31,7 @@ import sys
 import torch
 
 
-def trainer(out: str, mode: str, steps: int, kill_at: int) -> None:
+def trainer(out: str, mode: str, steps: int, kill_at: int, setting: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     import pccheck.hf
@@ -38,10 +40,15 @@ def trainer(out: str, mode: str, steps: int, kill_at: int) -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=32))
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 97, (64, 16), generator=g)]
+    every = 4 if setting == "eval" else 5
+    more: dict = dict(lr_scheduler_type="linear", warmup_steps=3)
+    if setting == "eval":
+        more = dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", eval_steps=every,
+                    per_device_eval_batch_size=4, metric_for_best_model="eval_loss")
     args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
-                             lr_scheduler_type="linear", warmup_steps=3, logging_steps=5, save_steps=5,
-                             save_strategy="steps", report_to=[], seed=0, data_seed=0, use_cpu=True,
-                             disable_tqdm=True)
+                             logging_steps=5, save_steps=every, save_strategy="steps", report_to=[], seed=0,
+                             data_seed=0, use_cpu=True, disable_tqdm=True, **more)
+    evals = {"eval_dataset": data[:8]} if setting == "eval" else {}
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -51,12 +58,12 @@ def trainer(out: str, mode: str, steps: int, kill_at: int) -> None:
     callbacks: list = [Kill()]
     resume = mode[4:] if mode.startswith("own:") else None
     if mode == "pccheck":
-        cb = pccheck.hf.Callback(os.path.join(out, "pc"), interval=5)
+        cb = pccheck.hf.Callback(os.path.join(out, "pc"), interval=every)
         callbacks.insert(0, cb)
         resume = cb.latest()
         if resume is not None:
             shutil.copytree(resume, os.path.join(out, "resumed-from"), dirs_exist_ok=True)
-    t = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    t = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks, **evals)
     t.train(resume_from_checkpoint=resume)
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
     print("RESUMED", resume)
@@ -103,6 +110,7 @@ def accelerate(out: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "trainer":
-        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]) if len(sys.argv) > 5 else -1)
+        kill = int(sys.argv[5]) if len(sys.argv) > 5 else -1
+        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), kill, sys.argv[6] if len(sys.argv) > 6 else "plain")
     else:
         accelerate(sys.argv[2])

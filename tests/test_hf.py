@@ -54,16 +54,21 @@ def load(path: Path) -> Any:
         return torch.load(path, weights_only=True)
 
 
-def test_sigkill_then_resume_from_latest_matches_the_trainers_own_resume(tmp_path):
+@pytest.mark.parametrize("setting", ["plain", "eval"])
+def test_sigkill_then_resume_from_latest_matches_the_trainers_own_resume(tmp_path, setting):
+    """plain: checkpoints and logs every 5 steps. eval: checkpoints and evaluates every 4 steps
+    (the evaluation steps ReduceLROnPlateau and sets the best metric after on_evaluate), logs every
+    5: a checkpoint must hold the state after all of that, as the Trainer's own does."""
     own, pc, own_resumed = tmp_path / "own", tmp_path / "pc", tmp_path / "own-resumed"
-    uninterrupted = json.loads(line(child("trainer", str(own), "own", str(STEPS)), "HISTORY"))
+    uninterrupted = json.loads(line(child("trainer", str(own), "own", str(STEPS), "-1", setting), "HISTORY"))
 
-    child("trainer", str(pc), "pccheck", str(STEPS), "13", killed=True)
+    child("trainer", str(pc), "pccheck", str(STEPS), "13", setting, killed=True)
     assert not list(pc.glob("checkpoint-*")), "the Trainer's own step saves are off"
-    out = child("trainer", str(pc), "pccheck", str(STEPS))
+    out = child("trainer", str(pc), "pccheck", str(STEPS), "-1", setting)
     resumed = Path(line(out, "RESUMED"))
     step = int(resumed.name.removeprefix("checkpoint-"))
-    assert step in (5, 10), resumed  # the newest durable checkpoint before the kill at step 13
+    # the newest durable checkpoint before the kill at step 13
+    assert step in ((8, 12) if setting == "eval" else (5, 10)), resumed
     assert not resumed.exists(), "the materialized directory is removed once training runs"
 
     # What pccheck restored is what the Trainer's own save wrote at that step, file by file.
@@ -78,26 +83,65 @@ def test_sigkill_then_resume_from_latest_matches_the_trainers_own_resume(tmp_pat
         assert_same_tree(load(mine / name), load(ref / name), name)
     a, b = (json.loads((d / "trainer_state.json").read_text()) for d in (mine, ref))
     a.pop("stateful_callbacks"), b.pop("stateful_callbacks")  # TrainerControl: should_save differs
+    if setting == "eval":
+        assert b["best_global_step"] == step and b["best_metric"] is not None
+        b.pop("best_model_checkpoint")  # the Trainer's own directory, which pccheck does not write
+        assert a.pop("best_model_checkpoint") is None
+    # total_flos is a statistic the Trainer adds its flop counter to when it logs or saves; a
+    # callback cannot read that counter, so pccheck's holds the count as of the step's last log.
+    flos = a.pop("total_flos"), b.pop("total_flos")
+    assert flos[0] == flos[1] if step % 5 == 0 else 0 < flos[0] < flos[1], flos
+    a["log_history"], b["log_history"] = untimed(a["log_history"]), untimed(b["log_history"])
     assert a == b
 
     # The Trainer's own resume from the same step.
-    own_out = child("trainer", str(own_resumed), f"own:{ref}", str(STEPS))
+    own_out = child("trainer", str(own_resumed), f"own:{ref}", str(STEPS), "-1", setting)
     # In this setting the Trainer's own resume is bit-exact (it restores the dropout RNG states and
     # re-draws the data order from the seed), so pccheck's resume must equal the uninterrupted run;
     # and it must equal the Trainer's own resume in any case.
     assert_same_tree(final(own_resumed), final(own), "the Trainer's own resume vs the uninterrupted run")
     assert_same_tree(final(pc), final(own_resumed), "pccheck's resume vs the Trainer's own")
     assert_same_tree(final(pc), final(own), "pccheck's resume vs the uninterrupted run")
-    history = untimed(json.loads(line(out, "HISTORY")))
-    assert history == untimed(json.loads(line(own_out, "HISTORY")))
+    history, own_history = untimed(json.loads(line(out, "HISTORY"))), untimed(json.loads(line(own_out, "HISTORY")))
+    if step % 5:  # the total_flos statistic, as above
+        assert history[-1].pop("total_flos") < own_history[-1].pop("total_flos")
+    assert history == own_history
     # The final summary's train_loss averages the steps this process ran (the Trainer's own resume
-    # does the same); every logged step before it is as in the uninterrupted run.
-    assert history[:-1] == untimed(uninterrupted)[:-1] and "train_loss" in history[-1]
+    # does the same), and so does the first logged loss after a resume between two logs; every
+    # other logged figure is as in the uninterrupted run.
+    uninterrupted = untimed(uninterrupted)
+    if step % 5:
+        i = next(i for i, h in enumerate(history) if "loss" in h and h["step"] > step)
+        assert history[i].pop("loss") != uninterrupted[i].pop("loss")
+    assert history[:-1] == uninterrupted[:-1] and "train_loss" in history[-1]
 
 
 def untimed(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A log history without its wall-clock figures."""
     return [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k} for h in history]
+
+
+def test_a_run_stopped_early_is_checkpointed_at_its_last_step(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    class Stop(TrainerCallback):  # as early stopping does, after the callback in the list
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            control.should_training_stop = state.global_step == 7
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=97, n_positions=16))
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 97, (32, 8))]
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=4,
+                             save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True)
+    cb = Callback(tmp_path / "pc", interval=5)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Stop()]).train()
+    assert [s.step for s in cb.stats().checkpoints if s.outcome == "committed"] == [5, 7]
+    assert not list((tmp_path / "out").glob("checkpoint-*")), "the epoch save strategy's saves are off too"
+    resume = Path(cb.latest(scratch_dir=tmp_path / "scratch"))
+    assert resume.parent.parent == tmp_path / "scratch" and resume.name == "checkpoint-7"
+    assert json.loads((resume / "trainer_state.json").read_text())["global_step"] == 7
+    cb.latest()  # the next call removes what the last one wrote
+    assert not resume.exists()
 
 
 def test_accelerate_save_state_load_state_round_trip_through_pccheck(tmp_path):
