@@ -4,8 +4,11 @@
 
 IO: "pccheck" (pccheck.lightning.CheckpointIO, store in DIR/.pccheck) or "torch" (Lightning's
 default TorchCheckpointIO); "fsdp-pccheck" / "fsdp-torch": FSDP2 (fully_shard in configure_model)
-under pccheck.lightning.ModelParallelStrategy / Lightning's own, on WORLD CPU ranks over gloo. A ModelCheckpoint saves into DIR every 5 steps (all kept, plus
-last.ckpt). RESUME: "none", or the ckpt_path given to fit ("last", or a file). WORLD > 1: DDP on
+under pccheck.lightning.ModelParallelStrategy / Lightning's own, on WORLD CPU ranks over gloo;
+"fsdp-full-pccheck" / "fsdp-full-torch": the same with save_distributed_checkpoint=False (full
+checkpoints on rank 0), the pccheck one through pccheck.lightning.CheckpointIO too. A
+ModelCheckpoint saves into DIR every 5 steps (all kept, plus last.ckpt; with a "+top1" suffix on
+IO, only the newest). RESUME: "none", or the ckpt_path given to fit ("last", or a file). WORLD > 1: DDP on
 gloo over CPU processes (Lightning launches the other ranks). Rank 0 prints ``LOSS <step> <loss>``
 per training step (the step the update is about to make), flushed, with the loss's exact repr.
 SLEEP: seconds each step sleeps (so that a test can kill the run mid-way).
@@ -58,6 +61,7 @@ class Net(L.LightningModule):
 
 def main(argv: list[str]) -> None:
     io, root, max_steps, resume, world = argv[0], argv[1], int(argv[2]), argv[3], int(argv[4])
+    io, _, keep = io.partition("+")
     sleep = float(argv[5]) if len(argv) > 5 else 0.0
     torch.set_num_threads(1)
     L.seed_everything(0, workers=True)
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> None:
     data = TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
     loader = DataLoader(data, batch_size=8, shuffle=True)
     plugins = []
-    if io == "pccheck":
+    if io in ("pccheck", "fsdp-full-pccheck"):
         import pccheck.lightning
 
         plugins.append(pccheck.lightning.CheckpointIO())
@@ -73,12 +77,14 @@ def main(argv: list[str]) -> None:
     if io.startswith("fsdp-"):
         import pccheck.lightning
 
-        cls = pccheck.lightning.ModelParallelStrategy if io == "fsdp-pccheck" else ModelParallelStrategy
-        strategy = cls(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
+        cls = pccheck.lightning.ModelParallelStrategy if io.endswith("-pccheck") else ModelParallelStrategy
+        strategy = cls(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo",
+                       save_distributed_checkpoint=not io.startswith("fsdp-full-"))
     trainer = L.Trainer(
         max_steps=max_steps, accelerator="cpu", devices=world, deterministic=True, logger=False, strategy=strategy,
         enable_progress_bar=False, enable_model_summary=False, plugins=plugins,
-        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5, save_top_k=-1, save_last=True)])
+        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5, save_top_k=1 if keep == "top1" else -1,
+                                   save_last=True)])
     trainer.fit(Net(sleep), loader, ckpt_path=None if resume == "none" else resume)
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("lightning")
 
 import pccheck  # noqa: E402
 from pccheck.lightning import CheckpointIO  # noqa: E402
+from pccheck.integrations.named import read_pointer  # noqa: E402
 from pccheck.persist.recovery import read_store, slot_base, store_files  # noqa: E402
 
 CHILD = str(Path(__file__).with_name("_lightning_child.py"))
@@ -103,7 +104,7 @@ def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings
     ref_dir, mine_dir = tmp_path / "torch", tmp_path / "pccheck"
     run("fsdp-torch", ref_dir, 20, world=2)
     kill_at = random.randint(11, 16)
-    proc = subprocess.Popen([sys.executable, CHILD, "fsdp-pccheck", str(mine_dir), "20", "none", "2", "0.05"],
+    proc = subprocess.Popen([sys.executable, CHILD, "fsdp-pccheck+top1", str(mine_dir), "20", "none", "2", "0.05"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith("LOSS ") and int(line.split()[1]) >= kill_at:
@@ -112,6 +113,7 @@ def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings
     proc.wait()
 
     assert (mine_dir / "last.ckpt").is_file() and not any(p.is_dir() for p in mine_dir.glob("*.ckpt"))
+    assert len(list(mine_dir.glob("epoch=*.ckpt"))) == 1, "top-k retention removes the older names"
     resumed = run("fsdp-pccheck", mine_dir, 20, "last", world=2)
     step = min(resumed)
     assert step % 5 == 0 and 5 <= step <= kill_at, (step, kill_at)
@@ -120,6 +122,19 @@ def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings
     expected = run("fsdp-torch", tmp_path / "torch-resume", 20, str(ref_ckpt), world=2)
     assert sorted(resumed) == list(range(step, 20)), sorted(resumed)
     assert resumed == expected
+
+
+def test_fsdp2_full_checkpoints_through_the_pccheck_plugin_resume_as_lightnings_own(tmp_path):
+    # save_distributed_checkpoint=False: rank 0 saves the full state through pccheck's CheckpointIO;
+    # Lightning's own load reads only torch.save files there, pccheck's strategy loads the name.
+    ref_dir, mine_dir = tmp_path / "torch", tmp_path / "pccheck"
+    run("fsdp-full-torch", ref_dir, 10, world=2)
+    run("fsdp-full-pccheck", mine_dir, 10, world=2)
+    ptr = read_pointer(mine_dir / "last.ckpt")
+    assert ptr is not None and ptr.framework == "lightning" and ptr.step == 10
+    resumed = run("fsdp-full-pccheck", mine_dir, 15, "last", world=2)
+    expected = run("fsdp-full-torch", ref_dir, 15, str(torch_file(ref_dir, 10)), world=2)
+    assert sorted(resumed) == list(range(10, 15)) and resumed == expected
 
 
 def test_ddp_two_ranks_on_gloo_resume_matches_lightnings_own(tmp_path):

@@ -251,7 +251,7 @@ class CheckpointIO(_LightningCheckpointIO):
             orch.ensure_copied()
         if id(optimizer) not in self._optimizers:  # its parameters may be copied in the background
             self._optimizers.add(id(optimizer))
-            self._params = self._params | {p.untyped_storage().data_ptr() for g in optimizer.param_groups
+            self._params = self._params | {_local(p).untyped_storage().data_ptr() for g in optimizer.param_groups
                                            for p in g["params"] if p.numel()}
 
     def _raise_pending(self) -> None:
@@ -259,6 +259,12 @@ class CheckpointIO(_LightningCheckpointIO):
             exc = self._errors[self._reported]
             self._reported = len(self._errors)
             raise exc
+
+
+def _local(param: Any) -> Any:
+    """A parameter's own storage: a DTensor's (FSDP2, tensor parallel) is its local shard's."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param
 
 
 def _unchanged(versions: list[tuple[str, Any, int]]) -> Callable[[], str | None]:

@@ -16,17 +16,26 @@ slots and committed crash-safely, a save complete once every rank committed (FOR
   save as tensors: its JSON tree (``pccheck.torch_state``) as bytes, its arrays, and values JSON
   cannot hold as ``torch.save`` bytes that are loaded only with ``torch.load(weights_only=True)``.
   Nothing is pickled by the strategy itself.
-- At the name Lightning gives, rank 0 leaves a pointer (FORMAT.md §10) naming the save's step,
-  so ``ckpt_path="last"`` and top-k retention work unchanged. A load reads that step (every
-  crc32c checked); for ``last*`` a step that is gone falls back to the newest complete save.
-- With ``save_distributed_checkpoint=False`` (one full checkpoint on rank 0) the strategy is
-  Lightning's own, through its ``CheckpointIO`` (which may be :class:`pccheck.lightning.CheckpointIO`).
+- At the name Lightning gives, rank 0 leaves a pointer (FORMAT.md §10) naming the save's step
+  (a Lightning DCP directory already at that name is replaced, as Lightning's own save does), so
+  ``ckpt_path="last"`` and top-k retention (``remove_checkpoint``) work unchanged. A load reads
+  that step (every crc32c checked); for ``last*`` a step that is gone, or a pointer a power cut
+  left empty, falls back to the newest complete save.
+- Retention: the store keeps the newest saves (``max_concurrent`` + 1 slots per rank), whatever
+  names Lightning keeps; an older name (a top-k "best" one) whose save was overwritten gets a
+  clear NoCheckpointError. Keep such a checkpoint with ``save_distributed_checkpoint=False``.
+- With ``save_distributed_checkpoint=False`` (one full checkpoint, written on rank 0 through the
+  strategy's ``CheckpointIO``) saves are Lightning's own. Lightning's own load reads only a
+  ``torch.save`` file there, so a name left by :class:`pccheck.lightning.CheckpointIO` is loaded
+  here: every rank reads the full state from that store and torch's ``set_model_state_dict`` /
+  ``set_optimizer_state_dict`` (``full_state_dict=True``) shard it into the model.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +47,9 @@ from ..errors import ConfigError, NoCheckpointError
 from ..sharded.index import find_sets
 from ..torch_state import Flattener, load_serialized, rebuild
 from .dcp import Reader, Writer
-from .named import Pointers, pointer_bytes, read_pointer
+from .lightning import FRAMEWORK as _FULL
+from .lightning import CheckpointIO
+from .named import Pointer, Pointers, pointer_bytes, read_pointer
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -75,25 +86,37 @@ class ModelParallelStrategy(_LightningModelParallel):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         path = Path(self.broadcast(str(filepath)))
+        if path.is_dir() and not (path / ".metadata").is_file():
+            raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
         if self._writer is None:
             self.store = self.store or path.parent / ".pccheck-dcp"
             self._writer = Writer(self.store, **self.engine)
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        state.update(_encode_rest(checkpoint))
+        if self.global_rank == 0:  # the rest is rank 0's, as in Lightning's own save
+            state.update(_encode_rest(checkpoint))
         dcp.save(state, storage_writer=self._writer)
         if self.global_rank == 0:
             step = find_sets(self.store)[0].step  # saves are synchronous: the newest complete is this one
+            if path.is_dir():  # Lightning's own DCP checkpoint of the same name (an earlier run)
+                shutil.rmtree(path)
             self._names.leave(path, pointer_bytes(path, self.store, path.name, step, FRAMEWORK))
         self.barrier("pccheck_checkpoint_named")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads the model's and optimizers' shards in place and returns the rest of the dict."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        ptr = read_pointer(path) if path.is_file() else None
-        if ptr is None or ptr.framework != FRAMEWORK:
-            return super().load_checkpoint(checkpoint_path, weights_only)
         self._names.flush()
+        ptr = read_pointer(path) if path.is_file() and path.stat().st_size else None
+        if ptr is not None and ptr.framework == _FULL:
+            return self._load_full(path, ptr)
+        if ptr is None or ptr.framework != FRAMEWORK:
+            store = self.store or path.parent / ".pccheck-dcp"
+            if path.is_file() and not path.stat().st_size and path.name.startswith("last") and store.is_dir():
+                # a pointer a power cut left empty before it was durable
+                log.warning("pccheck: %s is empty; loading the newest complete save in %s", path, store)
+                return self._load(store, None)
+            return super().load_checkpoint(checkpoint_path, weights_only)
         step: int | None = ptr.step
         if not any(s.step == step for s in find_sets(ptr.store)):
             if not ptr.name.startswith("last"):
@@ -103,11 +126,25 @@ class ModelParallelStrategy(_LightningModelParallel):
             step = None
         return self._load(ptr.store, step)
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Removes the pointer at ``filepath`` (Lightning's top-k retention), on rank 0; the
+        save's slots are reused by later saves. A name that is not this strategy's goes to
+        Lightning's own removal."""
+        path = Path(filepath)
+        if self.is_global_zero and path.is_file() and (ptr := read_pointer(path)) is not None \
+                and ptr.framework == FRAMEWORK:
+            self._names.remove(path)
+            return
+        super().remove_checkpoint(filepath)
+
     def _load(self, store: Path, step: int | None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_optimizer_state_dict)
 
         assert self.model is not None and self.lightning_module is not None
+        if not find_sets(store):
+            raise NoCheckpointError(f"{store} holds no complete save (every rank's part committed); "
+                                    "start without ckpt_path")
         model_state = {"state_dict": get_model_state_dict(self.model)}
         dcp.load(model_state, storage_reader=Reader(store, step=step))
         self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
@@ -118,7 +155,29 @@ class ModelParallelStrategy(_LightningModelParallel):
                                      options=StateDictOptions(cpu_offload=True))
         return _decode_rest(store, step)
 
+    def _load_full(self, path: Path, ptr: Pointer) -> dict[str, Any]:
+        """A full checkpoint :class:`pccheck.lightning.CheckpointIO` saved (``save_distributed_
+        checkpoint=False``): read on every rank, sharded into the model by torch's state-dict API."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        assert self.model is not None and self.lightning_module is not None
+        io = self.checkpoint_io if isinstance(self.checkpoint_io, CheckpointIO) else CheckpointIO(ptr.store)
+        checkpoint = io.load_checkpoint(path)
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            if any(isinstance(k, int) for k in state.get("state", {})):  # Lightning saves it keyed by id
+                from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME,
+                                                                        self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint
+
     def teardown(self) -> None:
+        """Closes the store (every save is already committed: saves are synchronous) and makes
+        the pointers left so far durable, then Lightning's own teardown."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
