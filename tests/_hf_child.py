@@ -16,7 +16,8 @@ KILL_AT: SIGKILL the process at the end of that step. At the end, it prints ``RE
 
 accelerate: a model with BatchNorm, AdamW and StepLR under Accelerate with
 pccheck.hf.register_accelerate(OUT/store); saves at step 5, trains on, loads it back, and prints
-``SAME <bool>`` for the restored weights and ``FILES <json>`` for what save_state wrote.
+``SAME <bool> PROCESSES <n>`` for the restored weights (every process's) and ``FILES <json>`` for
+what save_state wrote. Also run by torchrun on several CPU processes (gloo).
 """
 
 from __future__ import annotations
@@ -103,9 +104,12 @@ def accelerate(out: str) -> None:
     same_opt = all(torch.equal(a, b) for s in ref_opt["state"] for a, b in
                    zip(ref_opt["state"][s].values(), opt.state_dict()["state"][s].values()))
     hooks.close()
-    print("SAME", same and same_opt and sched.state_dict() == ref_sched)
-    print("FILES", json.dumps(sorted(os.listdir(saved))))
-    print("COMMITTED", sum(s.outcome == "committed" for s in hooks.stats()))
+    ok = torch.tensor([int(same and same_opt and sched.state_dict() == ref_sched)])
+    every = acc.gather(ok)  # under torchrun: each process loaded what the main process saved
+    if acc.is_main_process:
+        print("SAME", bool(every.all()), "PROCESSES", len(every))
+        print("FILES", json.dumps(sorted(os.listdir(saved))))
+        print("COMMITTED", sum(s.outcome == "committed" for s in hooks.stats()))
 
 
 if __name__ == "__main__":

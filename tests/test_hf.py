@@ -144,9 +144,17 @@ def test_a_run_stopped_early_is_checkpointed_at_its_last_step(tmp_path):
     assert not resume.exists()
 
 
-def test_accelerate_save_state_load_state_round_trip_through_pccheck(tmp_path):
-    out = child("accelerate", str(tmp_path))
-    assert line(out, "SAME") == "True"
+@pytest.mark.parametrize("processes", [1, 2])
+def test_accelerate_save_state_load_state_round_trip_through_pccheck(tmp_path, processes):
+    if processes == 1:
+        out = child("accelerate", str(tmp_path))
+    else:  # the main process keeps the weights; every process loads them (gloo on CPU)
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={processes}", CHILD, "accelerate", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = p.stdout
+    assert line(out, "SAME") == f"True PROCESSES {processes}"
     files = json.loads(line(out, "FILES"))
     assert "pccheck-models.json" in files
     assert not [f for f in files if f.startswith(("model", "pytorch_model"))], files  # weights: pccheck's

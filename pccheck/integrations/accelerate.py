@@ -53,7 +53,11 @@ def register_accelerate(accelerator: Any, path: str | os.PathLike[str] | None = 
     Args:
         accelerator: an ``accelerate.Accelerator``.
         path: the store directory (default ``$PCCHECK_DIR`` or ``./checkpoints``); keep it out of
-            a directory Accelerate rotates (``ProjectConfiguration(total_limit=...)``).
+            a directory Accelerate rotates (``ProjectConfiguration(total_limit=...)``). It must
+            be visible to every process (or, with ``save_on_each_node=True``, to every process
+            of a node). It keeps the newest ``max_concurrent`` + 1 saves: an older
+            ``save_state`` directory's weights are gone once newer saves took their slot, and
+            loading it raises a clear NoCheckpointError.
         **engine: the engine's options (:class:`pccheck.EngineOptions`).
     """
     return AccelerateHooks(accelerator, path, **engine)
@@ -88,7 +92,7 @@ class AccelerateHooks:
         if not weights:  # FSDP / DeepSpeed: Accelerate saved the models itself
             return
         self._raise_pending()
-        if self.accelerator.is_main_process:  # the weights are replicated: one process keeps them
+        if self._writes():  # the weights are replicated: one process (per node) keeps them
             target = Path(output_dir) / POINTER_NAME
             name = str(Path(output_dir).resolve())
             fl = Flattener()
@@ -108,15 +112,22 @@ class AccelerateHooks:
         """Loads the weights pccheck kept for ``input_dir`` into ``models`` and takes them out of
         the list; a directory without pccheck's pointer is left to Accelerate."""
         target = Path(input_dir) / POINTER_NAME
-        if not models or not target.is_file():
+        if not models:
+            return
+        # Invariant: no process reads the store before the checkpoints in flight are committed
+        # (the main process, or each node's, writes them all): it waits for them, then every
+        # process meets at the barrier (each calls load_state, so each comes here).
+        with self._lock:
+            if self._orch is not None:
+                self._orch.wait()
+        if int(getattr(self.accelerator, "num_processes", 1)) > 1:
+            self.accelerator.wait_for_everyone()
+        if not target.is_file():
             return
         ptr = read_pointer(target)
         if ptr is None:
             raise ConfigError(f"{target} is not a pccheck pointer file; remove it, or load {input_dir} without "
                               "pccheck.hf.register_accelerate")
-        with self._lock:
-            if self._orch is not None and Path(ptr.store).resolve() == self.path.resolve():
-                self._orch.wait()  # this process's own checkpoints in flight: let them commit first
         r = load_named(ptr.store, ptr.name, KEY)
 
         def as_tensor(name: str) -> Any:
@@ -137,6 +148,14 @@ class AccelerateHooks:
         log.info("pccheck: loaded the weights of %d model(s) for %s (checkpoint step %d)", len(models), input_dir,
                  r.step)
         models.clear()  # Accelerate loads no weight files
+
+    def _writes(self) -> bool:
+        """Whether this process keeps the weights: the main process, or each node's with
+        ``ProjectConfiguration(save_on_each_node=True)`` (a store on each node's own disk)."""
+        config = getattr(self.accelerator, "project_configuration", None)
+        if getattr(config, "save_on_each_node", False):
+            return bool(self.accelerator.is_local_main_process)
+        return bool(self.accelerator.is_main_process)
 
     # -- pccheck's side ----------------------------------------------------------------------------
 
