@@ -151,12 +151,22 @@ std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
   job->chunk_size_ = chunk_size_;
   job->nchunks_ = (stream_len + chunk_size_ - 1) / chunk_size_;
   // Invariant: regions in layout order. A zero-size array shares its offset with the array
-  // after it (plan() aligns, then adds 0 bytes), so ties sort the empty one first; a plain
-  // offset sort (not stable) could put it after the array it shares the offset with, and
-  // refuse a valid layout (FSDP2 gives a rank empty shards of a small parameter).
-  std::sort(sources.begin(), sources.end(), [](const ArraySource& a, const ArraySource& b) {
-    return a.offset < b.offset || (a.offset == b.offset && a.nbytes < b.nbytes);
+  // after it (plan() aligns, then adds 0 bytes), so ties sort the empty one first; sorting by
+  // offset alone could put it after the array it shares the offset with, and refuse a valid
+  // layout (FSDP2 gives a rank empty shards of a small parameter). The sort is stable and
+  // crcs() answers in the order given, whatever order the regions are in.
+  std::vector<uint32_t> order(sources.size());
+  for (uint32_t i = 0; i < order.size(); i++) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&sources](uint32_t a, uint32_t b) {
+    const ArraySource& x = sources[a];
+    const ArraySource& y = sources[b];
+    return x.offset < y.offset || (x.offset == y.offset && x.nbytes < y.nbytes);
   });
+  std::vector<ArraySource> sorted;
+  sorted.reserve(sources.size());
+  for (uint32_t i : order) sorted.push_back(std::move(sources[i]));
+  sources = std::move(sorted);
+  job->input_index_ = std::move(order);
   uint64_t prev_end = 0;
   for (auto& s : sources) {
     if (s.shape.size() != s.strides.size() || s.shape.size() > 64)
@@ -328,7 +338,11 @@ bool Job::wait(double timeout_s) {
   return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [this] { return finished_; });
 }
 
-std::vector<uint32_t> Job::crcs() const { return crcs_; }
+std::vector<uint32_t> Job::crcs() const {
+  std::vector<uint32_t> out(crcs_.size());
+  for (size_t i = 0; i < crcs_.size(); i++) out[input_index_[i]] = crcs_[i];
+  return out;
+}
 
 void Engine::writer_loop() {
   Task t;

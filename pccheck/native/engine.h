@@ -73,7 +73,7 @@ class Job : public std::enable_shared_from_this<Job> {
   void skip(uint64_t k, int err);           // gives up chunk k (e.g. a device copy failed)
   void release_chunk(uint32_t chunk);       // returns an acquired, unsubmitted chunk to the pool
   int error() const { return err_.load(); }  // 0 or a negative errno
-  std::vector<uint32_t> crcs() const;  // valid once finished without error
+  std::vector<uint32_t> crcs() const;  // per array in the order given; valid once finished without error
   double copy_seconds() const { return copy_ns_.load() * 1e-9; }
   // Engines that fill chunks themselves (device copies) report their copy time here.
   void add_copy_seconds(double s) { copy_ns_ += static_cast<int64_t>(s * 1e9); }
@@ -106,6 +106,7 @@ class Job : public std::enable_shared_from_this<Job> {
   uint64_t chunk_size_ = 0;
   uint64_t nchunks_ = 0;
   std::vector<ArraySource> srcs_;              // sorted by offset, non-overlapping
+  std::vector<uint32_t> input_index_;          // srcs_[i] was the input_index_[i]-th array given
   std::vector<std::vector<Piece>> pieces_;     // per chunk: the array bytes it carries
   std::vector<uint32_t> crcs_;
   std::atomic<int> err_{0};
