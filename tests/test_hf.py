@@ -8,6 +8,7 @@ resumed through ``cb.latest()``.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -142,6 +143,15 @@ def test_a_run_stopped_early_is_checkpointed_at_its_last_step(tmp_path):
     assert json.loads((resume / "trainer_state.json").read_text())["global_step"] == 7
     cb.latest()  # the next call removes what the last one wrote
     assert not resume.exists()
+
+
+def test_latest_writes_to_dev_shm_only_with_room_to_spare(tmp_path):
+    from pccheck.integrations.hf import _scratch_dir
+
+    assert _scratch_dir(None, 1 << 60) is None  # too big for any tmpfs: the system's temporary directory
+    if os.access("/dev/shm", os.W_OK):
+        assert _scratch_dir(None, 1 << 20) == "/dev/shm"
+    assert _scratch_dir(tmp_path / "mine", 1 << 60) == str(tmp_path / "mine") and (tmp_path / "mine").is_dir()
 
 
 @pytest.mark.parametrize("processes", [1, 2])
