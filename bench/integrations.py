@@ -136,17 +136,22 @@ def hf_child(variant: str, size: int, steps: int, every: int, root: Path, out: P
             return {"loss": self.net(x).pow(2).mean()}
 
     class Clock(TrainerCallback):
-        """Step ends and starts; first in the list, so a save at a step's end falls between."""
+        """Step ends, first in the list, and step starts, last in the list: a save the Trainer
+        makes after a step's end, or a callback makes at either event, falls between."""
 
         def __init__(self) -> None:
             self.ends: list[float] = []
             self.begins: list[float] = []
 
-        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            self.begins.append(time.perf_counter())
-
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             self.ends.append(time.perf_counter())
+
+    class Started(TrainerCallback):
+        def __init__(self, clock: Clock) -> None:
+            self.clock = clock
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.clock.begins.append(time.perf_counter())
 
     torch.manual_seed(0)
     blocks = blocks_for(size)
@@ -161,6 +166,7 @@ def hf_child(variant: str, size: int, steps: int, every: int, root: Path, out: P
         callbacks.append(pc)
     elif variant == "hf-none":
         args.save_strategy = "no"
+    callbacks.append(Started(clock))
     trainer = Trainer(model=Net(blocks), args=args, train_dataset=data, callbacks=callbacks)
     t0 = time.perf_counter()
     trainer.train()
