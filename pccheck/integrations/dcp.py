@@ -231,7 +231,7 @@ class Writer(StorageWriter, AsyncStager):
 
 
 def _check_weights_only(fqn: str, data: bytes) -> None:
-    """DCP's planner unpickles a byte item (``torch.load(weights_only=False)``). pccheck only lets
+    """DCP's planner unpickles a byte item (``torch.load`` with ``weights_only=False``). pccheck only lets
     it have bytes that ``torch.load(weights_only=True)`` takes: the same stream, so the planner's
     load runs nothing the restricted unpickler refused."""
     load_serialized(fqn, data)

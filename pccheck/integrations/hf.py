@@ -289,7 +289,7 @@ class Callback(TrainerCallback):
 
 def _check_arguments(args: Any) -> None:
     """Says which of the Trainer's own checkpoint settings stay the Trainer's."""
-    strategy = str(getattr(getattr(args, "save_strategy", None), "value", args.save_strategy))
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)  # an enum, or its string
     if strategy == "best":
         log.warning("pccheck: save_strategy='best': the Trainer keeps writing its own checkpoint at each new "
                     "best metric, beside pccheck's every `interval` steps")

@@ -49,7 +49,7 @@ from ..torch_state import Flattener, load_serialized, rebuild
 from .dcp import Reader, Writer
 from .lightning import FRAMEWORK as _FULL
 from .lightning import CheckpointIO
-from .named import Pointer, Pointers, pointer_bytes, read_pointer
+from .named import Pointers, pointer_bytes, read_pointer
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -107,13 +107,16 @@ class ModelParallelStrategy(_LightningModelParallel):
         """Loads the model's and optimizers' shards in place and returns the rest of the dict."""
         path = Path(self.broadcast(str(checkpoint_path)))
         self._names.flush()
-        ptr = read_pointer(path) if path.is_file() and path.stat().st_size else None
+        empty = path.is_file() and not path.stat().st_size  # a pointer a power cut left empty
+        ptr = read_pointer(path) if path.is_file() and not empty else None
+        full = self.checkpoint_io if isinstance(self.checkpoint_io, CheckpointIO) else None
         if ptr is not None and ptr.framework == _FULL:
-            return self._load_full(path, ptr)
+            return self._load_full(path, full or CheckpointIO(ptr.store))
+        if empty and path.name.startswith("last") and full is not None and not self._save_distributed_checkpoint:
+            return self._load_full(path, full)  # the plugin falls back to its newest valid one
         if ptr is None or ptr.framework != FRAMEWORK:
             store = self.store or path.parent / ".pccheck-dcp"
-            if path.is_file() and not path.stat().st_size and path.name.startswith("last") and store.is_dir():
-                # a pointer a power cut left empty before it was durable
+            if empty and path.name.startswith("last") and store.is_dir():
                 log.warning("pccheck: %s is empty; loading the newest complete save in %s", path, store)
                 return self._load(store, None)
             return super().load_checkpoint(checkpoint_path, weights_only)
@@ -155,14 +158,13 @@ class ModelParallelStrategy(_LightningModelParallel):
                                      options=StateDictOptions(cpu_offload=True))
         return _decode_rest(store, step)
 
-    def _load_full(self, path: Path, ptr: Pointer) -> dict[str, Any]:
+    def _load_full(self, path: Path, io: CheckpointIO) -> dict[str, Any]:
         """A full checkpoint :class:`pccheck.lightning.CheckpointIO` saved (``save_distributed_
         checkpoint=False``): read on every rank, sharded into the model by torch's state-dict API."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
         assert self.model is not None and self.lightning_module is not None
-        io = self.checkpoint_io if isinstance(self.checkpoint_io, CheckpointIO) else CheckpointIO(ptr.store)
         checkpoint = io.load_checkpoint(path)
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
