@@ -122,6 +122,10 @@ def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings
     expected = run("fsdp-torch", tmp_path / "torch-resume", 20, str(ref_ckpt), world=2)
     assert sorted(resumed) == list(range(step, 20)), sorted(resumed)
     assert resumed == expected
+    # last.ckpt as a power cut before its pointer was durable leaves it (empty): the newest
+    # complete save is loaded, the one of step 20.
+    (mine_dir / "last.ckpt").write_bytes(b"")
+    assert sorted(run("fsdp-pccheck", mine_dir, 22, "last", world=2)) == [20, 21]
 
 
 def test_fsdp2_full_checkpoints_through_the_pccheck_plugin_resume_as_lightnings_own(tmp_path):
