@@ -92,7 +92,7 @@ def test_online_interval_follows_the_iteration_time(tmp_path, caplog):
                                               chunk_size=8 * MiB, max_overhead=1.03, iter_time=None, tw_s=None))
     taken: list[int] = []
     interval_at: dict[int, int] = {}  # step -> the interval maybe_checkpoint decided with
-    with caplog.at_level(logging.INFO, logger="pccheck"):
+    with caplog.at_level(logging.DEBUG, logger="pccheck"):
         with pccheck.Checkpointer(arrays, tmp_path / "ck", interval="auto") as ck:
             step = 0
             for sleep, iters in ((0.04, 60), (0.002, 400)):
@@ -107,7 +107,12 @@ def test_online_interval_follows_the_iteration_time(tmp_path, caplog):
                     slow_interval, slow_changes = ck.interval, len(ck.interval_changes)
             fast_interval = ck.interval
             changes = ck.interval_changes
-    assert slow_changes >= 1 and changes[0].reason == "first estimates" and changes[0].old == 10
+    # the first estimates decide during the first phase: a new interval, or (rarely, when B lands
+    # where eq. (3) gives 10 again) the same one, logged at debug level
+    if "first estimates; interval stays 10" in caplog.text:
+        assert slow_interval == 10 and (not changes or changes[0].reason != "first estimates")
+    else:
+        assert slow_changes >= 1 and changes[0].reason == "first estimates" and changes[0].old == 10
     assert len(changes) > slow_changes  # the change of t was seen during the second phase
     assert fast_interval > 2 * slow_interval
     for c in changes:  # each change is eq. (3) + the blocked term of the estimates it logged

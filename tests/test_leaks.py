@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,7 +61,18 @@ def _cycle(one: Callable[[int], None]) -> tuple[dict[str, int], dict[str, int]]:
     before = _counts()
     for step in range(WARMUP + 1, WARMUP + CYCLES + 1):
         one(step)
-    return before, _counts()
+    return before, _settled(before)
+
+
+def _settled(before: dict[str, int], timeout: float = 5.0) -> dict[str, int]:
+    """The counts once no more than ``before`` (or at ``timeout``): a joined thread can take a moment
+    to leave /proc/self/status after join() returns; a leaked one never does."""
+    deadline = time.monotonic() + timeout
+    after = _counts()
+    while any(after[k] > before[k] for k in before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        after = _counts()
+    return after
 
 
 def _assert_no_growth(before: dict[str, int], after: dict[str, int]) -> None:

@@ -151,7 +151,8 @@ def test_checkpoint_or_close_before_k_steps_finish_the_spread_early(tmp_path):
 
 def test_a_gradient_changed_under_its_background_copy_fails_that_checkpoint_only(tmp_path, caplog):
     """A step post-hook of the user's, which runs before pccheck's (registered first), zeroes the
-    gradients in place while their copy over a slow link is still running: that spread is dropped
+    gradients in place while their copy over a slow link is still running (20 kB/s: the first
+    part's gradients take ~0.14 s, far longer than the update and the hook): that spread is dropped
     (never saved wrong), later ones capture in the pre-hook and are exact. (zero_grad and the next
     backward come after pccheck's post-hook, which waits for the copies.)"""
     from pccheck.orchestrator.copy_engine import ThrottledCopyEngine
@@ -159,7 +160,7 @@ def test_a_gradient_changed_under_its_background_copy_fails_that_checkpoint_only
     model, opt, sched, scaler = make("adamw")
     opt.register_step_post_hook(lambda o, a, k: [p.grad.zero_() for p in model.parameters() if p.grad is not None])
     ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
-                              interval=10, spread_steps=2, on_error="log", copy_engine=ThrottledCopyEngine(200e3))
+                              interval=10, spread_steps=2, on_error="log", copy_engine=ThrottledCopyEngine(20e3))
     for s in range(1, 23):
         train_step(model, opt, sched, scaler, s, set_to_none=False)
         ck.maybe_checkpoint(s)
@@ -278,7 +279,16 @@ def test_auto_starts_from_the_tuned_k_and_keeps_learning(tmp_path, caplog):
 
 def test_auto_starts_with_one_then_picks_from_the_stall_model(tmp_path, caplog):
     caplog.set_level("INFO", logger="pccheck")
-    _, stats = run(tmp_path, "adamw", "auto", 30)
+    model, opt, sched, scaler = make("adamw")
+    ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
+                              interval=10, spread_steps="auto")
+    for s in range(1, 31):
+        train_step(model, opt, sched, scaler, s)
+        ck.maybe_checkpoint(s)
+        if s == 10:
+            ck.wait()  # "auto" learns from finished checkpoints: step 10's, before step 20 begins
+    ck.close()
+    stats = ck.stats().as_dict()["checkpoints"]
     assert stats[0]["spread_steps"] == 1
     assert "spread_steps=\"auto\" picked" in caplog.text
     # then the model's choices, as it picked and (on a clear gain) moved, within half the interval

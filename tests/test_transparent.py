@@ -136,6 +136,25 @@ def _gone(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _working(sup: subprocess.Popen, timeout: float = 60.0) -> list[int]:
+    """The one count.py process under supervisor ``sup``, once it runs (polled up to ``timeout``)."""
+    t0 = time.monotonic()
+    while True:
+        assert sup.poll() is None, sup.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        work = [c for c in tree_pids(sup.pid)[1:] if _cmdline(c).find(b"count.py") >= 0]
+        if len(work) == 1:
+            return work
+        assert time.monotonic() - t0 < timeout, f"no single count.py under the supervisor: {work}"
+        time.sleep(0.05)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone between the listing and the read
+        return b""
+
+
 @needs_criu
 def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
     """`pccheck run --every 1` of a process with a 200 MB state, then five times: SIGKILL the
@@ -151,10 +170,9 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     resumed = 0
     for _ in range(5):
+        _working(sup)  # started or restored (a slow restore must not read as a lost process)
         time.sleep(rng.uniform(2.5, 4.0))  # a dump committed, another possibly in flight
-        assert sup.poll() is None, sup.stderr.read().decode()[-2000:]
-        work = [c for c in tree_pids(sup.pid)[1:] if Path(f"/proc/{c}/cmdline").read_bytes().find(b"count.py") >= 0]
-        assert len(work) == 1
+        work = _working(sup)
         os.killpg(sup.pid, signal.SIGKILL)  # the supervisor and a criu it may be running
         os.killpg(work[0], signal.SIGKILL)  # the training process's own session
         sup.wait()
