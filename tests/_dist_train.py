@@ -1,15 +1,19 @@
 """One rank of a small DDP job for the distributed tests.
 
-Usage: python _dist_train.py PATH STEPS INTERVAL RANK WORLD INIT_FILE [--resume] [--final FILE]
-Prints "START s" and "LOSS step value" lines, flushed.
+Usage: python _dist_train.py PATH STEPS INTERVAL RANK WORLD INIT_FILE [--resume] [--final FILE] [--sleep S]
+Prints "START s" and "LOSS step value" lines, flushed; with --sleep, pauses S seconds after each
+(so that a test's kill lands at the step it chose).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
+
+from _leave import leave
 
 
 def main(argv: list[str]) -> None:
@@ -17,6 +21,7 @@ def main(argv: list[str]) -> None:
 
     path, steps, interval, rank, world, init_file = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), \
         int(argv[4]), argv[5]
+    pause = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -53,10 +58,11 @@ def main(argv: list[str]) -> None:
         optim.step()
         ck.maybe_checkpoint(step)
         print(f"LOSS {step} {loss.item()!r}", flush=True)
+        time.sleep(pause)
     ck.close()
     if "--final" in argv:
         torch.save(model.state_dict(), argv[argv.index("--final") + 1])
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

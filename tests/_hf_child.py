@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+from _leave import leave
+
 
 def trainer(out: str, mode: str, steps: int, kill_at: int, setting: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -110,6 +112,7 @@ def accelerate(out: str) -> None:
         print("SAME", bool(every.all()), "PROCESSES", len(every))
         print("FILES", json.dumps(sorted(os.listdir(saved))))
         print("COMMITTED", sum(s.outcome == "committed" for s in hooks.stats()))
+    leave()  # (under torchrun: gloo)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+from _leave import leave
+
 
 class Net(L.LightningModule):
     def __init__(self, sleep: float) -> None:
@@ -86,6 +88,8 @@ def main(argv: list[str]) -> None:
         callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5, save_top_k=1 if keep == "top1" else -1,
                                    save_last=True)])
     trainer.fit(Net(sleep), loader, ckpt_path=None if resume == "none" else resume)
+    if world > 1:
+        leave()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from _leave import leave
+
 
 def build(kind: str, world: int, wide: int = 7) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
@@ -163,7 +165,7 @@ def main(argv: list[str]) -> None:
                 torch.save(state, out)
             ck.close()
     if world > 1:
-        dist.destroy_process_group()
+        leave()
 
 
 def _locals(model: torch.nn.Module) -> list[torch.Tensor]:

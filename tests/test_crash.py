@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,8 @@ def _torture(path: Path, storage: str, kills: int, seed: int, env: dict | None =
 
 @pytest.mark.parametrize("storage", ["odirect", "mmap"])
 def test_sigkill_torture(tmp_path, storage):
-    recovered = _torture(tmp_path / "ckpt", storage, kills=50, seed=hash(storage) & 0xFFFF)
+    # (the seed: the same kill schedule every run, so that a failure replays)
+    recovered = _torture(tmp_path / "ckpt", storage, kills=50, seed=zlib.crc32(storage.encode()) & 0xFFFF)
     assert recovered >= 40  # nearly every round got far enough to commit something
 
 

@@ -97,14 +97,16 @@ def test_two_ranks_sigkill_restart_chain(tmp_path, reference):
         last = trial == 10
         extra = (["--resume"] if trial else []) + (["--final", str(tmp_path / "final-{r}.pt")] if last else [])
         glob = json.loads((path / "GLOBAL").read_text())["step"] if (path / "GLOBAL").exists() else 0
-        job = Job(path, 2, tmp_path, *extra)
         if last:
+            job = Job(path, 2, tmp_path, *extra)
             job.wait()
-        else:
+        else:  # (20 ms after each step: the kill lands at the step drawn, not steps later)
+            job = Job(path, 2, tmp_path, *extra, "--sleep", "0.02")
             victim, kill_step = rng.randrange(2), rng.randint(start + 1, min(start + 6, STEPS - 1))
             while not any(s >= kill_step for s in job.losses(victim)) and job.procs[victim].poll() is None:
                 threading.Event().wait(0.01)
-            os.kill(job.procs[victim].pid, signal.SIGKILL)   # one rank dies ...
+            if job.procs[victim].poll() is None:
+                os.kill(job.procs[victim].pid, signal.SIGKILL)   # one rank dies ...
             job.kill_all()                                    # ... and the job is torn down
             for t in job.readers:
                 t.join(10)

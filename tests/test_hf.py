@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,7 +137,9 @@ def test_a_run_stopped_early_is_checkpointed_at_its_last_step(tmp_path):
                              save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True)
     cb = Callback(tmp_path / "pc", interval=5)
     Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Stop()]).train()
-    assert [s.step for s in cb.stats().checkpoints if s.outcome == "committed"] == [5, 7]
+    # step 7's may commit before step 5's (two in flight): then step 5's reads as superseded
+    outcomes = {s.step: s.outcome for s in cb.stats().checkpoints}
+    assert outcomes in ({5: "committed", 7: "committed"}, {5: "superseded", 7: "committed"}), outcomes
     assert not list((tmp_path / "out").glob("checkpoint-*")), "the epoch save strategy's saves are off too"
     resume = Path(cb.latest(scratch_dir=tmp_path / "scratch"))
     assert resume.parent.parent == tmp_path / "scratch" and resume.name == "checkpoint-7"
@@ -149,8 +152,8 @@ def test_latest_writes_to_dev_shm_only_with_room_to_spare(tmp_path):
     from pccheck.integrations.hf import _scratch_dir
 
     assert _scratch_dir(None, 1 << 60) is None  # too big for any tmpfs: the system's temporary directory
-    if os.access("/dev/shm", os.W_OK):
-        assert _scratch_dir(None, 1 << 20) == "/dev/shm"
+    if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free >= (2 << 20) + (64 << 20):
+        assert _scratch_dir(None, 1 << 20) == "/dev/shm"  # twice the need and 64 MiB to spare
     assert _scratch_dir(tmp_path / "mine", 1 << 60) == str(tmp_path / "mine") and (tmp_path / "mine").is_dir()
 
 

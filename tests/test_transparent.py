@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import pccheck
 from pccheck.cli import app
+from pccheck.inventory import survey
 from pccheck.persist.recovery import read_manifest, read_store, store_files
 from pccheck.transparent import Criu, Supervisor
 from pccheck.transparent.openfiles import tree_pids
@@ -148,6 +149,20 @@ def _working(sup: subprocess.Popen, timeout: float = 60.0) -> list[int]:
         time.sleep(0.05)
 
 
+def _first_image(path: Path, sup: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Waits until the store under ``path`` holds a committed image (from the meta records)."""
+    t0 = time.monotonic()
+    while True:
+        assert sup.poll() is None, sup.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        try:
+            if any(s.status == "latest" for g in survey(path) for s in g.slots):
+                return
+        except (OSError, pccheck.PCCheckError):  # no store yet
+            pass
+        assert time.monotonic() - t0 < timeout, "no image committed"
+        time.sleep(0.1)
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -171,6 +186,8 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
     resumed = 0
     for _ in range(5):
         _working(sup)  # started or restored (a slow restore must not read as a lost process)
+        if not resumed:
+            _first_image(path, sup)  # a kill before it would leave nothing to resume from
         time.sleep(rng.uniform(2.5, 4.0))  # a dump committed, another possibly in flight
         work = _working(sup)
         os.killpg(sup.pid, signal.SIGKILL)  # the supervisor and a criu it may be running
