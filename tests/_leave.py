@@ -12,7 +12,7 @@ def leave() -> NoReturn:
     """Destroys the process group (if one is up), runs the atexit hooks (pccheck's store closing
     among them), flushes and exits 0 without the interpreter's own teardown. There, the destructors
     of gloo's transport threads can abort the process ("terminate called without an active
-    exception": 2 of 14 two-process Accelerate runs on 2 vCPUs, once in ~20 four-rank DCP loads)."""
+    exception": 2 of 25 two-process Accelerate runs on 2 vCPUs, once in ~20 four-rank DCP loads)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

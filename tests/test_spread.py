@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -219,6 +220,7 @@ def test_unsupported_optimizers_are_refused_before_anything_is_created(tmp_path)
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`:UserWarning")  # _spread_run's warm-up
 def test_captured_gradients_count_against_dram_budget(tmp_path):
     model, opt, sched, scaler = make("adamw")
     g = grad_bytes(opt)
@@ -266,12 +268,13 @@ def _spread_run(path: Path, setting, link_iters: float | None, budget=None) -> l
         train_step(model, opt, sched, scaler, s)
         iters.append(time.perf_counter() - t0)
         if engine is not None:
-            engine.bytes_per_s = nbytes / (link_iters * sorted(iters)[len(iters) // 2])
+            engine.bytes_per_s = nbytes / (link_iters * statistics.median(iters))
         ck.maybe_checkpoint(s)
     ck.close()
     return [c["spread_steps"] for c in ck.stats().as_dict()["checkpoints"]]
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`:UserWarning")  # _spread_run's warm-up
 def test_auto_starts_from_the_tuned_k_and_keeps_learning(tmp_path, caplog):
     from pccheck.tuner import config
 
