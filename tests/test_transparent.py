@@ -10,7 +10,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -137,30 +139,30 @@ def _gone(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def _working(sup: subprocess.Popen, timeout: float = 60.0) -> list[int]:
-    """The one count.py process under supervisor ``sup``, once it runs (polled up to ``timeout``)."""
+def _until(sup: subprocess.Popen, found: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Polls ``found()`` until it answers (truthy) while supervisor ``sup`` runs; its answer."""
     t0 = time.monotonic()
     while True:
         assert sup.poll() is None, sup.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-        work = [c for c in tree_pids(sup.pid)[1:] if _cmdline(c).find(b"count.py") >= 0]
-        if len(work) == 1:
-            return work
-        assert time.monotonic() - t0 < timeout, f"no single count.py under the supervisor: {work}"
+        got = found()
+        if got:
+            return got
+        assert time.monotonic() - t0 < timeout, what
         time.sleep(0.05)
 
 
-def _first_image(path: Path, sup: subprocess.Popen, timeout: float = 120.0) -> None:
-    """Waits until the store under ``path`` holds a committed image (from the meta records)."""
-    t0 = time.monotonic()
-    while True:
-        assert sup.poll() is None, sup.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-        try:
-            if any(s.status == "latest" for g in survey(path) for s in g.slots):
-                return
-        except (OSError, pccheck.PCCheckError):  # no store yet
-            pass
-        assert time.monotonic() - t0 < timeout, "no image committed"
-        time.sleep(0.1)
+def _work(sup: subprocess.Popen) -> list[int] | None:
+    """The one count.py process under supervisor ``sup``, if it runs."""
+    work = [c for c in tree_pids(sup.pid)[1:] if _cmdline(c).find(b"count.py") >= 0]
+    return work if len(work) == 1 else None
+
+
+def _committed(path: Path) -> bool:
+    """Whether the store under ``path`` holds a committed image (from the meta records)."""
+    try:
+        return any(s.status == "latest" for g in survey(path) for s in g.slots)
+    except (OSError, pccheck.PCCheckError):  # no store yet
+        return False
 
 
 def _cmdline(pid: int) -> bytes:
@@ -185,11 +187,12 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     resumed = 0
     for _ in range(5):
-        _working(sup)  # started or restored (a slow restore must not read as a lost process)
-        if not resumed:
-            _first_image(path, sup)  # a kill before it would leave nothing to resume from
+        # started or restored (a slow restore must not read as a lost process)
+        _until(sup, lambda: _work(sup), 60, "no single count.py under the supervisor")
+        if not resumed:  # a kill before the first image would leave nothing to resume from
+            _until(sup, lambda: _committed(path), 120, "no image committed")
         time.sleep(rng.uniform(2.5, 4.0))  # a dump committed, another possibly in flight
-        work = _working(sup)
+        work = _until(sup, lambda: _work(sup), 60, "no single count.py under the supervisor")
         os.killpg(sup.pid, signal.SIGKILL)  # the supervisor and a criu it may be running
         os.killpg(work[0], signal.SIGKILL)  # the training process's own session
         sup.wait()
