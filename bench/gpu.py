@@ -40,6 +40,8 @@ extra/iter / dcp_async's <= 0.3; median stall with reserve / without <= 0.2.
 import argparse
 import contextlib
 import gc
+import itertools
+import math
 import mmap
 import os
 import shlex
@@ -57,6 +59,7 @@ from typing import Any
 from bench._common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
     write_csv, write_json
 from bench._common import median_or_none as _med
+from bench.gpu_profile import PROFILED, Spy, legacy_window, profile_checkpoint
 from bench.gpu_train import BATCH, SEQ, DCPAsync, PCCheck, System, TorchSave, Trainer, engine_info
 from bench.systems import pieces
 
@@ -70,6 +73,7 @@ ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {10: 40, 50: 100}, {10: 20, 50: 50}, 40  #
 TARGETS = {"d2h_vs_peak": (">=", 0.9), "slowdown_pccheck_N2_i10": ("<=", 1.03),
            "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2)}
 _T0 = time.perf_counter()
+_STEPS = itertools.count(1)  # step numbers of the d2h checkpoints: increasing across Checkpointers
 
 def _log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", flush=True)
@@ -137,25 +141,70 @@ def _section_d2h(run: _Run) -> None:
     del dsts
     _free()
     peak = run.res["pinned_peak_gbps"] = nbytes / statistics.median(peak_s[1:]) / 1e9
-    budget, path = -(-nbytes // (64 << 20)) * (64 << 20) * 2, run.work / "d2h"
-    d2h.update(nbytes=nbytes, peak_s=peak_s[1:], dram_budget=budget, engine=[])
-    _log(f"d2h: pinned copy_ peak {peak:.1f} GB/s ({format_size(nbytes)})")
+    budget, path = -(-nbytes // (64 << 20)) * (64 << 20) * 2, _d2h_dir(run.work, nbytes)
+    d2h.update(nbytes=nbytes, peak_s=peak_s[1:], dram_budget=budget, engine=[], store=str(path))
+    _log(f"d2h: pinned copy_ peak {peak:.1f} GB/s ({format_size(nbytes)}); stores in {path}")
     ck = pccheck.Checkpointer(srcs, path=path, interval=1, max_concurrent=1, writer_threads=4, dram_budget=budget)
+    sweep = d2h.setdefault("sweep", [])
     try:
-        d2h["copy_engine"] = engine_info(ck)
-        for s in range(6):  # step 0 is the warm-up
-            ck.checkpoint(s)
-            ck.wait()
-            c = ck.stats().checkpoints[-1]  # one at a time: the last finished is this one
-            d2h["engine"] += [{"step": c.step, "copy_s": c.copy_s, "backpressure_s": c.backpressure_s,
-                               "gbps": c.nbytes / (c.copy_s - c.backpressure_s) / 1e9}] if s else []
+        eng = ck.copy_engine
+        d2h["copy_engine"] = {**engine_info(ck), "depth": eng.depth, "raw": getattr(eng, "raw", None)}
+        d2h["engine"] = _d2h_runs(ck, 6)
         gb = run.res["d2h_gbps"] = statistics.median(x["gbps"] for x in d2h["engine"])
         d2h["ratio_to_peak"] = gb / peak
         _log(f"d2h: pccheck engine {gb:.1f} GB/s = {gb / peak:.3f} of peak; {d2h['copy_engine']}")
         run.guard(run.res["overlap"], lambda: _overlap(ck, gb))
+        # Chunks queued per copy thread, and cudaMemcpyAsync (raw) or Tensor.copy_; depth 1 with
+        # copy_ is the engine of the first GPU run. The default chunk size, 64 MiB.
+        for depth, raw in ((1, False), (2, False), (1, True), (3, True)):
+            eng.depth, eng.raw = depth, raw
+            sweep.append({"chunk_size": _CHUNK, "depth": depth, "raw": raw, "runs": _d2h_runs(ck, 4)})
+            _log(f"d2h sweep: depth {depth} raw {raw}: {_med([r['gbps'] for r in sweep[-1]['runs']]):.1f} GB/s")
     finally:
         ck.close()
         shutil.rmtree(path, ignore_errors=True)
+    for chunk in (16 << 20, 256 << 20):  # the chunk size, at the default depth and copy
+        def one(chunk: int = chunk) -> dict[str, Any]:
+            c = pccheck.Checkpointer(srcs, path=path, interval=1, max_concurrent=1, writer_threads=4,
+                                     dram_budget=-(-nbytes // chunk) * chunk * 2, chunk_size=chunk)
+            try:
+                e = c.copy_engine
+                rec = {"chunk_size": chunk, "depth": e.depth, "raw": getattr(e, "raw", None), "runs": _d2h_runs(c, 4)}
+                _log(f"d2h sweep: chunk {format_size(chunk)}: {_med([r['gbps'] for r in rec['runs']]):.1f} GB/s")
+                return rec
+            finally:
+                c.close()
+                shutil.rmtree(path, ignore_errors=True)
+        run.guard(entry := {}, one)
+        sweep.append(entry)
+    for rec in sweep:
+        if rec.get("runs"):
+            rec["median_gbps"] = _med([r["gbps"] for r in rec["runs"]])
+            rec["ratio_to_peak"] = rec["median_gbps"] / peak
+
+
+def _d2h_dir(work: Path, nbytes: int) -> Path:
+    """Where the d2h checkpoints are written: /dev/shm when it holds three states (the write is not
+    what d2h measures, and each run waits for it), else the scratch directory."""
+    shm = Path("/dev/shm")
+    with contextlib.suppress(OSError):
+        if shm.is_dir() and shutil.disk_usage(shm).free > 3 * nbytes:
+            return shm / f"pccheck-bench-d2h-{os.getpid()}"
+    return work / "d2h"
+
+
+def _d2h_runs(ck: Any, n: int) -> list[dict[str, Any]]:
+    """``n`` x (checkpoint, wait); the first is a warm-up. D2H GB/s from the copy time net of back-pressure."""
+    out = []
+    for s in range(n):
+        ck.checkpoint(next(_STEPS))
+        ck.wait()
+        c = ck.stats().checkpoints[-1]  # one at a time: the last finished is this one
+        out += [{"step": c.step, "copy_s": c.copy_s, "backpressure_s": c.backpressure_s, "copied_s": c.copied_s,
+                 "gbps": c.nbytes / (c.copy_s - c.backpressure_s) / 1e9,
+                 "gbps_call_to_copied": c.nbytes / c.copied_s / 1e9 if c.copied_s else None}] if s else []
+    return out
+
 
 def _overlap(ck: Any, copy_alone_gbps: float) -> dict[str, Any]:
     import torch
@@ -170,7 +219,7 @@ def _overlap(ck: Any, copy_alone_gbps: float) -> dict[str, Any]:
     def copy() -> None:  # on a side stream: the copy's ready event must not wait for queued matmuls
         with torch.cuda.stream(side):
             span.append(time.perf_counter())
-            ck.checkpoint(100)
+            ck.checkpoint(next(_STEPS))
             span.append(time.perf_counter())
     alone = [batch() for _ in range(26)][1:]
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -239,30 +288,47 @@ def _section_persist(run: _Run) -> None:
     pe.update(nbytes=nbytes, ratio_pccheck_vs_raw=p / r if p and r else None)
     _log(f"persist ({format_size(nbytes)}): pccheck {p or 0:.2f} GB/s, raw O_DIRECT {r or 0:.2f} GB/s")
 
-def _window(tr: Trainer, sysm: System, interval: int, iters: int) -> dict[str, Any]:
-    """c0 untimed at s0 (a multiple of the interval), then ``iters`` timed iterations, then drain."""
+def _window(tr: Trainer, sysm: System, interval: int, iters: int, out: Path | None = None) -> dict[str, Any]:
+    """c0 untimed at s0 (a multiple of the interval), then ``iters`` timed iterations, then drain.
+    With ``out``, py-spy samples the process during the timed iterations (:class:`_Spy`)."""
     sysm.interval, s0 = interval, -(-tr.step // interval) * interval
     tr.train(s0)
     sysm.call(s0)
-    times, calls, t0 = [], 0, time.perf_counter()
+    times, calls, parts = [], 0, []
+    spy = Spy(out, f"{sysm.name}-i{interval}", iters * 0.6) if out is not None else None
+    t0 = time.perf_counter()
     for s in range(s0 + 1, s0 + iters + 1):
         a = time.perf_counter()
         tr.train(s)
+        b = time.perf_counter()
         calls += sysm.call(s)
         times.append(time.perf_counter() - a)
+        parts.append((tr.last, time.perf_counter() - b, a - t0))
     window = time.perf_counter() - t0
     sysm.drain()
+    spied = spy.finish() if spy is not None else None
     tr.step = s0 + iters + 1
+    # Where each iteration's time went (Trainer.train): the CPU queuing work, waiting for the GPU,
+    # the GPU's own time for the iteration, the checkpoint call.
+    brk = {k: [] for k in ("start_s", "launch_s", "opt_s", "sync_s", "gpu_s", "call_s")}
+    for last, call_s, start_s in parts:
+        tr.last = last
+        for k, v in {**tr.timings(), "call_s": call_s, "start_s": start_s}.items():
+            brk[k].append(v)
     rec = {"interval": interval, "iters": iters, "steps": [s0, s0 + iters], "window_s": window, "s_per_iter": window / iters,
            "median_iter_s": statistics.median(times), "max_iter_s": max(times), "iter_s": times, "checkpoints": calls,
-           "drain_s": time.perf_counter() - t0 - window, **sysm.details(s0, s0 + iters)}
+           "drain_s": time.perf_counter() - t0 - window, "breakdown": brk, **({"py_spy": spied} if spied else {}),
+           **sysm.details(s0, s0 + iters)}
     stall = rec.get("median_stall_s")
     _log(f"train/{sysm.name} i{interval}: {iters} it in {window:.2f} s = {window / iters * 1e3:.1f} ms/it (median "
          f"{rec['median_iter_s'] * 1e3:.1f}), {calls} ckpts" + (f", stall {stall * 1e3:.1f} ms" if stall else ""))
     return rec
 
-def _run_system(run: _Run, tr: Trainer, name: str, make: Callable[[], System], cleanup: Path | None) -> None:
-    """Set-up + warm-up, a window per interval, close; each guarded. ``cleanup`` is removed at the end."""
+def _run_system(run: _Run, tr: Trainer, name: str, make: Callable[[], System], cleanup: Path | None,
+                extra: list[tuple[str, int, int]] | None = None) -> None:
+    """Set-up + warm-up, a window per interval, close; each guarded. With --profile (pccheck): after a
+    profiled interval's window, the legacy-copy window and the ``extra`` (key, interval, iters) windows;
+    after all, the py-spy and torch.profiler runs. ``cleanup`` is removed at the end."""
     entry, held, budget = run.res["systems"].setdefault(name, {}), [], run.args.budget_s
     late = lambda: 0 < budget < time.perf_counter() - _T0  # noqa: E731  (--budget-s spent)
     def setup() -> dict[str, Any]:
@@ -275,10 +341,28 @@ def _run_system(run: _Run, tr: Trainer, name: str, make: Callable[[], System], c
         if late():
             entry["status"] = "skipped: --budget-s spent"
         elif run.guard(entry.setdefault("setup", {}), setup):
+            profiled = run.args.profile and isinstance(held[0], PCCheck)
             for i in INTERVALS:
                 cell = entry.setdefault(str(i), {"status": "skipped: --budget-s spent"})
                 if not late():
                     run.guard(cell, lambda i=i: _window(tr, held[0], i, run.args.iters[name][i]))
+                if profiled and (name, i) in PROFILED and not late():
+                    # --profile: the same window with the first GPU run's copy loop (one chunk at a
+                    # time, Tensor.copy_), then the extra windows (e.g. where the disk is not the bound)
+                    n = run.args.iters[name][i]
+                    run.guard(entry.setdefault(f"{i}_legacy_copy", {}),
+                              lambda i=i, n=n: legacy_window(_window, tr, held[0], i, n, None))
+                    for key, j, m in extra or []:
+                        if not late():
+                            run.guard(entry.setdefault(key, {}), lambda j=j, m=m: _window(tr, held[0], j, m))
+            for i in sorted({i for n, i in PROFILED if n == name}) if profiled else []:
+                # last, as they perturb the loop: under py-spy, then torch.profiler around a checkpoint
+                out, n = run.args.out, run.args.iters[name][i]
+                if not late():
+                    run.guard(entry.setdefault(f"{i}_py_spy", {}), lambda i=i, n=n: _window(tr, held[0], i, n, out))
+                if not late():
+                    run.guard(entry.setdefault(f"profile_{i}", {}),
+                              lambda i=i: profile_checkpoint(tr, held[0], i, out / "profile.txt"))
     finally:
         if held:
             run.guard(entry.setdefault("close", {}), held.pop().close)
@@ -302,21 +386,39 @@ def _section_train(run: _Run) -> None:
     none = lambda: _window(tr, System(), 10, run.args.none_iters)  # noqa: E731
     run.guard(run.res["train"].setdefault("none_first", {}), none)
     store, dcp, ts = run.work / "pccheck", run.work / "dcp", run.work / "torch_save"
-    # The reserve run reopens pccheck_N2's store, then removes it; the others start on an empty scratch dir.
+    # DCP first (it was unmeasured, and --budget-s cuts the later phases). The reserve run reopens
+    # pccheck_N2's store, then removes it; the others start on an empty scratch dir.
     want = set(run.args.systems)
+    if "dcp_async" in want:
+        _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=True), dcp)
+        if "error" in (systems["dcp_async"].get(k, {}).get("status") for k in ("setup", "10")):  # DCP's default staging
+            systems["dcp_async_pinned_failed"] = systems.pop("dcp_async")
+            _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=False), dcp)
     if "pccheck_N2" in want:
-        _run_system(run, tr, "pccheck_N2", lambda: PCCheck(tr, store, reserve=False), None)
+        bound = run.res["disk_bound"] = _disk_bound(run, state)
+        i = bound.get("interval_at_0.8_of_raw")
+        extra = [(f"{i}_disk_not_bound", i, i * max(1, 45 // i))] if i and i not in INTERVALS and i <= 40 else []
+        _run_system(run, tr, "pccheck_N2", lambda: PCCheck(tr, store, reserve=False), None, extra)
     if "pccheck_reserve" in want:
         _run_system(run, tr, "pccheck_reserve", lambda: PCCheck(tr, store, reserve=True), None)
     shutil.rmtree(store, ignore_errors=True)
-    if "dcp_async" in want:
-        _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=True), dcp)
-        if systems["dcp_async"].get("setup", {}).get("status") == "error":  # then DCP's default staging
-            systems["dcp_async_pinned_failed"] = systems.pop("dcp_async")
-            _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=False), dcp)
     if "torch_save" in want:
         _run_system(run, tr, "torch_save", lambda: TorchSave(tr, ts), ts)
     run.guard(run.res["train"].setdefault("none_last", {}), none)
+
+def _disk_bound(run: _Run, state: int) -> dict[str, Any]:
+    """Where the disk bounds interval-10 checkpointing: the write rate persist needs (state / (10 t)),
+    as a share of raw O_DIRECT; the largest state the disk sustains at 0.8 of raw at interval 10; and
+    the least interval at which persist needs <= 0.8 of raw (t: none_first's median iteration)."""
+    raw = run.res["persist"].get("raw_odirect", {}).get("gbps")
+    t = run.res["train"].get("none_first", {}).get("median_iter_s")
+    if not raw or not t:
+        return {"status": "unmeasured: needs the persist section and none_first"}
+    return {"raw_odirect_gbps": raw, "t_iter_s": t, "state_bytes": state,
+            "need_gbps_at_10": state / (10 * t) / 1e9, "need_vs_raw_at_10": state / (10 * t) / 1e9 / raw,
+            "largest_state_at_10_bytes": 0.8 * raw * 1e9 * 10 * t,
+            "interval_at_0.8_of_raw": math.ceil(state / (0.8 * raw * 1e9 * t))}
+
 
 def _finalize(res: dict[str, Any]) -> None:
     """Everything derived from the raw records: slowdowns, extra time per iteration, ratios, targets."""
@@ -333,6 +435,11 @@ def _finalize(res: dict[str, Any]) -> None:
                 rec["extra_s_per_iter"] = rec["s_per_iter"] - t_none
             slow[i][name], extra.setdefault(name, {})[str(i)] = rec.get("slowdown"), rec.get("extra_s_per_iter")
     res["slowdown"], res["slowdown_50"], res["extra_time_per_iter_s"] = slow[10], slow[50], extra
+    for entry in systems.values():  # the other windows (e.g. --profile's legacy copy loop)
+        for key, rec in entry.items():
+            if key not in ("10", "50") and isinstance(rec, dict) and "window_s" in rec and t_none:
+                rec["slowdown"] = rec["window_s"] / (rec["iters"] * t_none)
+                rec["extra_s_per_iter"] = rec["s_per_iter"] - t_none
     pe, de = extra["pccheck_N2"]["10"], extra["dcp_async"]["10"]
     res["ratio_pccheck_extra_vs_dcp"] = pe / de if pe is not None and de is not None and de > 0 else None
     sn, sr = (systems.get(s, {}).get("10", {}).get("median_stall_s") for s in ("pccheck_N2", "pccheck_reserve"))
@@ -380,6 +487,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: 1 GiB sizes, half-length windows (~1-2 min)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch", help="scratch directory on the local disk")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
+    p.add_argument("--iters", dest="iters_arg", default="", help="timed iterations per window, e.g. none:20,10:40,50:50 (default none:40,"
+                   "10:40,50:100; torch_save keeps 10:20,50:50)")
+    p.add_argument("--profile", action="store_true", help="py-spy (pyspy.txt) and torch.profiler (profile.txt) "
+                   "on pccheck_N2 at interval 10")
     p.add_argument("--budget-s", type=float, help="skip phases due after this many s (default 360, quick 120; 0: never)")
     args = p.parse_args(argv)
     args.argv, args.sections = list(sys.argv[1:] if argv is None else argv), args.sections.split(",")
@@ -395,6 +506,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.out = args.out or _BENCH_DIR / "results" / ("gpu-quick" if args.quick else "gpu")
     args.iters = {s: {i: max(i, n // 2 // i * i) if args.quick else n  # windows of whole intervals
                       for i, n in (TORCH_SAVE_ITERS if s == "torch_save" else ITERS).items()} for s in SYSTEMS[1:]}
+    for item in filter(None, args.iters_arg.split(",")):  # --iters: every system but torch_save
+        i, _, n = item.partition(":")
+        if i == "none" and n.isdigit() and int(n) > 0:
+            args.none_iters = int(n)
+            continue
+        if not (i.isdigit() and n.isdigit() and int(i) in INTERVALS and int(n) % int(i) == 0 and int(n) > 0):
+            p.error(f"--iters takes INTERVAL:ITERS pairs, ITERS a positive multiple of INTERVAL in {INTERVALS}")
+        for s in SYSTEMS[1:-1]:
+            args.iters[s][int(i)] = int(n)
     return args
 
 def main(argv: Sequence[str] | None = None) -> int:

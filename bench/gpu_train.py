@@ -62,14 +62,30 @@ class Trainer:
         self.stream, self.step, self._torch, self._F = torch.cuda.current_stream(), 0, torch, F
 
     def train(self, step: int) -> None:
+        """One iteration. ``self.last``: where its time went, as (launch_s: the CPU queuing the work,
+        opt_s: of which ``opt.step()``, sync_s: waiting for the GPU after that, gpu_s: the training
+        stream's own time between two events at its start and end), read by ``timings()``."""
+        cuda, perf = self._torch.cuda, time.perf_counter
+        ev0, ev1 = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        t0 = perf()
+        ev0.record(self.stream)
         self.opt.zero_grad(set_to_none=True)
         for j in range(self.accum):  # gradient accumulation: accum micro-batches per optimizer step
             x, y = self.batches[(step * self.accum + j) % len(self.batches)]
             with self._torch.autocast("cuda", dtype=self._torch.bfloat16):
                 loss = self._F.cross_entropy(self.model(x).view(-1, VOCAB), y.view(-1))
             (loss / self.accum).backward()
+        t1 = perf()
         self.opt.step()
+        ev1.record(self.stream)
+        t2 = perf()
         self.stream.synchronize()  # the training stream only: see the module docstring
+        self.last = (t2 - t0, t2 - t1, perf() - t2, ev0, ev1)
+
+    def timings(self) -> dict[str, float]:
+        """The last iteration's breakdown (see ``train``), its events read once it is done."""
+        launch, opt, sync, ev0, ev1 = self.last
+        return {"launch_s": launch, "opt_s": opt, "sync_s": sync, "gpu_s": ev0.elapsed_time(ev1) / 1e3}
 
     def state_dict(self) -> dict[str, Any]:
         # Plain dicts and lists: DCP's DefaultStager (torch 2.11) fails on any value it must rebuild
@@ -153,10 +169,7 @@ class DCPAsync(System):
         quiet_dcp_warnings()
         self.tr, self.dir, self.stager, self._last, self._dirs = tr, path, None, -1, []
         self.staging = "DefaultStager(pinned, not shared, async, non-blocking)" if pinned else "DCP's default"
-        if pinned:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
+        self.pinned = pinned
         self._hook = tr.opt.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -170,6 +183,15 @@ class DCPAsync(System):
         t0 = time.perf_counter()
         self.drain()  # at most one in flight, as users write it
         self._dirs.append(self.dir / f"step-{step}")
+        if self.pinned:
+            # A new stager per save: torch 2.11's DefaultStager closes its StateDictStager after each
+            # stage, which drops the pinned cache and clears the deepcopy dispatch table, so a second
+            # stage() of any dict raises "KeyError: <class 'type'>" (the first GPU run's error).
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            if self.stager is not None:
+                self.stager.close()
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=True))
         resp = dcp_async_save(self.tr.state_dict(), dcp_writer(self._dirs[-1]), self.stager)
         self._upload = dcp_upload(resp)
         self._staged, self._last = getattr(resp, "staging_completion", None), step
@@ -190,7 +212,7 @@ class DCPAsync(System):
         self._hook.remove()
         self.drain()
         if self.stager is not None:
-            self.stager.close()  # drops its cached pinned copy
+            self.stager.close()  # its thread pool and any cached pinned copy
 
 class TorchSave(System):
     name = "torch_save"

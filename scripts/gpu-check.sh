@@ -4,13 +4,19 @@
 #          and put the built extension into the source tree's pccheck/native/
 #   test   the gpu-marked tests (tests/test_gpu.py), from tests/, importing the source tree
 #   bench  python3 -m bench.gpu --out "$RES" $BENCH_ARGS
+#   claims python3 -m bench.gpu_claims --out "$RES" $CLAIMS_ARGS (lazy restore on cuda, spread
+#          replay vs the CUDA optimizer, the integrations' extra device memory)
 # env.txt (nvidia-smi, torch and its device) is always written. A failing step does not stop the
 # later ones; the exit status is non-zero if any step failed.
 #
 # Environment: OUT (results folder; default bench/results/gpu), GPU_CHECK_STEPS (comma-separated,
-# default build,test,bench), BENCH_ARGS (extra arguments for bench.gpu, default none).
-# Results are kept flat, at most 8 files: build.log env.txt pytest.log pytest.xml bench.log and
-# whatever bench.gpu writes.
+# default build,test,bench,claims), BENCH_ARGS / CLAIMS_ARGS (extra arguments, default none),
+# GPU_TESTS (a pytest -k expression selecting gpu tests; default all), PY_SPY (py-spy's path, for
+# bench.gpu --profile; else it is looked up on the PATH), TEST_TIMEOUT / BENCH_TIMEOUT /
+# CLAIMS_TIMEOUT (seconds a step may run before it is killed; default 0, no limit).
+# Results are kept flat, at most 8 files: gpu-check.log (every step's output) env.txt, and what
+# bench.gpu (gpu.json gpu.csv gpu.png, with --profile profile.txt pyspy.txt) and bench.gpu_claims
+# (claims.json) write.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,8 +24,10 @@ cd "$ROOT"
 RES="${OUT:-bench/results/gpu}"
 mkdir -p "$RES"
 RES="$(cd "$RES" && pwd)"
-STEPS="${GPU_CHECK_STEPS:-build,test,bench}"
+STEPS="${GPU_CHECK_STEPS:-build,test,bench,claims}"
 BENCH_ARGS="${BENCH_ARGS:-}"
+CLAIMS_ARGS="${CLAIMS_ARGS:-}"
+GPU_TESTS="${GPU_TESTS:-}"
 SITE=/tmp/pccheck-site
 MAX_FILES=8
 # Tests and bench import the source tree (with the built extension copied in); the tests' child
@@ -28,8 +36,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 for s in ${STEPS//,/ }; do
     case "$s" in
-        build | test | bench) ;;
-        *) echo "gpu-check: unknown step '$s' in GPU_CHECK_STEPS (build, test, bench)" >&2; exit 2 ;;
+        build | test | bench | claims) ;;
+        *) echo "gpu-check: unknown step '$s' in GPU_CHECK_STEPS (build, test, bench, claims)" >&2; exit 2 ;;
     esac
 done
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -63,21 +71,27 @@ step_env() {
 step_test() {
     cd tests
     # test_gpu.py by name: the CPU suite needs packages the device lacks (crc32c) to be collected
-    python3 -m pytest -m gpu -q -p no:cacheprovider -rA --junitxml="$RES/pytest.xml" test_gpu.py
+    timeout -k 10 "${TEST_TIMEOUT:-0}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA --durations=0 \
+        ${GPU_TESTS:+-k "$GPU_TESTS"} test_gpu.py
 }
 
 step_bench() {
     # shellcheck disable=SC2086  # BENCH_ARGS is split into words on purpose
-    python3 -m bench.gpu --out "$RES" $BENCH_ARGS
+    timeout -k 10 "${BENCH_TIMEOUT:-0}" python3 -m bench.gpu --out "$RES" $BENCH_ARGS
+}
+
+step_claims() {
+    # shellcheck disable=SC2086  # CLAIMS_ARGS is split into words on purpose
+    timeout -k 10 "${CLAIMS_TIMEOUT:-0}" python3 -m bench.gpu_claims --out "$RES" $CLAIMS_ARGS
 }
 
 failed=()
-# run NAME LOG: runs step_NAME in a subshell with errexit in force, output tee'd to LOG.
+# run NAME LOG: runs step_NAME in a subshell with errexit in force, output appended to LOG.
 run() {
     local name=$1 log=$2 rc
-    echo "== gpu-check: $name -> $log"
+    echo "== gpu-check: $name -> $log" | tee -a "$log"
     set +e
-    (set -euo pipefail; "step_$name") 2>&1 | tee "$log"
+    (set -euo pipefail; "step_$name") 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     set -e
     if ((rc != 0)); then
@@ -86,10 +100,13 @@ run() {
     fi
 }
 
-if want build; then run build "$RES/build.log"; fi
+LOG="$RES/gpu-check.log"  # appended to: several invocations (e.g. one per step) share it
+: >"$RES/env.txt"
+if want build; then run build "$LOG"; fi
 run env "$RES/env.txt"
-if want test; then run test "$RES/pytest.log"; fi
-if want bench; then run bench "$RES/bench.log"; fi
+if want test; then run test "$LOG"; fi
+if want bench; then run bench "$LOG"; fi
+if want claims; then run claims "$LOG"; fi
 
 # The results folder must stay flat and small.
 subdirs=$(find "$RES" -mindepth 1 -type d | wc -l)

@@ -278,6 +278,44 @@ def test_chunk_pool_is_pinned(store, caplog):
     assert_state_equal(pccheck.load_latest(store).state, {"w": w.cpu().numpy()})
 
 
+@pytest.mark.parametrize("depth,raw", [(1, False), (2, False), (1, True), (2, True), (3, True)])
+def test_device_copy_loops_write_the_same_bytes(store, depth, raw):
+    """Every copy loop (chunks queued per thread, cudaMemcpyAsync or Tensor.copy_) writes the
+    stream bytes of the first GPU run's loop: arrays that end and begin inside a chunk, one larger
+    than several chunks, odd sizes (gaps), a non-contiguous view, a host array beside them; and a
+    second checkpoint after the arrays changed holds the new values."""
+    g = torch.Generator(device="cuda").manual_seed(depth * 2 + raw)
+    arrays = {
+        "big": torch.randn(3 * (1 << 18) + 5, generator=g, device="cuda"),  # ~3 chunks of 1 MiB
+        "odd": torch.randint(0, 255, (12345,), generator=g, device="cuda", dtype=torch.uint8),
+        "bf16": torch.randn(777, 333, generator=g, device="cuda").bfloat16(),
+        "view": torch.randn(600, 900, generator=g, device="cuda")[::3, 1::2],
+        "host": np.arange(1001, dtype=np.int64),
+        "i64": torch.arange(-70000, 70000, device="cuda", dtype=torch.int64) * 3_000_000_000,
+    }
+    assert not arrays["view"].is_contiguous()
+    with pccheck.Checkpointer(arrays, store, interval=1, max_concurrent=1, chunk_size=1 << 20) as ck:
+        eng = ck.copy_engine
+        if raw and not eng.raw:
+            pytest.skip("torch's CUDA runtime library was not found: no raw copies here")
+        eng.depth, eng.raw = depth, raw
+        for step in (1, 2):
+            want = {k: v if isinstance(v, np.ndarray) else v.cpu().numpy() for k, v in arrays.items()
+                    if k != "bf16"}
+            want_bf16 = _bits(arrays["bf16"]).numpy()
+            ck.checkpoint(step)
+            ck.wait()
+            r = pccheck.load_latest(store)
+            assert r.step == step
+            got = {k: v for k, v in r.state.items() if k != "bf16"}
+            assert_state_equal(got, want)
+            assert np.array_equal(np.asarray(r.state["bf16"]).reshape(-1).view(np.uint8), want_bf16)
+            for v in arrays.values():
+                if isinstance(v, torch.Tensor):
+                    v.add_(1) if v.dtype != torch.uint8 else v.sub_(1)
+            arrays["host"] += 1
+
+
 @pytest.fixture
 def cupy():
     cp = _cupy_or_none()
