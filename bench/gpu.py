@@ -1,7 +1,8 @@
 """pccheck on one real GPU: copy-engine and disk bandwidth, and the slowdown of training a GPT.
 
 ``python -m bench.gpu [--out bench/results/gpu] [--state-gib 8.5] [--accum 4] [--quick] [--dir bench/_scratch]
-[--sections d2h,persist,train] [--systems none,pccheck_N2,...] [--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
+[--sections d2h,persist,train] [--systems none,pccheck_N2,...] [--iters none:40,10:40,50:100] [--profile]
+[--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
 rewritten after each phase; gpu.csv and gpu.png come last. Each section, set-up and window is its own ``try``
 (errors recorded, the rest runs); phases due after --budget-s s are skipped. GB/s decimal. --quick: 1 GiB, half
 windows, one micro-batch per iteration, to bench/results/gpu-quick. The GPT and the systems: bench/gpu_train.py.
@@ -9,7 +10,10 @@ windows, one micro-batch per iteration, to bench/results/gpu-quick. The GPT and 
 d2h (S = 4 GiB, 1 GiB quick, 8 CUDA float32 tensors): peak = ``copy_(non_blocking=True)`` into 8 pinned
 ``torch.empty`` + ``torch.cuda.synchronize()``, median of 5 after a warm-up; engine = ``Checkpointer(tensors, path,
 interval=1, max_concurrent=1, writer_threads=4, dram_budget=2 S)``, a warm-up, then 5 x ``checkpoint(); wait()``,
-D2H s = ``copy_s - backpressure_s`` (``checkpoint`` returns once the bytes are in host chunks), median. Overlap:
+D2H s = ``copy_s - backpressure_s`` (``checkpoint`` returns once the bytes are in host chunks), median; the stores
+go to /dev/shm when it holds three states (each run waits for its write, which d2h does not measure). Sweep (3
+runs after a warm-up each): the engine's ``depth`` (chunks queued per thread) 1-3 with ``raw``
+(``cudaMemcpyAsync``) or ``Tensor.copy_`` (depth 1 + copy_: the first GPU run's loop), and 16 / 256 MiB chunks. Overlap:
 8192^2 bf16 ``torch.mm`` batches (4 + stream sync) alone and wholly inside one ``checkpoint()`` run by another
 thread on a side stream; that copy's GB/s. persist (S of touched host arrays): ``Checkpointer(arrays, path,
 interval=1, max_concurrent=1, writer_threads=4)``, 2 warm-ups (both slots written), S / median ``persist_s`` of 3;
@@ -35,6 +39,17 @@ default: see ``staging``), the next ``optimizer.step`` waiting for ``staging_com
 stall per checkpoint, median over c0..c(k-1): pccheck ``stall_s + prepare_s + blocked_copy_s + cow_wait_s``, DCP call + staging
 wait, torch_save the save. Targets (met None if unmeasured): D2H/peak >= 0.9; pccheck_N2 slowdown at 10 <= 1.03, its
 extra/iter / dcp_async's <= 0.3; median stall with reserve / without <= 0.2.
+
+Every window records ``breakdown`` per iteration (Trainer.train): start, the CPU queuing the work (launch_s,
+of which opt_s), the wait for the GPU (sync_s), the training stream's own time between two events (gpu_s),
+and the checkpoint call (call_s). ``disk_bound``: the write rate persist needs at interval 10 against raw
+O_DIRECT, the largest state the disk sustains there at 0.8 of raw, and the least interval where persist needs
+<= 0.8 of raw; pccheck_N2 gets a window at that interval. DCP's ``DefaultStager`` is made anew per save (torch
+2.11's drops its pinned cache after each stage and fails a second stage with ``KeyError: <class 'type'>``).
+DCP runs before pccheck, so --budget-s cuts pccheck's extras first. --profile (bench/gpu_profile.py): after
+pccheck_N2's interval-10 window, the same window with the first GPU run's copy loop (``_legacy_copy``), then
+the disk-bound window, interval 50, the interval-10 window again under py-spy (``pyspy.txt``) and
+torch.profiler around one checkpoint (``profile.txt``).
 """
 
 import argparse

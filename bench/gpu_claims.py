@@ -379,12 +379,14 @@ def claim_lightning(res: dict, dev: str, small: bool, scratch: Path, flush: Call
             meter.boundary(trainer.global_step + 1)
 
         def on_train_batch_end(self, trainer: Any, module: Any, *_: Any) -> None:
+            devices.add(str(next(module.parameters()).device))  # Lightning moves it back to the CPU at the end
             meter.control(trainer.global_step, module, trainer.optimizers[0])
 
         def on_train_end(self, *_: Any) -> None:
             meter.boundary(None)
 
     torch.manual_seed(0)
+    devices: set[str] = set()
     data = TensorDataset(torch.randn(32 * LOOP_STEPS, d), torch.randn(32 * LOOP_STEPS, 1))
     io, net = pccheck.lightning.CheckpointIO(), Net()
     trainer = L.Trainer(accelerator="gpu" if dev == "cuda" else "cpu", devices=1, max_steps=LOOP_STEPS, logger=False,
@@ -393,7 +395,7 @@ def claim_lightning(res: dict, dev: str, small: bool, scratch: Path, flush: Call
     trainer.fit(net, DataLoader(data, batch_size=32))
     saved = [st.step for st in io.stats() if st.outcome != "failed"]
     res.update(param_bytes=sum(p.numel() * p.element_size() for p in net.parameters()),
-               model_device=str(next(net.parameters()).device), errors=[repr(e) for e in io.errors])
+               model_device=",".join(sorted(devices)), errors=[repr(e) for e in io.errors])
     meter.summary(res, saved, {w for s in saved for w in (s, s + 1)})
 
 def claim_hf(res: dict, dev: str, small: bool, scratch: Path, flush: Callable[[], None]) -> None:

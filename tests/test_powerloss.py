@@ -31,7 +31,7 @@ import pytest
 
 import pccheck
 from pccheck.native import _native
-from _crashsim import PowerLossSim, WORD_OFFSET, digest, record
+from _crashsim import BLOCK, Op, PowerLossSim, WORD_OFFSET, digest, record
 
 SCALE = max(0.1, float(os.environ.get("PCCHECK_POWERLOSS_SCALE", "1")))
 STEPS = 9
@@ -227,6 +227,26 @@ def test_trace_records_every_call_kind(recorded: Recorded) -> None:
     # The events form one total order: every position is used exactly once.
     pos = sorted([o.begin for o in ops] + [o.end for o in ops])
     assert pos == list(range(len(pos)))
+
+
+def test_no_data_write_into_a_slot_begins_before_its_meta_record_was_zeroed(recorded: Recorded) -> None:
+    """FORMAT.md §3: a slot's meta record is zeroed before the slot's data is written. The job's
+    first writer thread zeroes it (not the training thread); the other writers wait for it."""
+    head = (recorded.dir / STORE).read_bytes()[:BLOCK]
+    (slots,), (capacity, slots_offset) = struct.unpack_from("<I", head, 16), struct.unpack_from("<QQ", head, 24)
+    last_meta: dict[int, Op] = {}  # slot -> the meta record write that began last
+    checked = 0
+    for o in sorted((o for o in recorded.ops if o.kind == "pwrite"), key=lambda o: o.begin):
+        if BLOCK <= o.off < (1 + slots) * BLOCK:
+            last_meta[o.off // BLOCK - 1] = o
+        elif o.off >= slots_offset:
+            slot = (o.off - slots_offset) // capacity
+            m = last_meta.get(slot)
+            assert m is not None and m.data == bytes(len(m.data)), \
+                f"a write into slot {slot} at {o.off} with no zeroed meta record before it: {m}"
+            assert m.end < o.begin, f"slot {slot}: data write began ({o.begin}) before the zeroing ended ({m.end})"
+            checked += 1
+    assert checked >= STEPS
 
 
 def test_trace_replayed_whole_is_the_real_file(recorded: Recorded) -> None:

@@ -159,17 +159,17 @@ PYBIND11_MODULE(_native, m) {
       .def("set_hold_replaced", &Store::set_hold_replaced)
       .def("take_held", &Store::take_held)
       .def("next_counter", &Store::next_counter)
-      .def("acquire_slot", [](Store& s, double timeout) -> py::object {
+      .def("acquire_slot", [](Store& s, double timeout, bool zero_meta) -> py::object {
              int rc;
              {
                py::gil_scoped_release nogil;
-               rc = s.acquire_slot(timeout);
+               rc = s.acquire_slot(timeout, zero_meta);
              }
              if (rc == -ETIMEDOUT) return py::none();
              if (rc < 0) throw_rc(rc, "cannot invalidate the meta record of a free slot");
              return py::int_(rc);
            },
-           py::arg("timeout") = -1.0)
+           py::arg("timeout") = -1.0, py::arg("zero_meta") = true)
       .def("release_slot", &Store::release_slot)
       .def("commit", [](Store& s, uint32_t slot, uint64_t counter, int64_t step, const py::bytes& manifest,
                         uint64_t manifest_offset, uint64_t data_len) {
@@ -227,7 +227,7 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("chunk_size"), py::arg("num_chunks"), py::arg("writer_threads"))
       .def("begin", [](Engine& e, std::shared_ptr<Store> store, uint32_t slot, const py::list& sources,
-                       uint64_t stream_len) {
+                       uint64_t stream_len, bool zero_meta) {
              std::vector<ArraySource> srcs;
              srcs.reserve(sources.size());
              for (const py::handle& item : sources) {
@@ -242,9 +242,9 @@ PYBIND11_MODULE(_native, m) {
                s.strides = t[5].cast<std::vector<int64_t>>();
                srcs.push_back(std::move(s));
              }
-             return e.begin(std::move(store), slot, std::move(srcs), stream_len);
+             return e.begin(std::move(store), slot, std::move(srcs), stream_len, zero_meta);
            },
-           py::arg("store"), py::arg("slot"), py::arg("sources"), py::arg("stream_len"))
+           py::arg("store"), py::arg("slot"), py::arg("sources"), py::arg("stream_len"), py::arg("zero_meta") = false)
       .def_property_readonly("chunk_size", &Engine::chunk_size)
       .def_property_readonly("num_chunks", &Engine::num_chunks)
       .def("free_chunks", &Engine::free_chunks)

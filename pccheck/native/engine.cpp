@@ -136,7 +136,7 @@ uint32_t Engine::free_chunks() {
 }
 
 std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
-                                   std::vector<ArraySource> sources, uint64_t stream_len) {
+                                   std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta) {
   if (closed_) throw std::invalid_argument("the engine is closed");
   const Header& h = store->header();
   if (slot >= h.num_slots) throw std::invalid_argument("slot out of range");
@@ -146,6 +146,7 @@ std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
   job->engine_ = this;
   job->store_ = std::move(store);
   job->slot_ = slot;
+  job->zero_meta_ = zero_meta;
   job->slot_off_ = h.slot_offset(slot);
   job->stream_len_ = stream_len;
   job->chunk_size_ = chunk_size_;
@@ -190,6 +191,9 @@ std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
   }
   job->remaining_.store(job->nchunks_ + 1);
   if (job->nchunks_ == 0) {  // nothing to copy: the copy phase is over before it starts
+    if (zero_meta) {  // no writer will: zero the meta record here, before the commit writes it
+      if (int rc = job->store_->zero_meta(slot)) job->set_error(rc);
+    }
     job->copied_ = true;
     job->remaining_.store(1);
     job->done(1);
@@ -302,6 +306,13 @@ bool Job::wait_copied(double timeout_s) {
 
 void Job::write_chunk(uint64_t k, uint8_t* chunk) {
   if (err_.load() != 0) return;
+  if (zero_meta_) {
+    std::call_once(meta_once_, [this] { meta_rc_ = store_->zero_meta(slot_); });
+    if (meta_rc_ != 0) {
+      set_error(meta_rc_);
+      return;
+    }
+  }
   struct Ctx {
     std::vector<Piece>* pieces;
     const uint8_t* chunk;

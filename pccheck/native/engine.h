@@ -110,6 +110,12 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::vector<Piece>> pieces_;     // per chunk: the array bytes it carries
   std::vector<uint32_t> crcs_;
   std::atomic<int> err_{0};
+  // Invariant: with zero_meta_, no data byte of this job reaches the slot before the slot's meta
+  // record was zeroed: every write_chunk passes through meta_once_ first (call_once makes the
+  // other writers wait for the one that zeroes), and a failed zeroing fails the job unwritten.
+  bool zero_meta_ = false;
+  std::once_flag meta_once_;
+  int meta_rc_ = 0;
   std::atomic<uint64_t> next_{0};              // next chunk index to claim
   std::atomic<uint64_t> filled_{0};            // chunks submitted or skipped
   std::atomic<uint64_t> remaining_{0};         // chunks not yet written + 1 for the copy phase
@@ -129,8 +135,10 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // zero_meta: the slot came from acquire_slot(t, false); the job zeroes its meta record before
+  // the first data write (docs/FORMAT.md §3), on the first writer thread to reach it.
   std::shared_ptr<Job> begin(std::shared_ptr<Store> store, uint32_t slot,
-                             std::vector<ArraySource> sources, uint64_t stream_len);
+                             std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta = false);
   uint64_t chunk_size() const { return chunk_size_; }
   uint32_t num_chunks() const { return num_chunks_; }
   uint32_t free_chunks();  // only meaningful while idle

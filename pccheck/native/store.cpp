@@ -165,7 +165,13 @@ void Store::settle_pending_locked() {
   pending_.clear();
 }
 
-int Store::acquire_slot(double timeout_s) {
+int Store::zero_meta(uint32_t slot) {
+  uint8_t zeros[64] = {0};
+  // Only the magic and crc need to go; a short record is padded with zeros to a full block.
+  return write_record(header_.meta_offset(slot), zeros, sizeof(zeros));
+}
+
+int Store::acquire_slot(double timeout_s, bool zero_meta) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(timeout_s < 0 ? 0 : timeout_s));
@@ -190,12 +196,12 @@ int Store::acquire_slot(double timeout_s) {
     if (free_.pop(slot, left < 0.05 ? left : 0.05)) break;
     if (free_.closed()) return -ECANCELED;
   }
-  uint8_t zeros[64] = {0};
-  // Only the magic and crc need to go; a short record is padded with zeros to a full block.
-  int rc = write_record(header_.meta_offset(slot), zeros, sizeof(zeros));
-  if (rc != 0) {
-    free_.push(slot);
-    return rc;
+  if (zero_meta) {
+    int rc = this->zero_meta(slot);
+    if (rc != 0) {
+      free_.push(slot);
+      return rc;
+    }
   }
   return static_cast<int>(slot);
 }

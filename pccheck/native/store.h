@@ -62,10 +62,14 @@ class Store {
 
   // Listing 1 step 1: a fresh counter (atomic add).
   uint64_t next_counter() { return counter_.fetch_add(1); }
-  // Listing 1 step 2: a free slot, -ETIMEDOUT after timeout_s (< 0: wait forever). Its meta record is
-  // zeroed first so a half-rewritten slot can never pass for its previous checkpoint
-  // (a failure there is returned as a negative errno).
-  int acquire_slot(double timeout_s);
+  // Listing 1 step 2: a free slot, -ETIMEDOUT after timeout_s (< 0: wait forever). With
+  // `zero_meta`, its meta record is zeroed first so a half-rewritten slot can never pass for its
+  // previous checkpoint (a failure there is returned as a negative errno). Without it the caller
+  // must call zero_meta(slot) before the slot's first data write (the engine's Job does, from a
+  // writer thread, so a disk busy with the previous checkpoint never delays the training thread).
+  int acquire_slot(double timeout_s, bool zero_meta = true);
+  // Zeroes `slot`'s meta record (docs/FORMAT.md §3): block-padded, not synced, like the data.
+  int zero_meta(uint32_t slot);
   // Returns a slot whose checkpoint failed before its commit.
   void release_slot(uint32_t slot);
 

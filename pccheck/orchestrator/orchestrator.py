@@ -310,7 +310,7 @@ class Orchestrator:
             raise
         try:
             src = self.copy_engine.sources(arrays, layout)
-            job = self.engine.begin(native, slot, src.native, layout.data_len)
+            job = self.engine.begin(native, slot, src.native, layout.data_len, zero_meta=True)
         except BaseException:
             native.release_slot(slot)
             self._inflight.release()
@@ -406,10 +406,13 @@ class Orchestrator:
 
     def _acquire_slot(self, native: Any) -> int:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
-        # barrier left one pending (freed by the next barrier that succeeds).
+        # barrier left one pending (freed by the next barrier that succeeds). No disk I/O here:
+        # zeroing the slot's meta record, a 4 KiB write queued behind the previous checkpoint's
+        # writes, held the training thread 50-188 ms on the GPU (bench/results/gpu/gpu.json); the
+        # job's first writer does it (start(): begin(..., zero_meta=True)).
         while True:
             try:
-                slot = native.acquire_slot(1.0)
+                slot = native.acquire_slot(1.0, zero_meta=False)  # the job zeroes it (start())
             except OSError as exc:
                 raise storage_error_from_oserror(exc, "preparing a slot") from None
             if slot is not None:
@@ -418,7 +421,7 @@ class Orchestrator:
                 busy = bool(self._futures)
             # else a slot frees up once verified, or once the group's global step moves on
             if not busy and not self.store.verifying and not self.retention.may_free_slots():
-                slot = native.acquire_slot(0.0)  # one more look: one may have come back meanwhile
+                slot = native.acquire_slot(0.0, zero_meta=False)  # one more look: one may be back now
                 if slot is not None:
                     return slot
                 raise StorageError(0, "no free slot: earlier commit barriers failed and no checkpoint "
