@@ -103,9 +103,9 @@ class CheckpointIO(_LightningCheckpointIO):
     Args:
         path: the store directory (default: ``.pccheck`` in the directory of the first checkpoint
             Lightning saves; a load follows the pointer file, wherever its store is).
-        max_concurrent, writer_threads, chunk_size, dram_budget, storage, when_busy: the engine's
-            options (:class:`pccheck.EngineOptions`); "auto" takes ``pccheck-tune``'s choice
-            stored in the store directory, or the defaults.
+        **engine: the engine's options, by name (``max_concurrent``, ``writer_threads``,
+            ``chunk_size``, ``dram_budget``, ``storage``, ``when_busy``: :class:`pccheck.EngineOptions`);
+            "auto" takes ``pccheck-tune``'s choice stored in the store directory, or the defaults.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, **engine: Any) -> None:

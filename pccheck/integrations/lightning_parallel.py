@@ -63,11 +63,11 @@ class ModelParallelStrategy(_LightningModelParallel):
     """Lightning's ``ModelParallelStrategy`` with distributed checkpoints kept by ``pccheck.dcp``.
 
     Args:
-        *args, **kwargs: Lightning's (``data_parallel_size``, ``tensor_parallel_size``,
-            ``save_distributed_checkpoint``, ...).
+        *args: Lightning's positional arguments (``data_parallel_size``, ``tensor_parallel_size``).
         store: the pccheck store directory (default: ``.pccheck-dcp`` beside the first checkpoint
             Lightning saves).
         engine: :class:`pccheck.EngineOptions` fields for the :class:`pccheck.dcp.Writer`.
+        **kwargs: Lightning's keyword arguments (``save_distributed_checkpoint``, ...).
     """
 
     def __init__(self, *args: Any, store: str | Path | None = None, engine: dict[str, Any] | None = None,
