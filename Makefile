@@ -7,11 +7,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test bench docs gpu-check clean
 
 setup: $(VENV)/.deps
 	@# (Re)build and install the package with its native core; the CMake build dir is reused.
-	$(PIP) install --quiet ".[test,bench,aio]"
+	$(PIP) install --quiet ".[test,bench,aio,docs]"
 	@# Also put the built extension into the source tree, so `python -m pccheck.demo` and
 	@# `python -m bench...` work from the repo root (where ./pccheck shadows site-packages).
 	cd / && $(CURDIR)/$(PY) -c "import shutil, pccheck.native._native as m; shutil.copy2(m.__file__, '$(CURDIR)/pccheck/native/')"
@@ -37,9 +37,13 @@ test: setup
 bench: setup
 	$(PY) -m bench.persist
 
+docs: setup
+	@# The docs site on http://127.0.0.1:8000 (README, docs/, bench/README.md, the API reference).
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
+
 gpu-check:
 	@# On a GPU machine with torch preinstalled: build the core, run the gpu tests and bench.gpu.
 	bash scripts/gpu-check.sh
 
 clean:
-	rm -rf build $(VENV) checkpoints
+	rm -rf build $(VENV) checkpoints site

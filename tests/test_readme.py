@@ -1,4 +1,5 @@
-"""README's Python examples run as written, in order, against a small model (issue 12)."""
+"""The Python examples of README.md and the guides run as written, in order, against a small model
+(issues 12 and 27): README's first, then each guide's in the order the site's nav lists them."""
 
 from __future__ import annotations
 
@@ -8,17 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+GUIDES = ["resume", "distributed", "spread", "transparent", "integrations", "tuning", "gpu"]
 
 
-def _blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+def _blocks() -> list[tuple[str, str]]:
+    out = []
+    for doc in [README, *(ROOT / "docs" / "guide" / f"{g}.md" for g in GUIDES)]:
+        for code in re.findall(r"^```python\n(.*?)^```", doc.read_text(), flags=re.S | re.M):
+            out.append((doc.relative_to(ROOT).as_posix(), code))
+    return out
 
 
 @pytest.mark.skipif(not README.is_file(), reason="no source tree beside the tests")
 def test_readme_python_examples_run(tmp_path, monkeypatch):
     blocks = _blocks()
-    assert len(blocks) >= 2
+    assert len(blocks) >= 4 and {d for d, _ in blocks} >= {"README.md", "docs/guide/resume.md", "docs/guide/spread.md"}
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -39,8 +46,8 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
     ns = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "batch": batch,
           "train_step": train_step, "start": 0, "total": 25}
     try:
-        for i, code in enumerate(blocks):
-            exec(compile(code, f"README.md python block {i + 1}", "exec"), ns)
+        for i, (doc, code) in enumerate(blocks):
+            exec(compile(code, f"{doc} python block {i + 1}", "exec"), ns)
     finally:
         if "ck" in ns:
             ns["ck"].close()
