@@ -35,14 +35,15 @@ from rich.table import Table
 from .version import __version__
 from .errors import PCCheckError
 from .export import export_checkpoint
-from .inventory import GenerationInfo, VerifyReport, load, locate, survey, verify
+from .inventory import (GenerationInfo, VerifyReport, find_stores, load, locate, resolve_directory, resolve_store,
+                        survey, verify)
 
 __all__ = ["app", "main"]
 
 app = typer.Typer(name="pccheck", add_completion=False, no_args_is_help=True,
                   help="Inspect, verify and export pccheck checkpoint stores.")
 
-PathArg = Annotated[Optional[Path], typer.Argument(help="store directory (default: $PCCHECK_DIR or ./checkpoints)",
+PathArg = Annotated[Optional[Path], typer.Argument(help="store directory, or one above it (a Lightning dirpath, a distributed job's root; default: $PCCHECK_DIR or ./checkpoints)",
                                                    show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="this step instead of the latest checkpoint")]
@@ -109,17 +110,30 @@ def _text(x: Any) -> str:
 # -- ls -------------------------------------------------------------------------------------------
 
 
+def _stores(path: Path | None) -> list[Path]:
+    """The stores at or below PATH; with none, resolve_store's NoCheckpointError says so."""
+    return find_stores(path) or [resolve_store(path)]
+
+
 @app.command("ls")
 def ls_cmd(path: PathArg = None, as_json: JsonOpt = False) -> None:
-    """List every store generation and slot: status, step, counter, size and age."""
+    """List every store generation and slot: status, step, counter, size and age.
+
+    PATH may be the directory a framework was given: the stores below it are listed (a Lightning
+    dirpath's .pccheck/, each rank-r/ of a distributed job).
+    """
     def run() -> None:
-        gens = survey(path)
+        found = [(d, survey(d)) for d in _stores(path)]
         if as_json:
-            _emit_json({"generations": [_gen_doc(g) for g in gens]})
+            docs = [{"directory": str(d), "generations": [_gen_doc(g) for g in gens]} for d, gens in found]
+            _emit_json(docs[0] if len(docs) == 1 else {"stores": docs})
             return
         con = _out()
-        for g in gens:
-            _render_generation(con, g)
+        for d, gens in found:
+            if len(found) > 1 or d != resolve_directory(path):
+                con.print(f"[bold]store {d}[/]")
+            for g in gens:
+                _render_generation(con, g)
 
     _guard(as_json, run)
 
@@ -179,33 +193,47 @@ def verify_cmd(path: PathArg = None, as_json: JsonOpt = False) -> None:
     """Check every slot: meta record, manifest and every array's crc32c (an fsck).
 
     Exit status 0: the latest checkpoint is valid; 1: it is not, but an older one is; 2: none is.
+    With several stores below PATH (a distributed job's ranks), each is checked and the worst counts.
     """
     def run() -> int:
-        r = verify(path)
+        reports = [verify(d) for d in _stores(path)]
         if as_json:
-            _emit_json({"exit_code": r.exit_code, "verdict": _verdict_line(r), "directory": str(r.directory),
-                        "latest": r.latest, "latest_problem": r.latest_problem, "newest_valid": r.newest_valid,
-                        "slots": list(r.checks),
-                        "generation_problems": [{"generation": g, "problem": p} for g, p in r.generation_problems]})
-            return r.exit_code
+            docs = [_verify_doc(r) for r in reports]
+            worst = max(r.exit_code for r in reports)
+            _emit_json(docs[0] if len(docs) == 1 else {"exit_code": worst, "stores": docs})
+            return worst
         con = _out()
-        t = Table(show_edge=False, pad_edge=False)
-        for col, just in (("gen", "right"), ("slot", "right"), ("step", "right"), ("counter", "right"),
-                          ("verdict", "left"), ("arrays", "right"), ("problem", "left")):
-            t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
-        for c in r.checks:
-            mark = " (latest)" if r.latest is not None and (c.generation, c.slot) == (r.latest.generation, r.latest.slot) else ""
-            verdict = {"ok": "[green]ok[/]", "bad": "[bold red]BAD[/]"}.get(c.verdict, c.verdict) + mark
-            t.add_row(str(c.generation), str(c.slot), _text(c.step), _text(c.counter), verdict, _text(c.arrays),
-                      c.problem or "")
-        con.print(t)
-        for g, p in r.generation_problems:
-            con.print(f"generation {g}: [bold red]unreadable[/]: {p}")
-        colour = ("green", "yellow", "red")[r.exit_code]
-        con.print(f"[bold {colour}]{_verdict_line(r)}[/]")
-        return r.exit_code
+        for r in reports:
+            if len(reports) > 1 or r.directory != resolve_directory(path):
+                con.print(f"[bold]store {r.directory}[/]")
+            _render_verify(con, r)
+        return max(r.exit_code for r in reports)
 
     _guard(as_json, run)
+
+
+def _verify_doc(r: VerifyReport) -> dict[str, Any]:
+    return {"exit_code": r.exit_code, "verdict": _verdict_line(r), "directory": str(r.directory),
+            "latest": r.latest, "latest_problem": r.latest_problem, "newest_valid": r.newest_valid,
+            "slots": list(r.checks),
+            "generation_problems": [{"generation": g, "problem": p} for g, p in r.generation_problems]}
+
+
+def _render_verify(con: Console, r: VerifyReport) -> None:
+    t = Table(show_edge=False, pad_edge=False)
+    for col, just in (("gen", "right"), ("slot", "right"), ("step", "right"), ("counter", "right"),
+                      ("verdict", "left"), ("arrays", "right"), ("problem", "left")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for c in r.checks:
+        mark = " (latest)" if r.latest is not None and (c.generation, c.slot) == (r.latest.generation, r.latest.slot) else ""
+        verdict = {"ok": "[green]ok[/]", "bad": "[bold red]BAD[/]"}.get(c.verdict, c.verdict) + mark
+        t.add_row(str(c.generation), str(c.slot), _text(c.step), _text(c.counter), verdict, _text(c.arrays),
+                  c.problem or "")
+    con.print(t)
+    for g, p in r.generation_problems:
+        con.print(f"generation {g}: [bold red]unreadable[/]: {p}")
+    colour = ("green", "yellow", "red")[r.exit_code]
+    con.print(f"[bold {colour}]{_verdict_line(r)}[/]")
 
 
 # -- inspect --------------------------------------------------------------------------------------

@@ -23,15 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from .errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
+from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PCCheckError
 from .persist.layout import Manifest
-from .persist.files import default_path
+from .persist.files import HISTORY_DIR, STORE_GLOB, default_path
 from .persist.recovery import (Restored, Scanned, StoreImage, candidate_order, confirmed_slot, first_valid,
                                load_slot, read_manifest, scan, slot_was_written)
 
 __all__ = [
     "SlotInfo", "GenerationInfo", "SlotCheck", "VerifyReport", "Located",
-    "survey", "verify", "locate", "load", "resolve_directory",
+    "survey", "verify", "locate", "load", "resolve_directory", "find_stores", "resolve_store",
 ]
 
 T = TypeVar("T")
@@ -125,21 +125,61 @@ def resolve_directory(path: str | os.PathLike[str] | None) -> Path:
     return d
 
 
+_STORE_DEPTH = 2  # how far below the given directory find_stores looks
+
+
+def _has_store(directory: Path) -> bool:
+    return any(directory.glob(STORE_GLOB))
+
+
+def find_stores(path: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The store directories at or below ``path``: the directory itself if it holds a store, else the
+    nearest ones below it, up to two levels down, sorted. The directory a user knows is found this
+    way: a Lightning ``dirpath`` keeps its store in ``.pccheck/`` (``.pccheck-dcp/rank-r/`` for a
+    model-parallel strategy), a distributed job one per ``rank-r/``. ``history/`` holds no store."""
+    directory = resolve_directory(path)
+    if _has_store(directory):
+        return [directory]
+    level = [directory]
+    for _ in range(_STORE_DEPTH):
+        found, below = [], []
+        for d in level:
+            for child in sorted(d.iterdir()):
+                if child.is_dir() and not child.is_symlink() and child.name != HISTORY_DIR:
+                    (found if _has_store(child) else below).append(child)
+        if found:
+            return found
+        level = below
+    return []
+
+
+def resolve_store(path: str | os.PathLike[str] | None = None) -> Path:
+    """The one store directory at or below ``path`` (:func:`find_stores`). NoCheckpointError if there
+    is none; ConfigError naming them if there are several (a distributed job: pass one rank's)."""
+    stores = find_stores(path)
+    directory = resolve_directory(path)
+    if not stores:
+        raise NoCheckpointError(f"{directory} holds no pccheck store ({STORE_GLOB}), nor does any directory "
+                                "below it; nothing to read")
+    if len(stores) > 1:
+        names = ", ".join(str(s) for s in stores[:8]) + (", ..." if len(stores) > 8 else "")
+        raise ConfigError(f"{directory} holds {len(stores)} pccheck stores (a distributed run keeps one per "
+                          f"rank): pass one of them: {names}")
+    return stores[0]
+
+
 def _generations(directory: Path) -> list[Scanned]:
-    """Recovery's scan of the directory (newest first); NoCheckpointError naming what to pass
-    when it holds no store."""
+    """Recovery's scan of a store directory (newest first)."""
     found = list(scan(directory))
-    if not found:
-        ranks = sorted(p.name for p in directory.glob("rank-*") if p.is_dir())
-        hint = (f"; it holds the stores of a distributed run: pass one rank's directory, e.g. "
-                f"{directory / ranks[0]}" if ranks else "")
-        raise NoCheckpointError(f"{directory} holds no pccheck store (store-*.pcc); nothing to read{hint}")
+    if not found:  # the store vanished since resolve_store found it
+        raise NoCheckpointError(f"{directory} holds no pccheck store ({STORE_GLOB}); nothing to read")
     return found
 
 
 def survey(path: str | os.PathLike[str] | None = None) -> list[GenerationInfo]:
-    """Every generation (newest first) and slot of a store directory, from headers and meta records."""
-    directory = resolve_directory(path)
+    """Every generation (newest first) and slot of the store at or below ``path`` (:func:`resolve_store`),
+    from headers and meta records."""
+    directory = resolve_store(path)
     now = time.time_ns()
     out = []
     latest_marked = False
@@ -178,8 +218,9 @@ def _size(file: Path) -> int:
 
 
 def verify(path: str | os.PathLike[str] | None = None) -> VerifyReport:
-    """fsck: checks every slot of every generation (meta record, manifest, every array's crc32c)."""
-    directory = resolve_directory(path)
+    """fsck of the store at or below ``path``: every slot of every generation (meta record, manifest,
+    every array's crc32c)."""
+    directory = resolve_store(path)
     checks: list[SlotCheck] = []
     gen_problems: list[tuple[int, str]] = []
     latest: SlotCheck | None = None
@@ -242,7 +283,7 @@ def _search(path: str | os.PathLike[str] | None, step: int | None,
     """Recovery's order (generations newest first, CHECK_ADDR's slot, then newest counter),
     restricted to ``step`` if given: the first slot for which ``attempt(image, slot, fd)`` does not
     raise CorruptCheckpointError. Raises NoCheckpointError saying what exists."""
-    directory = resolve_directory(path)
+    directory = resolve_store(path)
     problems: list[str] = []
     steps: set[int] = set()
     for scanned in _generations(directory):

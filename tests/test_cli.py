@@ -405,10 +405,37 @@ def test_struct_unpack_meta_offsets_match_format(store: Path) -> None:
     assert magic == b"PCCMETA\0" and s == slot and step == 5 and counter >= 5
 
 
-def test_distributed_layout_hint(store: Path, tmp_path: Path) -> None:
+def test_a_distributed_root_lists_and_verifies_every_rank(store: Path, tmp_path: Path) -> None:
+    """Pointed at a distributed job's root, ls and verify cover each rank-r/ store (the worst exit
+    status counts); inspect and export, which need one store, name the ranks to choose from."""
     top = tmp_path / "dist"
     top.mkdir()
-    shutil.copytree(store, top / "rank-0")
-    doc = run_json("ls", top, code=2)
-    assert "distributed" in doc["error"] and "rank-0" in doc["error"]
-    assert run_json("ls", top / "rank-0")["generations"][0]["num_slots"] == 3
+    for r in (0, 1):
+        shutil.copytree(store, top / f"rank-{r}")
+    doc = run_json("ls", top)
+    assert [Path(d["directory"]).name for d in doc["stores"]] == ["rank-0", "rank-1"]
+    assert all(d["generations"][0]["num_slots"] == 3 for d in doc["stores"])
+    assert run_json("verify", top)["exit_code"] == 0
+    flip_array_byte(top / "rank-1", 5)  # rank 1's latest is damaged; an older step is valid
+    doc = run_json("verify", top, code=1)
+    assert [d["exit_code"] for d in doc["stores"]] == [0, 1]
+    res = run("inspect", top)
+    assert res.exit_code != 0 and "rank-0" in res.output and "rank-1" in res.output and "pass one" in res.output
+    assert run_json("inspect", top / "rank-0")["step"] == 5
+
+
+def test_a_lightning_dirpath_finds_the_store_below_it(store: Path, tmp_path: Path) -> None:
+    """pccheck.lightning keeps its store in DIRPATH/.pccheck beside Lightning's pointer files."""
+    dirpath = tmp_path / "lightning-ckpt"
+    dirpath.mkdir()
+    (dirpath / "epoch=0-step=5.ckpt").write_text("{}")
+    shutil.copytree(store, dirpath / ".pccheck")
+    (dirpath / ".pccheck" / "history").mkdir()
+    assert run_json("ls", dirpath)["directory"] == str(dirpath / ".pccheck")
+    assert run("verify", dirpath).exit_code == 0
+    assert run_json("inspect", dirpath)["step"] == 5
+    assert "store " in run("ls", dirpath).output  # text output names the store it found
+    empty = tmp_path / "nothing-below"
+    (empty / "a" / "b" / "c").mkdir(parents=True)
+    doc = run_json("ls", empty, code=2)
+    assert doc["type"] == "NoCheckpointError" and "nor does any directory below it" in doc["error"]
