@@ -102,3 +102,36 @@ def test_format_1_fields_are_moved_out_of_metadata():
 def test_bad_own_fields_and_unknown_formats_are_corrupt(raw):
     with pytest.raises(pccheck.CorruptCheckpointError):
         parse_manifest(raw, step=1, counter=1, data_len_limit=0)
+
+
+# -- the native field tables against FORMAT.md's tables ------------------------------------------
+
+_FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
+_TYPES = {"u32": (4, False), "u64": (8, False), "i64": (8, True)}
+
+
+def _format_table(section: str) -> dict[int, tuple[int, bool]]:
+    """offset -> (size, signed) of the integer rows of the table under ``section`` in FORMAT.md,
+    but the crc32c at 124 (the record's checksum) and the CHECK_ADDR word at 128 (§4: outside the
+    header's crc, written only through the mapping), which are not record fields."""
+    text = _FORMAT_MD.read_text()
+    body = text[text.index(section):]
+    body = body[:body.index("\n## ", 1)]
+    rows = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit() and cells[1] in _TYPES and int(cells[0]) not in (124, 128):
+            rows[int(cells[0])] = _TYPES[cells[1]]
+    return rows
+
+
+@pytest.mark.skipif(not _FORMAT_MD.is_file(), reason="no source tree beside the tests")
+@pytest.mark.parametrize("section,fields", [("## §2 Header", "header_fields"), ("## §3 Meta record", "meta_fields")])
+def test_native_field_tables_match_format_md(section, fields):
+    """The header and meta fields are defined once in the core (format.h's X-macros): pack, parse
+    and the bindings use them. Their offsets and widths are the ones FORMAT.md specifies."""
+    from pccheck.native import _native
+
+    native = {off: (size, signed) for _, off, size, signed in getattr(_native, fields)()}
+    assert native == _format_table(section)
+    assert len({name for name, *_ in getattr(_native, fields)()}) == len(native)

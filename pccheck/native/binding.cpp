@@ -1,5 +1,7 @@
 // Python binding: converts types, releases the GIL around everything that copies, writes or
 // waits, and maps native errors to OSError (with errno) or ValueError. No logic lives here.
+#include <cstring>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -35,20 +37,19 @@ const char* mode_name(Mode m) {
   return "?";
 }
 
+#define PCC_DICT_ITEM(type, name, offset) d[#name] = h.name;
+
 py::dict header_dict(const Header& h) {
   py::dict d;
-  d["version"] = h.version;
-  d["block_size"] = h.block_size;
-  d["num_slots"] = h.num_slots;
-  d["flags"] = h.flags;
-  d["slot_capacity"] = h.slot_capacity;
-  d["slots_offset"] = h.slots_offset;
-  d["generation"] = h.generation;
-  d["world_size"] = h.world_size;
-  d["rank"] = h.rank;
-  d["created_unix_ns"] = h.created_unix_ns;
+  PCC_HEADER_FIELDS(PCC_DICT_ITEM)
   d["file_size"] = h.file_size();
   return d;
+}
+
+py::list field_table(const std::vector<FieldInfo>& fields) {
+  py::list out;
+  for (const FieldInfo& f : fields) out.append(py::make_tuple(f.name, f.offset, f.size, f.is_signed));
+  return out;
 }
 
 py::buffer_info read_buffer(const py::buffer& b) { return b.request(); }
@@ -121,17 +122,18 @@ PYBIND11_MODULE(_native, m) {
         if (why == "empty") return py::none();
         if (!why.empty()) throw std::invalid_argument(why);
         py::dict d;
-        d["slot"] = mt.slot;
-        d["counter"] = mt.counter;
-        d["step"] = mt.step;
-        d["data_len"] = mt.data_len;
-        d["manifest_offset"] = mt.manifest_offset;
-        d["manifest_len"] = mt.manifest_len;
-        d["manifest_crc"] = mt.manifest_crc;
-        d["unix_ns"] = mt.unix_ns;
+        // Every field but the version, which parse_meta has checked is the one this build reads.
+#define PCC_META_ITEM(type, name, offset) \
+  if (std::strcmp(#name, "version") != 0) d[#name] = mt.name;
+        PCC_META_FIELDS(PCC_META_ITEM)
+#undef PCC_META_ITEM
         return d;
       },
       "Parse and validate a meta record (FORMAT.md §3): dict, None when empty, ValueError if invalid.");
+  m.def("header_fields", [] { return field_table(header_fields()); },
+        "The header's fields (FORMAT.md §2) as this build packs them: (name, offset, size, signed).");
+  m.def("meta_fields", [] { return field_table(meta_fields()); },
+        "The meta record's fields (FORMAT.md §3) as this build packs them: (name, offset, size, signed).");
   m.def("word_counter", &word_counter);
   m.def("word_slot", &word_slot);
   m.def("make_word", &make_word);
@@ -184,7 +186,7 @@ PYBIND11_MODULE(_native, m) {
            },
            py::arg("slot"), py::arg("counter"), py::arg("step"), py::arg("manifest"),
            py::arg("manifest_offset"), py::arg("data_len"),
-           "Listing 1 steps 3-5. True: this checkpoint is now the durable latest; False: a newer one won.")
+           "FORMAT.md §4 steps 3-5. True: this checkpoint is now the durable latest; False: a newer one won.")
       .def("free_slots", &Store::free_slots)
       .def("close", &Store::close, py::call_guard<py::gil_scoped_release>());
 

@@ -2,6 +2,8 @@
 
 #include "crc32c.h"
 
+#include <type_traits>
+
 namespace pcc {
 namespace {
 
@@ -24,34 +26,28 @@ bool all_zero(const uint8_t* p, size_t n) {
 
 }  // namespace
 
-void pack_header(const Header& h, uint8_t* b) {
+#define PCC_PUT(type, name, offset) put<type>(b, offset, rec.name);
+#define PCC_GET(type, name, offset) rec->name = get<type>(b, offset);
+#define PCC_INFO(type, name, offset) {#name, offset, sizeof(type), std::is_signed<type>::value},
+// Every field lies inside [8, kCrcSpan) and fits there: the magic and the crc are never overwritten.
+#define PCC_CHECK(type, name, offset) static_assert(offset >= 8 && offset + sizeof(type) <= kCrcSpan, #name);
+PCC_HEADER_FIELDS(PCC_CHECK)
+PCC_META_FIELDS(PCC_CHECK)
+
+std::vector<FieldInfo> header_fields() { return {PCC_HEADER_FIELDS(PCC_INFO)}; }
+std::vector<FieldInfo> meta_fields() { return {PCC_META_FIELDS(PCC_INFO)}; }
+
+void pack_header(const Header& rec, uint8_t* b) {
   std::memset(b, 0, kBlock);
   std::memcpy(b, kHeaderMagic, 8);
-  put<uint32_t>(b, 8, h.version);
-  put<uint32_t>(b, 12, h.block_size);
-  put<uint32_t>(b, 16, h.num_slots);
-  put<uint32_t>(b, 20, h.flags);
-  put<uint64_t>(b, 24, h.slot_capacity);
-  put<uint64_t>(b, 32, h.slots_offset);
-  put<uint64_t>(b, 40, h.generation);
-  put<uint32_t>(b, 48, h.world_size);
-  put<uint32_t>(b, 52, h.rank);
-  put<uint64_t>(b, 56, h.created_unix_ns);
+  PCC_HEADER_FIELDS(PCC_PUT)
   put<uint32_t>(b, kCrcSpan, crc32c_update(0, b, kCrcSpan));
 }
 
-void pack_meta(const Meta& m, uint8_t* b) {
+void pack_meta(const Meta& rec, uint8_t* b) {
   std::memset(b, 0, kBlock);
   std::memcpy(b, kMetaMagic, 8);
-  put<uint32_t>(b, 8, m.version);
-  put<uint32_t>(b, 12, m.slot);
-  put<uint64_t>(b, 16, m.counter);
-  put<int64_t>(b, 24, m.step);
-  put<uint64_t>(b, 32, m.data_len);
-  put<uint64_t>(b, 40, m.manifest_offset);
-  put<uint64_t>(b, 48, m.manifest_len);
-  put<uint32_t>(b, 56, m.manifest_crc);
-  put<uint64_t>(b, 64, m.unix_ns);
+  PCC_META_FIELDS(PCC_PUT)
   put<uint32_t>(b, kCrcSpan, crc32c_update(0, b, kCrcSpan));
 }
 
@@ -59,16 +55,8 @@ std::string parse_header(const uint8_t* b, size_t len, Header* h) {
   if (len < kBlock) return "file is shorter than the 4096-byte header block";
   if (std::memcmp(b, kHeaderMagic, 8) != 0) return "bad magic: not a pccheck store";
   if (get<uint32_t>(b, kCrcSpan) != crc32c_update(0, b, kCrcSpan)) return "header checksum mismatch";
-  h->version = get<uint32_t>(b, 8);
-  h->block_size = get<uint32_t>(b, 12);
-  h->num_slots = get<uint32_t>(b, 16);
-  h->flags = get<uint32_t>(b, 20);
-  h->slot_capacity = get<uint64_t>(b, 24);
-  h->slots_offset = get<uint64_t>(b, 32);
-  h->generation = get<uint64_t>(b, 40);
-  h->world_size = get<uint32_t>(b, 48);
-  h->rank = get<uint32_t>(b, 52);
-  h->created_unix_ns = get<uint64_t>(b, 56);
+  Header* rec = h;
+  PCC_HEADER_FIELDS(PCC_GET)
   if (h->version != kFormatVersion) return "unsupported format version " + std::to_string(h->version);
   if (h->block_size != kBlock) return "unsupported block size";
   if (h->num_slots < 2 || h->num_slots > kMaxSlots) return "slot count out of range [2, 255]";
@@ -85,18 +73,11 @@ std::string parse_meta(const uint8_t* b, size_t len, const Header& h, uint32_t s
   if (all_zero(b, kBlock)) return "empty";
   if (std::memcmp(b, kMetaMagic, 8) != 0) return "bad meta magic";
   if (get<uint32_t>(b, kCrcSpan) != crc32c_update(0, b, kCrcSpan)) return "meta checksum mismatch";
-  m->version = get<uint32_t>(b, 8);
-  m->slot = get<uint32_t>(b, 12);
-  m->counter = get<uint64_t>(b, 16);
-  m->step = get<int64_t>(b, 24);
-  m->data_len = get<uint64_t>(b, 32);
-  m->manifest_offset = get<uint64_t>(b, 40);
-  m->manifest_len = get<uint64_t>(b, 48);
-  m->manifest_crc = get<uint32_t>(b, 56);
-  m->unix_ns = get<uint64_t>(b, 64);
+  Meta* rec = m;
+  PCC_META_FIELDS(PCC_GET)
   if (m->version != kFormatVersion) return "unsupported meta version";
   if (m->slot != slot) return "meta record names slot " + std::to_string(m->slot) + " but sits in block of slot " + std::to_string(slot);
-  if (m->counter == 0 || m->counter > (UINT64_MAX >> 8)) return "counter out of range";
+  if (m->counter == 0 || m->counter > kMaxCounter) return "counter out of range";
   if (m->manifest_offset % kBlock) return "manifest offset is not block aligned";
   if (m->data_len > m->manifest_offset) return "data overlaps the manifest";
   if (m->manifest_offset > h.slot_capacity || m->manifest_len > h.slot_capacity - m->manifest_offset)

@@ -1,6 +1,6 @@
 // Every system call that writes or syncs the store goes through here, so that tests can
 //  - fail the n-th one (SQLite's I/O-error loop): ENOSPC, EIO, EINTR or a short write, once or
-//    from then on (set_fault), and
+//    from then on (faults.h), and
 //  - record every one of them, with its file, offset, length and bytes, in one global order
 //    (trace_start / trace_take), so a power-loss simulator can replay any prefix of the writes
 //    with unsynced ones dropped or torn (tests/_crashsim.py; ALICE / CrashMonkey style).
@@ -13,27 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "faults.h"
+
 namespace pcc::io {
-
-enum Op : uint32_t {
-  kPwrite = 1u << 0,
-  kFdatasync = 1u << 1,
-  kMsync = 1u << 2,
-  kFallocate = 1u << 3,
-  kPmemDrain = 1u << 4,  // the PMEM writer's per-chunk fence: a failure here models a media error
-  kAll = 0xFFFFFFFFu,
-};
-
-// Special `err` value: the n-th pwrite writes only half of what it was asked, like a real short write.
-constexpr int kShortWrite = -1;
-
-// Arms the fault: the nth (1-based) call among the ops in `op_mask` fails with `err`
-// (or every call from the nth on when `persistent`). EINTR and short writes are retried by the
-// callers, so they must not surface as errors.
-void set_fault(uint32_t op_mask, int64_t nth, int err, bool persistent);
-void clear_fault();
-// Calls among the armed mask since set_fault (so a test knows when n passed the last call site).
-int64_t fault_calls();
 
 // Writes all of buf at off: retries EINTR and continues after short writes.
 int pwrite_all(int fd, const void* buf, size_t len, uint64_t off);

@@ -262,13 +262,24 @@ void Store::release_pending() {
 
 int Store::commit(uint32_t slot, uint64_t counter, int64_t step, const std::string& manifest,
                   uint64_t manifest_offset, uint64_t data_len) {
-  const uint64_t slot_off = header_.slot_offset(slot);
-  if (manifest_offset % kBlock || data_len > manifest_offset ||
+  if (counter == 0 || counter > kMaxCounter || manifest_offset % kBlock || data_len > manifest_offset ||
       manifest_offset > header_.slot_capacity ||
       round_up(manifest.size()) > header_.slot_capacity - manifest_offset) {
     release_slot(slot);
     return -EOVERFLOW;
   }
+  if (int rc = write_and_sync_records(slot, counter, step, manifest, manifest_offset, data_len)) {
+    release_slot(slot);  // step 3 failed: never named by CHECK_ADDR, safe to reuse
+    return rc;
+  }
+  return advance_word(slot, counter);
+}
+
+// FORMAT.md §4 step 3: the manifest, then the meta record, then ONE barrier for data + manifest +
+// meta. A meta record that reaches the disk without its data is harmless: CHECK_ADDR never names
+// it, and recovery's fallback scan rejects it by the array checksums.
+int Store::write_and_sync_records(uint32_t slot, uint64_t counter, int64_t step, const std::string& manifest,
+                                  uint64_t manifest_offset, uint64_t data_len) {
   Meta m;
   m.slot = slot;
   m.counter = counter;
@@ -280,32 +291,29 @@ int Store::commit(uint32_t slot, uint64_t counter, int64_t step, const std::stri
   m.unix_ns = now_ns();
   uint8_t block[kBlock];
   pack_meta(m, block);
-
-  // Step 3: manifest, then meta record, then ONE barrier for data + manifest + meta. A meta
-  // record that reaches the disk without its data is harmless: CHECK_ADDR never names it, and
-  // recovery's fallback scan rejects it by the array checksums.
-  int rc = write_record(slot_off + manifest_offset, manifest.data(), manifest.size());
+  int rc = write_record(header_.slot_offset(slot) + manifest_offset, manifest.data(), manifest.size());
   if (rc == 0) rc = write_record(header_.meta_offset(slot), block, kBlock);
   if (rc == 0) rc = sync_records();
-  if (rc != 0) {
-    release_slot(slot);  // never named by CHECK_ADDR: safe to reuse
-    return rc;
-  }
+  return rc;
+}
 
-  // Steps 4-5: CAS CHECK_ADDR from the value we last saw to ours, only ever forward.
+// FORMAT.md §4 steps 4-5: CAS CHECK_ADDR from the value last seen to ours, only ever forward, then a
+// barrier on the word; on success the replaced slot is freed. Returns 1 (ours is the durable latest),
+// 0 (a newer checkpoint had won) or a negative errno (the word's barrier failed).
+int Store::advance_word(uint32_t slot, uint64_t counter) {
   const uint64_t mine = make_word(counter, slot);
   uint64_t cur = word_->load(std::memory_order_acquire);
   for (;;) {
     if (word_counter(cur) > counter) {
-      // A newer checkpoint already won (Listing 1 l.29-31). Make sure it is durable, then our
-      // slot, which CHECK_ADDR never named, goes back to the free queue.
-      rc = barrier_word();
+      // A newer checkpoint already won (§4 step 5). Make sure it is durable, then our slot, which
+      // CHECK_ADDR never named, goes back to the free queue.
+      int rc = barrier_word();
       if (rc == 0) release_pending();
       free_.push(slot);
       return rc < 0 ? rc : 0;
     }
     if (word_->compare_exchange_weak(cur, mine, std::memory_order_acq_rel, std::memory_order_acquire)) {
-      rc = barrier_word();
+      int rc = barrier_word();
       std::lock_guard<std::mutex> lk(pending_mu_);
       if (cur != 0) pending_.push_back(word_slot(cur));
       if (rc != 0) return rc;  // old slot stays pending: the durable word may still name it

@@ -1,6 +1,6 @@
 // The slot store: one preallocated file with a header, N+1 meta records and N+1 slots
-// (docs/FORMAT.md), the free-slot queue, the global counter and the commit protocol (§4, the
-// paper's Listing 1). Errors are negative errnos, or NativeError exceptions from constructors.
+// (docs/FORMAT.md), the free-slot queue, the global counter and the commit protocol (FORMAT.md §4,
+// steps 1-5). Errors are negative errnos, or NativeError exceptions from constructors.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -60,9 +60,11 @@ class Store {
   void set_hold_replaced(bool hold);
   std::vector<uint32_t> take_held();
 
-  // Listing 1 step 1: a fresh counter (atomic add).
+  // §4 step 1: a fresh counter (atomic add). Invariant: counters stay below 2^56 (kMaxCounter),
+  // since the word packs (counter << 8) | slot; commit() refuses one above it (-EOVERFLOW), and at
+  // a checkpoint per microsecond the counter would take 2,000 years to get there.
   uint64_t next_counter() { return counter_.fetch_add(1); }
-  // Listing 1 step 2: a free slot, -ETIMEDOUT after timeout_s (< 0: wait forever). With
+  // §4 step 2: a free slot, -ETIMEDOUT after timeout_s (< 0: wait forever). With
   // `zero_meta`, its meta record is zeroed first so a half-rewritten slot can never pass for its
   // previous checkpoint (a failure there is returned as a negative errno). Without it the caller
   // must call zero_meta(slot) before the slot's first data write (the engine's Job does, from a
@@ -79,7 +81,7 @@ class Store {
   // allows it (kODirect: kernel AIO), else after it.
   int write_data(const uint8_t* buf, size_t len, uint64_t file_off, void (*overlap)(void*), void* arg);
 
-  // Listing 1 steps 3-5 for a slot whose chunks are all written: manifest + meta record, one
+  // §4 steps 3-5 for a slot whose chunks are all written: manifest + meta record, one
   // durability barrier, then CAS on CHECK_ADDR and its persistence barrier. Returns 1 when this
   // checkpoint became the durable latest, 0 when a newer one had already won, or a negative
   // errno (the slot is then released, and the previous latest stays untouched and loadable).
@@ -94,6 +96,9 @@ class Store {
   int write_record(uint64_t file_off, const void* data, size_t len);  // block-padded, not synced
   int sync_records();        // makes data + manifest + meta durable (before the CAS)
   int barrier_word();        // makes the CHECK_ADDR word durable (after the CAS)
+  int write_and_sync_records(uint32_t slot, uint64_t counter, int64_t step, const std::string& manifest,
+                             uint64_t manifest_offset, uint64_t data_len);  // §4 step 3
+  int advance_word(uint32_t slot, uint64_t counter);                         // §4 steps 4-5
   void release_pending();    // after a successful barrier_word
   void settle_pending_locked();  // pending_ -> free_ (or held_); pending_mu_ held
 
@@ -106,6 +111,12 @@ class Store {
   bool is_pmem_ = false;
   std::atomic<uint64_t>* word_ = nullptr;  // CHECK_ADDR, inside map_
   std::atomic<uint64_t> counter_{1};
+  // Invariant (the slot partition): each slot is in exactly one of these states: free (in free_),
+  // pending (in pending_: replaced in CHECK_ADDR, its replacement's barrier failed), held (in
+  // held_: kept for the caller, distributed mode), in flight (acquired, not yet committed or
+  // released), or named by the word. acquire_slot moves free -> in flight; commit moves in flight ->
+  // named (and the slot it replaced -> pending -> free or held) or, if a newer one won or it
+  // failed, -> free; release_slot moves in flight or held -> free.
   BlockingQueue<uint32_t> free_;
   std::mutex pending_mu_;
   // Slots replaced in CHECK_ADDR whose replacement is not yet known durable (its barrier failed):
