@@ -45,8 +45,8 @@ from ..native import _native
 from ..persist.layout import Layout
 from .threads import started_pool
 
-__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "abandon", "default_copy_threads",
-           "filling"]
+__all__ = ["CopyEngine", "CpuCopyEngine", "Sources", "ThrottledCopyEngine", "abandon", "acquire_chunk_for",
+           "default_copy_threads", "filling"]
 
 
 @dataclass
@@ -235,15 +235,22 @@ class ThrottledCopyEngine(CpuCopyEngine):
         time.sleep(max(0.0, until - time.perf_counter()))
 
 
+def acquire_chunk_for(job: Any, k: int) -> int:
+    """A free pool chunk for claimed chunk ``k`` (waits: back-pressure). If the engine was closed
+    under the copy, ``k`` is skipped (the job fails, nothing waits for it) and ConfigError raised."""
+    cid = job.acquire_chunk()
+    if cid < 0:
+        job.skip(k, errno.ECANCELED)
+        raise ConfigError("the chunk pool was closed during a copy")
+    return cid
+
+
 @contextlib.contextmanager
 def filling(job: Any, k: int) -> Iterator[int]:
     """A pool chunk for claimed chunk ``k``: filled inside the block, then submitted. If the block
     raises, the chunk goes back to the pool and ``k`` is skipped, failing this checkpoint only
     (the previous one stays) and never leaving the job waiting for a chunk nobody will submit."""
-    cid = job.acquire_chunk()
-    if cid < 0:  # the engine was closed under us
-        job.skip(k, errno.ECANCELED)
-        raise ConfigError("the chunk pool was closed during a copy")
+    cid = acquire_chunk_for(job, k)
     t0 = time.perf_counter()
     try:
         yield cid

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..persist.layout import Layout
-from .copy_engine import CopyEngine, Sources, filling
+from .copy_engine import CopyEngine, Sources, acquire_chunk_for, filling
 
 __all__ = ["TorchCudaCopyEngine", "CupyCopyEngine"]
 
@@ -131,10 +131,7 @@ class _DeviceEngine(CopyEngine):
                     k = job.claim()
                     enough = k < 0 or (last is not None and k + 1 >= last)  # claim no more
                 if k >= 0:
-                    cid = job.acquire_chunk()
-                    if cid < 0:  # the engine was closed under us
-                        job.skip(k, errno.ECANCELED)
-                        raise ConfigError("the chunk pool was closed during a copy")
+                    cid = acquire_chunk_for(job, k)
                     t0 = time.perf_counter()
                     try:
                         if not waited:
