@@ -241,6 +241,7 @@ class Checkpointer:
         report_from_checkpointer(self._state_bytes)
         if self._spread is not None:
             self._spread.on_call(step)
+            self._spread.poll(self._orch.stats)
             if self._spread.ready():  # k steps since it began: this call's step finishes it
                 self._finish_spread(step, metadata)
         if self._tuner is None:
@@ -279,10 +280,12 @@ class Checkpointer:
                 return True
         snap = self._source.snapshot()
         meta = {**self.metadata, **_check_metadata(metadata)}
+        decision = self._spread.decision if self._spread is not None else None
         try:
             return self._orch.start(int(step), snap.arrays, meta, tree=snap.tree, epoch=self._epoch(),
                                     n_eager=snap.n_eager if self.soft_cow else None,
-                                    validate=snap.validate if self.soft_cow else None)
+                                    validate=snap.validate if self.soft_cow else None,
+                                    extra_stats={"spread_decision": decision} if decision is not None else None)
         except StorageError as exc:
             # An I/O fault while preparing the slot or a new generation: the same policy as a
             # fault in the background part of the checkpoint.
@@ -325,6 +328,8 @@ class Checkpointer:
             self._orch.ensure_copied()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._spread is not None:
+            self._spread.step_begins()  # the step's window ends here, before this wait
         self._orch.ensure_copied()
 
     def _epoch(self) -> int | None:

@@ -314,7 +314,7 @@ def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
     from bench.gockpt import summarize
 
     cfg = {"nbytes": 12 << 20, "grad_bytes": 4 << 20, "iter_time": 0.05, "link_bps": (12 << 20) / 0.2,
-           "checkpoints": 2}
+           "checkpoints": 2, "spread": 4, "ratio": 4.0}
     clean = 1.0  # 10 iterations of 0.05 s + a 0.05 s step
 
     def run(extra, k=None, blocked=None):
@@ -336,6 +336,35 @@ def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
     assert model == pytest.approx(0.2 / 3 - 0.05)
     assert spread_fit["value"] == pytest.approx(0.03 / model) and not spread_fit["met"] and k1_fit["met"]
     assert loop["limit"] == 1.10 and loop["value"] == pytest.approx(1.05) and loop["met"]
+    # the spread, not only the median: min-max over checkpoints and triples, each repeat's median
+    assert (s["pccheck_k1"]["stall_min"], s["pccheck_k1"]["stall_max"]) == (0.15, 0.15)
+    assert s["pccheck_spread"]["slowdown_min"] == pytest.approx(1.04)
+    assert s["pccheck_spread"]["slowdown_max"] == pytest.approx(1.06)
+    assert s["none"]["slowdown_repeat_medians"] == [pytest.approx(1.005)]
+
+
+def test_gockpt_summary_judges_autos_choice_and_the_model_at_the_measured_link():
+    from bench.gockpt import summarize
+
+    s_bytes, t = 12 << 20, 0.05
+    cfg = {"nbytes": s_bytes, "grad_bytes": 4 << 20, "iter_time": t, "link_bps": s_bytes / (4 * t),
+           "checkpoints": 2, "spread": "auto", "ratio": 4.0}
+
+    def run(k, blocked, copy_wall, decisions):
+        return {"ratios": [1.0, 1.0], "deltas_s": [0.0, 0.0], "cycles_s": [[1.0, 1.0, 1.0]] * 2,
+                "iters_per_cycle": 10, "spread_steps": k, "blocked_s": blocked, "replay_s": [0.0, 0.0],
+                "copy_wall_s": copy_wall, "decisions": decisions}
+    dec = {"link_bps": s_bytes / 0.25, "window_s": t}
+    # k = 1's copies ran at half the nominal link (0.4 s): the model at the measured link is 0.35 s
+    k1 = run([1, 1], [0.35, 0.35], [0.4, 0.4], [None, None])
+    spread = run([1, 5], [0.1, 0.0], [0.3, 0.3], [dec, dec])
+    s = summarize({"none": [run([1, 1], [0, 0], [0, 0], [None, None])], "pccheck_k1": [k1],
+                   "pccheck_spread": [spread]}, cfg)
+    assert s["pccheck_k1"]["model_s"] == pytest.approx(0.15)
+    assert s["pccheck_k1"]["model_measured_s"] == pytest.approx(0.35)
+    auto = s["targets"][0]
+    assert auto["value"] == pytest.approx(0.5) and not auto["met"]  # one checkpoint kept k = 1
+    assert s["pccheck_spread"]["link_measured_bps"] == pytest.approx(s_bytes / 0.25)
 
 
 def test_overhead_spread_row_runs_every_system(tmp_path):

@@ -9,7 +9,41 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["CheckpointStats", "StatsReport"]
+__all__ = ["CheckpointStats", "SpreadDecision", "StatsReport"]
+
+
+@dataclass(frozen=True)
+class SpreadDecision:
+    """Why a checkpoint was spread over the steps it was (``spread_steps="auto"``): the k chosen,
+    what the stall model was fed, and what it predicted. The inputs are the ones measured up to
+    the checkpoint's begin; ``reason`` says which rule decided:
+
+    - "warm-up": nothing measured yet (no finished checkpoint, or fewer than two iterations);
+    - "tuned": the k pccheck-tune stored, before anything was measured;
+    - "model": the stall model's best k (the first choice, or a move for a clear gain);
+    - "hysteresis": the model's best k was not clearly better than the k in use, which was kept;
+    - "no budget": the DRAM budget leaves no room for captured gradients (k = 1);
+    - "interval cap": the model's k was cut to half the checkpoint interval.
+    """
+
+    k: int                     # the steps this checkpoint is spread over
+    reason: str
+    best_k: int = 0            # the model's best k for these inputs (0: not modelled)
+    state_bytes: int = 0       # S: bytes of the newest finished checkpoint
+    grad_bytes: int = 0        # G: one step's gradient bytes
+    link_bps: float = 0.0      # B: the copy link's estimate, bytes/s
+    link_source: str = ""      # "parts" (spread part copies) or "whole" (a one-step checkpoint's copy)
+    link_samples: int = 0      # copies the estimate is the median of (first-touch copies left out)
+    window_s: float = 0.0      # t: an optimizer step's end to the next one's begin (median)
+    step_s: float = 0.0        # u: an optimizer step's duration (median)
+    iter_s: float = 0.0        # one maybe_checkpoint call to the next (median), for reference
+    model_stall_s: float = 0.0     # modelled stall per checkpoint at k
+    model_stall_k1_s: float = 0.0  # and at k = 1
+
+    @property
+    def gain(self) -> float | None:
+        """Modelled stall at k over that at k = 1 (< 1: spreading pays), None if not modelled."""
+        return self.model_stall_s / self.model_stall_k1_s if self.model_stall_k1_s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -39,6 +73,8 @@ class CheckpointStats:
     spread_steps: int = 1
     grad_bytes: int = 0
     replay_s: float = 0.0
+    # spread_steps="auto": the decision behind spread_steps (None for a fixed spread_steps)
+    spread_decision: SpreadDecision | None = None
 
     @property
     def blocked_s(self) -> float:
@@ -71,7 +107,7 @@ class StatsReport:
             return statistics.median(xs) if xs else None
 
         return {
-            "checkpoints": [{**asdict(c), "gbps": c.gbps} for c in self.checkpoints],
+            "checkpoints": [_as_dict(c) for c in self.checkpoints],
             "summary": {
                 "count": len(self.checkpoints),
                 "failed": sum(c.outcome == "failed" for c in self.checkpoints),
@@ -89,3 +125,10 @@ class StatsReport:
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.as_dict(), **kw)
+
+
+def _as_dict(c: CheckpointStats) -> dict[str, Any]:
+    out = {**asdict(c), "gbps": c.gbps}
+    if c.spread_decision is not None:
+        out["spread_decision"]["gain"] = c.spread_decision.gain
+    return out

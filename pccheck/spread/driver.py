@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import statistics
 from collections import deque
 import threading
 import time
@@ -126,8 +127,16 @@ class Spreader:
         self.waited_s = 0.0           # pre-hook waits of the active spread
         self.steps_total = 0          # optimizer steps since this Spreader was made
         self._step_began: float | None = None
+        self._step_ended: float | None = None
         self._step_times: deque[float] = deque(maxlen=16)  # recent optimizer steps' durations ("auto")
-        self._part_copies: deque[tuple[int, float]] = deque(maxlen=32)  # (bytes, seconds) of recent parts
+        # Recent windows between optimizer steps: a step's end (post-hook) to the next step's begin,
+        # before any checkpoint wait in the pre-hooks: the forward/backward a copy hides in ("auto").
+        self._windows: deque[float] = deque(maxlen=16)
+        # (bytes, seconds) of recent part copies into buffers that were already touched: a copy
+        # that first allocated (page-faulted) its buffers measures the kernel, not the link.
+        self._part_copies: deque[tuple[int, float]] = deque(maxlen=32)
+        self._buffers_lock = threading.Lock()  # _buffers: the copy threads and warm() add to it
+        self._warming: Future | None = None
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
 
@@ -162,7 +171,9 @@ class Spreader:
             self._hand(sp)
         self.waited_s += time.perf_counter() - t0
         hold, copied = threading.Event(), threading.Event()
-        shadow = {identity(t): self._buffers.get((u.group, u.index, key))
+        with self._buffers_lock:
+            buffers = dict(self._buffers)
+        shadow = {identity(t): buffers.get((u.group, u.index, key))
                   for part in sp.parts for u in part for key, t in u.tensors(self.optimizer.state)}
         result = SpreadResult({k: v for k, v in shadow.items() if v is not None}, hold, copied,
                               {"spread_steps": len(sp.parts), "grad_bytes": sp.grad_bytes, "replay_s": 0.0},
@@ -192,13 +203,61 @@ class Spreader:
         times = sorted(self._step_times)
         return times[len(times) // 2] if times else 0.0
 
-    def copy_bandwidth(self) -> float | None:
-        """Bytes per second of the recent part copies (the link, with what shares it), None if none."""
-        copies = list(self._part_copies)
-        seconds = sum(s for _, s in copies)
-        return sum(n for n, _ in copies) / seconds if copies and seconds > 0 else None
+    def window_time(self) -> float | None:
+        """The median of the last windows between optimizer steps (a step's end to the next one's
+        begin, checkpoint waits left out): the forward/backward a copy can hide in. None if none."""
+        return statistics.median(self._windows) if self._windows else None
+
+    def copy_bandwidth(self) -> tuple[float, int] | None:
+        """(bytes per second, copies) of the recent part copies into touched buffers: the median
+        of their rates (the link, with what shares it); None if there are none."""
+        rates = [n / s for n, s in self._part_copies if s > 0]
+        return (statistics.median(rates), len(rates)) if rates else None
+
+    def step_begins(self) -> None:
+        """An optimizer step begins: closes the window since the previous one ended. The soft
+        copy-on-write pre-hook calls it before it waits, the spread's pre-hook again (a no-op then)."""
+        if self._step_ended is not None:
+            self._windows.append(time.perf_counter() - self._step_ended)
+            self._step_ended = None
+
+    def warm(self) -> None:
+        """Allocates and touches the shadow buffers of a spread on a copy thread,
+        beside training, so that the first spread's part copies neither fault pages on the way
+        (a stall) nor read as a slow link. Idempotent; a no-op while one is running."""
+        if self._warming is not None and not self._warming.done():
+            return
+        self._warming = self._copier.submit(self._warm, units(self.optimizer))
+
+    def _warm(self, items: list[Unit]) -> None:
+        import torch
+
+        for u in items:
+            for key, t in u.tensors(self.optimizer.state):
+                if self._buffer(u, key, t, create=False) is None:
+                    buf = torch.zeros(t.shape, dtype=t.dtype, device="cpu")  # touched: every page faulted in now
+                    with self._buffers_lock:
+                        old = self._buffers.get((u.group, u.index, key))
+                        if old is None or old.shape != t.shape or old.dtype != t.dtype:
+                            self._buffers[(u.group, u.index, key)] = buf
+
+    def _buffer(self, u: Unit, key: str | None, t: Any, create: bool = True) -> Any:
+        """The shadow buffer of ``u``'s tensor ``key`` (like ``t``): the one held, else a new one
+        (``create``) or None."""
+        import torch
+
+        with self._buffers_lock:
+            buf = self._buffers.get((u.group, u.index, key))
+            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+                return buf
+            if not create:
+                return None
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            self._buffers[(u.group, u.index, key)] = buf
+            return buf
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step_begins()
         sp = self.active
         if sp is not None:
             t0 = time.perf_counter()
@@ -247,6 +306,7 @@ class Spreader:
             self._step_times.append(time.perf_counter() - self._step_began)
         sp = self.active
         if sp is None:
+            self._step_ended = time.perf_counter()  # the window to the next step opens
             return
         # Invariant: this step's gradient copies end before the user's code runs again (the next
         # zero_grad or backward may change gradients in place); the update itself reads them only.
@@ -258,6 +318,7 @@ class Spreader:
         sp.stepped += 1
         if len(sp.copies) < len(sp.parts) and sp.stepped < len(sp.parts):
             sp.copies.append(self._copier.submit(self._copy_part, sp.parts[sp.stepped], _stream_event(optimizer)))
+        self._step_ended = time.perf_counter()  # after the waits above: they are stall, not window
 
     # -- copies and replay (checkpoint threads) ---------------------------------------------------
 
@@ -271,8 +332,10 @@ class Spreader:
             log.exception("pccheck: copying part %d of a spread checkpoint failed", j + 1)
             sp.failure.append(f"copying part {j + 1} of the spread checkpoint failed: {exc!r}")
             return
-        entries = [(u.group, u.index, self._buffers[(u.group, u.index, None)],
-                    {k: self._buffers[(u.group, u.index, k)] for k in u.state_keys}) for u in sp.parts[j]]
+        with self._buffers_lock:
+            buffers = dict(self._buffers)
+        entries = [(u.group, u.index, buffers[(u.group, u.index, None)],
+                    {k: buffers[(u.group, u.index, k)] for k in u.state_keys}) for u in sp.parts[j]]
         self._queue.put(("part", sp, entries))
 
     def _copy_grad(self, g: Any, version: int, ready: Any = None) -> Any:
@@ -299,19 +362,19 @@ class Spreader:
         if ready is not None:
             ready.synchronize()
         state = self.optimizer.state
-        t_part, nbytes = time.perf_counter(), 0
+        t_part, nbytes, fresh = time.perf_counter(), 0, False
         for u in part:
             for key, t in u.tensors(state):
                 nbytes += t.numel() * t.element_size()
-                buf = self._buffers.get((u.group, u.index, key))
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                    self._buffers[(u.group, u.index, key)] = buf
+                buf = self._buffer(u, key, t, create=False)
+                if buf is None:  # not warmed (yet): its pages are faulted in by this copy
+                    buf, fresh = self._buffer(u, key, t), True
                 t0 = time.perf_counter()
                 buf.copy_(t.detach())
                 if self._pace is not None:
                     self._pace(t.numel() * t.element_size(), t0)
-        self._part_copies.append((nbytes, time.perf_counter() - t_part))
+        if not fresh:  # invariant: the link estimate never holds a first-touch copy
+            self._part_copies.append((nbytes, time.perf_counter() - t_part))
 
     def _replay_loop(self) -> None:
         # The replay is background CPU work that must not take the CPU from the training thread

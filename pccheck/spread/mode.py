@@ -7,9 +7,11 @@ import logging
 import statistics
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
+from ..orchestrator.stats import SpreadDecision
 from .driver import Spreader, SpreadResult, identity
 from .plan import RECORDS, auto_steps, modelled_stall, split_budget
 from .replay import check_replayable
@@ -17,6 +19,8 @@ from .replay import check_replayable
 __all__ = ["SpreadMode", "budget_split", "check_spread", "grad_bytes", "substitute"]
 
 log = logging.getLogger("pccheck")
+
+LINK_SAMPLES = 5  # one-step checkpoints whose copy rates "auto" takes the median of
 
 
 def check_spread(source: Any, optimizer: Any) -> None:
@@ -72,13 +76,22 @@ class SpreadMode:
         self.optimizer = optimizer
         self.grad_budget = grad_budget  # budget_split's: bytes of captured gradients "auto" may use
         self.k: int | None = (tuned if setting == "auto" else int(setting))
+        # "auto": the newest choice and why (k None: the warm-up's k = 1); ``decision``: the one
+        # the latest steps_for_next returned (interval cap applied), None for a fixed setting.
+        self._decision = SpreadDecision(1, "warm-up")
         if setting == "auto" and not self._grads_fit():
             self.k = 1  # the budget leaves no room for captured gradients: never spread
+            self._decision = SpreadDecision(1, "no budget")
         elif setting == "auto" and tuned is not None:
             log.info("pccheck: spread_steps=\"auto\" starts from the tuned %d", tuned)
+            self._decision = SpreadDecision(tuned, "tuned")
+        self.decision: SpreadDecision | None = None
         self._learned_last: Any = None  # the newest finished checkpoint "auto" chose from
+        self._warmed = False  # the shadow buffers were warmed once (poll)
+        self._polled: Any = None  # the newest finished checkpoint poll has seen
+        self._active_decision: SpreadDecision | None = None  # the active spread's (begin)
         self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None))
-        self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls
+        self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls (reported)
         self._last_step: int | None = None
         self._steps_at_call = 0
 
@@ -108,10 +121,18 @@ class SpreadMode:
         return self._last_step
 
     def begin(self, k: int) -> None:
+        self._active_decision = self.decision
         self.spreader.begin(k)
 
     def finish(self) -> SpreadResult:
-        return self.spreader.finish()
+        """Ends the active spread; its stats carry the decision it began with."""
+        res = self.spreader.finish()
+        res.stats["spread_decision"] = self._active_decision
+        return res
+
+    def step_begins(self) -> None:
+        """An optimizer step begins (the soft copy-on-write pre-hook, before it waits)."""
+        self.spreader.step_begins()
 
     def abandon(self) -> None:
         self.spreader.abandon()
@@ -125,50 +146,87 @@ class SpreadMode:
         """k for the checkpoint about to begin: the ``spread_steps`` given, or "auto"'s, which is
         at most half the interval (a spread finishing and the next one beginning in the same call
         would make that call wait for the first one's replay). "auto": 1 until a checkpoint has
-        finished and two iterations were timed (or the tuned k); then the stall model's choice
-        from what was measured, chosen again whenever another checkpoint has finished (the
-        online tuner's side of k)."""
+        finished and an optimizer step's window was timed (or the tuned k); then the stall model's
+        choice from what was measured, chosen again whenever another checkpoint has finished (the
+        online tuner's side of k). :attr:`decision` says why."""
         if self.setting != "auto":
+            self.decision = None
             return int(self.setting)
         self._learn(finished)
-        return min(self.k or 1, max(1, interval // 2))
+        d = self._decision
+        k = min(d.k, max(1, interval // 2))
+        self.decision = d if k == d.k else replace(d, k=k, reason="interval cap")
+        return k
+
+    def poll(self, finished: Sequence[Any]) -> None:
+        """Between checkpoints (each maybe_checkpoint call): "auto" learns from a checkpoint as
+        soon as it has finished, and a k > 1 (learned or given) warms the shadow buffers beside
+        training, so that the first spread neither faults its pages in while training waits nor
+        measures that as the link."""
+        if self.setting == "auto" and finished and finished[-1] is not self._polled:
+            self._polled = finished[-1]  # (once per finished checkpoint: this runs every iteration)
+            self._learn(finished)
+        if not self._warmed and (self.k or 1) > 1 and self.optimizer.state:
+            self._warmed = True
+            self.spreader.warm()
 
     def _grads_fit(self) -> bool:
         return self.grad_budget is None or RECORDS * grad_bytes(self.optimizer) <= self.grad_budget
 
+    def _link(self, finished: Sequence[Any]) -> tuple[float, str, int] | None:
+        """(bytes/s, source, samples): the copy link as the newest checkpoints measured it. After a
+        spread, the median rate of its part copies into touched buffers; after a one-step
+        checkpoint, the median rate of the last few one-step copies (the copy alone: the wait for a
+        permit and the preparation left out), the first checkpoint's left out once there is
+        another (the chunk pool may still have been faulting its pages in)."""
+        last = finished[-1]
+        parts = self.spreader.copy_bandwidth()
+        if last.spread_steps > 1 and parts is not None:
+            return parts[0], "parts", parts[1]
+        whole = [st for st in list(finished)[-LINK_SAMPLES - 1:]
+                 if st.outcome != "failed" and st.spread_steps <= 1 and st.copied_s > 0]
+        if len(whole) > 1 and whole[0] is finished[0]:
+            whole = whole[1:]
+        rates = [st.nbytes / max(1e-9, st.copied_s - st.prepare_s - st.stall_s) for st in whole[-LINK_SAMPLES:]]
+        if rates:
+            return statistics.median(rates), "whole", len(rates)
+        return (parts[0], "parts", parts[1]) if parts is not None else None
+
     def _learn(self, finished: Sequence[Any]) -> None:
         if not self._grads_fit():
             self.k = 1
+            self._decision = SpreadDecision(1, "no budget")
             return
-        done = [st for st in finished if st.outcome != "failed" and st.copied_s > 0]
-        if not done or done[-1] is self._learned_last or len(self._calls) < 2:
+        last = next((st for st in reversed(finished) if st.outcome != "failed" and st.copied_s > 0), None)
+        window = self.spreader.window_time()
+        if last is None or last is self._learned_last or window is None:
             return
-        self._learned_last = done[-1]
-        # The link's bandwidth: the spread's own part copies, else a whole copy's wall time.
-        bandwidth = self.spreader.copy_bandwidth()
-        if bandwidth is None:
-            whole = [st for st in done if st.spread_steps <= 1]
-            if not whole:
-                return
-            bandwidth = whole[-1].nbytes / whole[-1].copied_s
-        nbytes = done[-1].nbytes
-        gaps = [b - a for a, b in zip(self._calls, list(self._calls)[1:])]
-        iter_time = statistics.median(gaps)
+        link = self._link(finished)
+        if link is None:
+            return
+        self._learned_last = last
+        bandwidth, source, samples = link
         grads = grad_bytes(self.optimizer)
         step_time = self.spreader.step_time()
-        fwd_bwd = max(0.0, iter_time - step_time)
         overlapped = not self.spreader.sync_grads
-        k = auto_steps(nbytes, grads, bandwidth, fwd_bwd, step_time, self.grad_budget, overlapped=overlapped)
-        why = (f"state {nbytes} B, gradients {grads} B, copy {bandwidth / 1e9:.2f} GB/s, forward/backward "
-               f"{fwd_bwd:.3f} s, optimizer step {step_time:.3f} s")
-        if self.k is None:
-            self.k = k
-            log.info("pccheck: spread_steps=\"auto\" picked %d (%s)", k, why)
-            return
-        if k == self.k:
-            return
+        args = (last.nbytes, grads, bandwidth, window, step_time, overlapped)
+        best = auto_steps(*args[:5], self.grad_budget, overlapped=overlapped)
+        k, reason = best, "model"
         # Hysteresis: move only for a clear gain (10% and 1 ms of modelled stall), not on noise.
-        args = (nbytes, grads, bandwidth, fwd_bwd, step_time, overlapped)
-        if modelled_stall(k, *args) < 0.9 * modelled_stall(self.k, *args) - 1e-3:
-            log.info("pccheck: spread_steps=\"auto\" moves from %d to %d (%s)", self.k, k, why)
+        if self.k is not None and best != self.k and not (
+                modelled_stall(best, *args) < 0.9 * modelled_stall(self.k, *args) - 1e-3):
+            k, reason = self.k, "hysteresis"
+        iters = list(self._calls)
+        self._decision = SpreadDecision(
+            k, reason, best_k=best, state_bytes=last.nbytes, grad_bytes=grads, link_bps=bandwidth,
+            link_source=source, link_samples=samples, window_s=window, step_s=step_time,
+            iter_s=statistics.median(b - a for a, b in zip(iters, iters[1:])) if len(iters) > 1 else 0.0,
+            model_stall_s=modelled_stall(k, *args), model_stall_k1_s=modelled_stall(1, *args))
+        if k != self.k:
+            why = (f"state {last.nbytes} B, gradients {grads} B, copy {bandwidth / 1e9:.2f} GB/s ({source}, "
+                   f"{samples} copies), window {window:.3f} s, optimizer step {step_time:.3f} s")
+            if self.k is None:
+                log.info("pccheck: spread_steps=\"auto\" picked %d (%s)", k, why)
+            else:
+                log.info("pccheck: spread_steps=\"auto\" moves from %d to %d (%s)", self.k, k, why)
             self.k = k
