@@ -4,7 +4,7 @@ Run::
 
     python -m bench.restart [--size 1GiB] [--repeats 3] [--systems pccheck_eager,pccheck_lazy,...]
                             [--iter-time 0.05] [--interval 10] [--iters 50] [--blocks 8]
-                            [--cache fadvise|drop_caches] [--json bench/results/restart.json]
+                            [--cache fadvise|drop_caches] [--first-after 1] [--json bench/results/restart.json]
                             [--dir bench/_scratch] [--quick]
 
 The workload (:mod:`bench.restart_child`): ``--blocks`` x (Linear(d, d) + LayerNorm(d)) with fused
@@ -19,6 +19,8 @@ Systems (how each one loads; the checkpoints are written by :mod:`bench.systems`
 ``pccheck_lazy``   the same with ``lazy=True``: it returns once the metadata is read and the first
                    step runs while tensors load (``r.wait()`` after the first step). A pccheck
                    without ``lazy`` makes it fail (TypeError); the run goes on without it.
+``pccheck_eager_build_first``, ``pccheck_lazy_build_first``: the same two in the other order (issue
+                   31): the restart builds the ``Checkpointer`` (phase ``setup``), THEN loads.
 ``torch_load``     ``torch.load(weights_only=True)`` + ``load_state_dict``; saver ``torch_save``.
 ``dcp``            ``torch.distributed.checkpoint.load`` (no process group) into fresh tensors +
                    ``load_state_dict``; saver ``dcp_async`` (``async_save``).
@@ -36,7 +38,8 @@ also evicts the Python libraries, so the imports are cold too; the result says w
 step, in phases: ``start`` (interpreter start-up), ``imports`` (torch, the system's library, bench),
 ``build`` (model, gradients, optimizer), ``load``, ``setup`` (pccheck: ``Checkpointer`` construction
 on the reopened store; peers: their saver, next to nothing), ``first_step``; then
-``first_checkpoint``: a checkpoint taken right after the first step, the time it blocked training
+``first_checkpoint``: a checkpoint taken right after the first step (``--first-after N``: after N
+steps, e.g. the interval, where a training loop takes it), the time it blocked training
 (the call's wall time, plus pccheck's ``cow_wait_s``, which falls in the next step; pccheck's own
 account, ``stall_s + prepare_s + blocked_copy_s + cow_wait_s`` from ``ck.stats()``, is beside it as
 ``stats_block_s``: it leaves out what the call spends opening the store). Then it trains
@@ -99,6 +102,7 @@ class Config:
     cache: str = "fadvise"
     timeout_s: float = 600.0
     quiet_wait_s: float = 30.0
+    first_after: int = 1
 
 
 # -- the children ----------------------------------------------------------------------------------------
@@ -107,6 +111,7 @@ def child_spec(role: str, system: str, workdir: Path, cfg: Config) -> dict[str, 
     """The JSON object a child of ``role`` (train, restart, fresh) is started with."""
     return {"role": role, "system": system, "dir": str(workdir), "nbytes": cfg.nbytes, "blocks": cfg.blocks,
             "batch": cfg.batch, "iter_time": cfg.iter_time, "interval": cfg.interval, "iters": cfg.iters,
+            "first_after": cfg.first_after,
             "path_first": pccheck_path_first(), "root": str(_BENCH_DIR.parent)}
 
 
@@ -374,6 +379,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quiet-wait", type=float, default=None,
                    help="before each timed child wait up to this many seconds for the rest of the machine to use "
                         f"< {NOISY_OTHER_CPUS} CPUs (0: do not wait; default 30; quick 5)")
+    p.add_argument("--first-after", type=int, default=1,
+                   help="steps after the restart at which the first checkpoint is taken (default 1: right after "
+                        "the first step; the interval: where a training loop would take it)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one child may take (default 600)")
     p.add_argument("--json", type=Path, default=None,
                    help="result JSON, the PNG beside it (default bench/results/restart.json; quick restart-quick.json)")
@@ -389,8 +397,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"unknown systems; choose from {','.join(SYSTEMS)}")
     if a.json is None:
         a.json = _BENCH_DIR / "results" / ("restart-quick.json" if a.quick else "restart.json")
-    if min(a.repeats, a.interval, a.iters, a.blocks) < 1 or a.iter_time < 0:
-        p.error("--repeats, --interval, --iters and --blocks must be >= 1, --iter-time >= 0")
+    if min(a.repeats, a.interval, a.iters, a.blocks, a.first_after) < 1 or a.iter_time < 0:
+        p.error("--repeats, --interval, --iters, --blocks and --first-after must be >= 1, --iter-time >= 0")
     return a
 
 
@@ -399,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = _parse_args(args)
     cfg = Config(nbytes=a.size, blocks=a.blocks, iter_time=a.iter_time, interval=a.interval, iters=a.iters,
-                 cache=a.cache, timeout_s=a.timeout, quiet_wait_s=a.quiet_wait)
+                 cache=a.cache, timeout_s=a.timeout, quiet_wait_s=a.quiet_wait, first_after=a.first_after)
     t0 = time.perf_counter()
     res = {"command": shlex.join(["python", "-m", "bench.restart", *args]),
            **run_benchmark(cfg, a.systems, a.repeats, a.dir)}

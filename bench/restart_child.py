@@ -46,14 +46,18 @@ if TYPE_CHECKING:
 
 __all__ = ["SYSTEMS", "PHASES", "SAVERS", "make_blocks", "block_width", "state_bytes", "loop_system", "load", "main"]
 
-SYSTEMS: tuple[str, ...] = ("pccheck_eager", "pccheck_lazy", "torch_load", "dcp", "safetensors")
+SYSTEMS: tuple[str, ...] = ("pccheck_eager", "pccheck_lazy", "torch_load", "dcp", "safetensors",
+                            "pccheck_eager_build_first", "pccheck_lazy_build_first")
+BUILD_FIRST = "_build_first"  # the restart builds the Checkpointer, THEN loads (issue 31)
 PHASES: tuple[str, ...] = ("start", "imports", "build", "load", "setup", "first_step", "first_checkpoint")
 SAVERS = {  # the system that writes each one's checkpoints, in the training run and after the restart
     "pccheck_eager": "pccheck_N2", "pccheck_lazy": "pccheck_N2", "torch_load": "torch_save",
     "dcp": "dcp_async", "safetensors": "safetensors",
+    "pccheck_eager_build_first": "pccheck_N2", "pccheck_lazy_build_first": "pccheck_N2",
 }
 _LIBRARIES = {"pccheck_eager": "pccheck", "pccheck_lazy": "pccheck", "torch_load": "torch",
-              "dcp": "torch.distributed.checkpoint", "safetensors": "safetensors.torch"}
+              "dcp": "torch.distributed.checkpoint", "safetensors": "safetensors.torch",
+              "pccheck_eager_build_first": "pccheck", "pccheck_lazy_build_first": "pccheck"}
 
 
 # -- the workload ---------------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def load(system: str, wl: "Workload", workdir: Path) -> tuple[int, Any]:
     if system.startswith("pccheck"):
         import pccheck
 
-        lazy = {"lazy": True} if system == "pccheck_lazy" else {}
+        lazy = {"lazy": True} if system.startswith("pccheck_lazy") else {}
         r = pccheck.load_latest(workdir, model=wl.model, optimizer=wl.optimizer, **lazy)
         return r.step, (r if lazy else None)
     loaders: dict[str, Callable[["Workload", Path], int]] = {
@@ -283,10 +287,15 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
     mark("imports")
     wl, workdir = _build(spec), Path(spec["dir"])
     mark("build")
+    build_first = spec["system"].endswith(BUILD_FIRST)
+    if build_first:  # the Checkpointer before load_latest, as many training scripts do (issue 31)
+        ls = loop_system(spec["system"], wl, workdir, spec["interval"])
+        mark("setup")
     step, lazy = load(spec["system"], wl, workdir) if spec["role"] == "restart" else (0, None)
     mark("load")
-    ls = loop_system(spec["system"], wl, workdir, spec["interval"])
-    mark("setup")
+    if not build_first:
+        ls = loop_system(spec["system"], wl, workdir, spec["interval"])
+        mark("setup")
     wl.step()
     mark("first_step")
     out: dict[str, Any] = {"to_first_step_s": sum(marks.values()), "loaded_step": step}
@@ -294,8 +303,11 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         lazy.wait()
         out["lazy_wait_after_first_step_s"] = time.perf_counter() - t0
-    first = _first_checkpoint(ls, step + 1)
-    out.update(_window(wl, ls, step + 2, spec["iters"]))
+    after = spec.get("first_after", 1)
+    for _ in range(after - 1):  # the first checkpoint comes `first_after` steps after the restart
+        wl.step()
+    first = _first_checkpoint(ls, step + after)
+    out.update(_window(wl, ls, step + after + 1, spec["iters"]))
     ls.drain()
     out["first_checkpoint"] = _blocking(ls, first, out["window_calls_s"])
     marks["first_checkpoint"] = out["first_checkpoint"]["block_s"]

@@ -24,7 +24,7 @@ import numpy as np
 
 from .distributed import GroupCoordinator, detect_group
 from .errors import ConfigError, PCCheckError, StorageError
-from .lazy import wait_for_pending
+from .lazy import restoring, wait_for_pending
 from .options import Options
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.engine_choice import select_copy_engine
@@ -128,6 +128,8 @@ class Checkpointer:
         self._errors: list[PCCheckError] = []
         self._err_lock = threading.Lock()
         self._hook: Any = None
+        self._prep_hooks: list[Any] = []  # see _defer_prepare
+        self._prepared = True
         self._orch: Orchestrator | None = None
 
         snap = self._source.snapshot()  # validates names, dtypes and values before touching the disk
@@ -151,6 +153,7 @@ class Checkpointer:
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
         if self._writes:
+            self._prepared = not self._defer_prepare()
             self._orch = self._open(engine, layout, snap, group)
             if self.soft_cow:
                 self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -159,6 +162,8 @@ class Checkpointer:
         if self.options.snapshot.spread_steps != 1 and self._orch is not None:
             self._spread = SpreadMode(self.options.snapshot.spread_steps, optimizer, grad_budget, self._orch.copy_engine,
                                       tuned=self.settings["spread_steps"])
+        if not self._prepared:
+            self._prep_hooks = self._prepare_hooks()
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -202,12 +207,11 @@ class Checkpointer:
                                 on_error=self._background_error, retention=self._coord,
                                 world_size=world_size, rank=rank, on_commit=self._on_commit,
                                 on_finished=self._tuner.on_checkpoint if self._tuner else None,
-                                device_reserve=snapshot.device_reserve)
-            if not self._source.may_grow():
+                                device_reserve=snapshot.device_reserve, pool=self._prepared)
+            if self._prepared:
                 orch.open_store(orch.slot_bytes(layout, self.metadata, snap.tree, self._epoch()))
-            # else: the store is sized at the first checkpoint, once the optimizer has its state
-            # (Adam creates it lazily, at its first step), instead of a generation that is
-            # replaced at once.
+            # else (_defer_prepare): the store and the chunk pool are sized once the state is
+            # final, instead of a generation and a pool replaced at the first checkpoint.
             if self._coord is not None:
                 self._coord.start(orch)
         except BaseException:
@@ -219,6 +223,53 @@ class Checkpointer:
                 self._coord.close()
             raise
         return orch
+
+    # -- preparing the store and the pool once the state is final ----------------------------------
+
+    def _defer_prepare(self) -> bool:
+        """Whether opening the store and making the chunk pool wait (see :meth:`_prepare_hooks`):
+        the optimizer has no state yet (Adam creates it at its first step, a load_latest gives it
+        one: sized now, the pool and the store would be remade at the first checkpoint, inside
+        the call), or a lazy restore into the model is loading (the pool's prefault and the
+        store's background validation would compete with the loader). Needs the optimizer."""
+        if not isinstance(self._source, TorchState) or self.optimizer is None:
+            return False
+        return self._source.may_grow() or restoring(self.state)
+
+    def _prepare_hooks(self) -> list[Any]:
+        """Hooks that prepare at the end of the next optimizer step (the state exists then, and a
+        lazy restore is complete: its step pre-hook waited for it), or right after an eager
+        ``load_state_dict`` gave the optimizer its state (``load_latest`` before the first step)."""
+        opt = self.optimizer
+        hooks = [opt.register_step_post_hook(lambda *_: self._prepare())]
+        if hasattr(opt, "register_load_state_dict_post_hook"):  # torch >= 2.2
+            hooks.append(opt.register_load_state_dict_post_hook(lambda _: self._after_load()))
+        return hooks
+
+    def _after_load(self) -> None:
+        if not self._source.may_grow() and not restoring(self.state):
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """Opens the store and makes the chunk pool for the state as it is now (once). A failure
+        is logged: the first checkpoint tries again and reports it as its own."""
+        if self._prepared or self._orch is None:
+            return
+        # Invariant: the hooks stay registered (torch iterates its step hooks live: removing one
+        # inside it fails); _prepared makes them no-ops, _drop_prepare_hooks removes them later.
+        self._prepared = True
+        try:
+            snap = self._source.snapshot()
+            took = self._orch.prepare(plan(snap.arrays), self.metadata, snap.tree, self._epoch())
+            log.info("pccheck: store and chunk pool prepared in %.3f s", took)
+        except PCCheckError as exc:
+            log.warning("pccheck: preparing the store before the first checkpoint failed (%s); the first "
+                        "checkpoint tries again", exc)
+
+    def _drop_prepare_hooks(self) -> None:
+        hooks, self._prep_hooks = self._prep_hooks, []
+        for h in hooks:
+            h.remove()
 
     # -- the training loop's API -----------------------------------------------------------------
 
@@ -270,6 +321,8 @@ class Checkpointer:
             return False
         if isinstance(self._source, TorchState):
             wait_for_pending(self.state)  # never snapshot a model a lazy restore is still filling
+        self._prepared = True  # not prepared yet: start() opens the store and makes the pool
+        self._drop_prepare_hooks()
         if self._spread is not None:
             self._spread.mark(step)
             if self._spread.active():  # not finished by a maybe_checkpoint call: finish it now
@@ -408,6 +461,8 @@ class Checkpointer:
             self._close_engine()
 
     def _close_engine(self) -> None:
+        self._prepared = True
+        self._drop_prepare_hooks()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -277,8 +277,9 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     from bench import restart
 
     out = tmp_path / "restart.json"
-    systems = ["pccheck_eager", "torch_load"]
-    assert restart.main(["--quick", "--size", "16MiB", "--iters", "5", "--quiet-wait", "0", "--systems",
+    systems = ["pccheck_eager", "torch_load", "pccheck_lazy_build_first"]  # the last: Checkpointer, then load
+    assert restart.main(["--quick", "--size", "16MiB", "--iters", "5", "--quiet-wait", "0", "--first-after", "2",
+                         "--systems",
                          ",".join(systems), "--json", str(out), "--dir", str(tmp_path / "scratch")]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     assert doc["command"].startswith("python -m bench.restart --quick") and doc["cache"] in ("fadvise", "drop_caches")
@@ -296,15 +297,19 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     assert failed["error"].startswith("FileNotFoundError"), failed
 
 
-def test_lazy_bench_small(tmp_path):
-    """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written."""
+@pytest.mark.parametrize("shape", [[], ["--model", "client", "--order", "build_first"]])
+def test_lazy_bench_small(tmp_path, shape):
+    """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written;
+    also issue 31's client model, its store written and restarted with the Checkpointer built first."""
     from bench import lazy
 
     out = tmp_path / "lazy.json"
-    assert lazy.main(["--size", "16MiB", "--repeats", "1", "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
+    assert lazy.main(["--size", "16MiB", "--repeats", "1", "--json", str(out), "--dir", str(tmp_path / "s"),
+                      *shape]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     m = doc["median"]
     assert doc["command"].startswith("python -m bench.lazy") and doc["blocks"] == 8
+    assert doc["model"] == (shape[1] if shape else "bench") and doc["order"] == (shape[3] if shape else "none")
     assert 0 < m["lazy_return_s"] <= m["first_block_s"] <= m["first_forward_s"] <= m["lazy_all_s"]
     assert m["eager_s"] > 0 and m["param_read_s"] > 0 and doc["param_bytes"] * 3 <= doc["state_bytes"] * 1.05
     assert set(doc["targets"]) == {"first_block_vs_eager", "first_forward_vs_param_read"}

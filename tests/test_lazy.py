@@ -297,3 +297,69 @@ def test_the_root_waits_for_tensors_of_modules_that_never_ran_forward(tmp_path, 
         got = target(x)  # the root's hook waits for head.weight (head never ran forward)
     assert torch.equal(got, want)
     r.wait()
+
+
+# -- issue 31: the client's model and restart order ------------------------------------------------------
+
+
+def _client_model(width: int = 24):
+    """Issue 31's shape: Sequential of blocks, each Linear + LayerNorm + ReLU, with AdamW."""
+    torch.manual_seed(3)
+    nn = torch.nn
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())
+                            for _ in range(BLOCKS)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _build_first_job(path, x, steps: int) -> int:
+    """A job as the client runs it: the Checkpointer is built, THEN load_latest (lazy), then training."""
+    model, opt = _client_model()
+    with pccheck.Checkpointer(model, opt, path, interval=2) as ck:
+        try:
+            start = pccheck.load_latest(path, model=model, optimizer=opt, lazy=True).step
+        except pccheck.NoCheckpointError:
+            start = 0
+        for s in range(start + 1, start + steps + 1):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.maybe_checkpoint(s)
+    return start + steps
+
+
+def test_build_first_restarts_record_the_order_and_the_first_block_needs_only_its_own_bytes(tmp_path, monkeypatch):
+    x = torch.randn(4, 24)
+    assert _build_first_job(tmp_path, x, 4) == 4
+    assert _build_first_job(tmp_path, x, 4) == 8  # the store issue 31's client restarted from
+    image = read_store(store_files(tmp_path)[0][1])
+    with open(image.path, "rb") as f:
+        tree = read_manifest(image, image.word_slot, f.fileno()).tree
+    n_model = 4 * BLOCKS  # Linear weight, bias; LayerNorm weight, bias
+    assert tree["order_forward"] == n_model and tree["order"][:2] == ["model/0.0.weight", "model/0.0.bias"]
+    # The timed restart, in the same order: everything but block 0 is held back.
+    gate = _hold_back(monkeypatch, *[f"model/{i}." for i in range(1, BLOCKS)], "optimizer/")
+    model, opt = _client_model()
+    ck = pccheck.Checkpointer(model, opt, tmp_path, interval=2)
+    block0 = threading.Event()
+    model[0].register_forward_hook(lambda *_: block0.set())
+    r = pccheck.load_latest(tmp_path, model=model, optimizer=opt, lazy=True)
+    out: list = []
+    fwd = threading.Thread(target=lambda: out.append(model(x)))
+    try:
+        fwd.start()
+        # the root's hook and block 0's wait for block 0's bytes only, not the held-back rest
+        assert block0.wait(30), "the first block waited for more than its own tensors"
+        assert not r.done
+        # no chunk pool or store yet: their prefault and validation would compete with the loader
+        assert ck.copy_engine.native_engine is None and ck.storage == "closed"
+    finally:
+        gate.set()
+    fwd.join(30)
+    out[0].pow(2).mean().backward()
+    opt.step()  # waits for everything; at its end the Checkpointer prepares the pool and the store
+    assert r.done and ck.copy_engine.native_engine is not None and ck.storage != "closed"
+    pool = ck.copy_engine.native_engine
+    ck.maybe_checkpoint(10)
+    assert ck.copy_engine.native_engine is pool  # the first checkpoint did not remake it
+    ck.close()
+    r.wait()

@@ -75,3 +75,53 @@ def test_negative_control_without_rng_capture_diverges(tmp_path, reference):
     start, losses = _resume(tmp_path / "ck", tmp_path / "final.pt", ["--no-rng"])
     assert start >= 2
     assert any(loss != ref_losses[s] for s, loss in losses.items())
+
+
+def _adamw_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 64))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, steps: int) -> None:
+    x = torch.randn(8, 64)
+    for _ in range(steps):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("order", ["build_first", "load_first"])
+def test_first_checkpoint_after_a_restart_reuses_the_pool_made_when_the_state_was_final(tmp_path, order):
+    """Issue 31: with the Checkpointer built before load_latest, the optimizer had no state at
+    construction; the pool (sized for the parameters alone) and the unopened store were remade
+    and opened inside the first checkpoint's call. Now they are made once the state is final
+    (after the load, or the first step), and the first checkpoint uses them as they are."""
+    import pccheck
+
+    model, opt = _adamw_model()
+    with pccheck.Checkpointer(model, opt, tmp_path, interval=1) as ck:
+        assert ck.copy_engine.native_engine is None  # Adam's state appears at the first step
+        _train(model, opt, 1)
+        pool = ck.copy_engine.native_engine
+        assert pool is not None and ck.storage != "closed"  # made at the end of that step
+        ck.maybe_checkpoint(1)
+        assert ck.copy_engine.native_engine is pool
+    model, opt = _adamw_model()
+    if order == "build_first":
+        ck = pccheck.Checkpointer(model, opt, tmp_path, interval=1)
+        assert ck.copy_engine.native_engine is None
+        assert pccheck.load_latest(tmp_path, model=model, optimizer=opt).step == 1
+    else:
+        assert pccheck.load_latest(tmp_path, model=model, optimizer=opt).step == 1
+        ck = pccheck.Checkpointer(model, opt, tmp_path, interval=1)
+    with ck:
+        pool = ck.copy_engine.native_engine
+        assert pool is not None and ck.storage != "closed"  # ready before the first step
+        _train(model, opt, 1)
+        ck.maybe_checkpoint(2)
+        assert ck.copy_engine.native_engine is pool
+        ck.wait()
+    model, opt = _adamw_model()
+    assert pccheck.load_latest(tmp_path, model=model, optimizer=opt).step == 2

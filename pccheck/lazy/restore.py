@@ -38,10 +38,13 @@ from ..persist.recovery import mark_validated, slot_base
 from ..torch_state import TorchState, rebuild, unwrap_extra
 from .loader import Loader, read_entry
 
-__all__ = ["LazyRestore", "restore_lazily"]
+__all__ = ["LazyRestore", "restore_lazily", "restoring", "wait_for_pending"]
 
 # model -> the loader of a lazy restore into it (Checkpointer snapshots wait for it)
 _pending: "weakref.WeakKeyDictionary[Any, Loader]" = weakref.WeakKeyDictionary()
+# models a lazy restore is being set up into (before their loader is in _pending): the optimizer's
+# load_state_dict runs then, and a Checkpointer's hook on it asks restoring()
+_starting: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 @dataclass
@@ -111,7 +114,11 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
     state = unwrap_extra(rebuild({"d": tree}, {**{n: None for n in entries}, **small}, as_tensor))
     _check_fits(source, state)
     dests = _model_destinations(source.model, tree.get("model"), state["model"])
-    source.apply_optimizer(state)  # structure and hyperparameters now; tensors hold placeholders
+    _starting.add(source.model)
+    try:
+        source.apply_optimizer(state)  # structure and hyperparameters now; tensors hold placeholders
+    finally:
+        _starting.discard(source.model)
     if source.optimizer is not None:
         _optimizer_destinations(source.optimizer, state["optimizer"], tree["optimizer"], dests)
     source.apply_extra(state)
@@ -125,6 +132,14 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
     loader.start()
     return LazyRestore(man.step, {"step": man.step, "extra": state["extra"]}, man.metadata, man.counter,
                        located.generation, located.slot, path, loader, handles)
+
+
+def restoring(model: Any) -> bool:
+    """Whether a lazy restore into ``model`` is being set up or still loading: a Checkpointer
+    then leaves its chunk pool and store for later (their prefault and verification would
+    compete with the loader for the disk, the memory bus and the CPUs)."""
+    loader = _pending.get(model)
+    return model in _starting or (loader is not None and not loader.finished.is_set())
 
 
 def wait_for_pending(model: Any) -> None:

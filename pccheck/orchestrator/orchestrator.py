@@ -135,7 +135,7 @@ class Orchestrator:
                  world_size: int = 1, rank: int = 0,
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
-                 device_reserve: int | str | None = None) -> None:
+                 device_reserve: int | str | None = None, pool: bool = True) -> None:
         if not engine.resolved:
             raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
         self.engine_options = engine
@@ -163,8 +163,14 @@ class Orchestrator:
             copy_engine.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
             raise
         self._pool = started_pool(self.max_concurrent, "pccheck-commit")
+        # pool=False: the chunk pool waits for prepare() or the first start(), once the state's
+        # size is final (the front-end's choice: Adam's state appears at its first step, and a
+        # lazy restore should not share the memory bus with a prefaulter).
+        self.engine: Any = None
+        self._pool_state_bytes = 0
         try:
-            self._make_engine(layout.data_len)
+            if pool:
+                self._make_engine(layout.data_len)
         except BaseException:
             self._pool.shutdown(wait=True)
             self.store.close()
@@ -236,6 +242,29 @@ class Orchestrator:
             with self._store_lock:
                 self.store.new_generation(self.num_slots, slot_bytes)
 
+    def _fit_pool(self, state_bytes: int) -> None:
+        """Makes the chunk pool if there is none yet, or remakes it when the default budget (2x
+        the state) must follow a state that grew, e.g. Adam's state created at its first step."""
+        if self.engine is None:
+            self._make_engine(state_bytes)
+        elif self._dram_budget is None and state_bytes > self._pool_state_bytes:
+            self._drain()
+            self.copy_engine.detach()
+            self.engine.close()
+            self._make_engine(state_bytes)
+
+    def prepare(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
+                epoch: int | None = None) -> float:
+        """Does now what the first ``start`` of this layout would otherwise do inside the call:
+        opens the store (or a new generation the state needs) and makes (or regrows) the chunk
+        pool, whose prefaulter then runs in the background. Returns the seconds it took."""
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed")
+        t0 = time.perf_counter()
+        self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
+        self._fit_pool(layout.data_len)
+        return time.perf_counter() - t0
+
     def retire_if_allowed(self) -> None:
         """Deletes older store generations once the newest has a durable commit and the retention
         policy allows it: the one place that decides. Called after each commit, and by a group
@@ -296,12 +325,7 @@ class Orchestrator:
         stall = time.perf_counter() - t0
         try:
             self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
-            if self._dram_budget is None and layout.data_len > self._pool_state_bytes:
-                # The default budget follows the state (2x): it grew, e.g. Adam's lazy state.
-                self._drain()
-                self.copy_engine.detach()
-                self.engine.close()
-                self._make_engine(layout.data_len)
+            self._fit_pool(layout.data_len)
             native = self.store.native
             counter = native.next_counter()
             slot = self._acquire_slot(native)
@@ -542,9 +566,11 @@ class Orchestrator:
         self._pool.shutdown(wait=True)
         try:
             self.reserve = None  # frees the device memory
-            self.copy_engine.detach()
+            if self.engine is not None:
+                self.copy_engine.detach()
             self.copy_engine.close()
-            self.engine.close()  # unmaps the chunk pool
+            if self.engine is not None:
+                self.engine.close()  # unmaps the chunk pool
         finally:
             with self._store_lock:  # retire_if_allowed (a coordinator's thread) sees _closed first
                 self.store.close()  # releases the store lock
