@@ -4,7 +4,8 @@
 rank a ``bench/sharded_child.py`` process (its docstring describes the FSDP2 workload, ``--size``
 of model + AdamW state over the whole job, and what is timed). Per system and repeat:
 
-1. a *save* job of ``--world`` ranks takes ``--saves`` checkpoints; per save, the job's time is the
+1. a *save* job of ``--world`` ranks takes ``--saves`` checkpoints (pccheck's once the Checkpointer's
+   DRAM pool is faulted in, as it is after a job's first training steps: ``pool_touched_s``, untimed); per save, the job's time is the
    slowest rank's: ``block_s`` (the call, plus pccheck's copy-on-write wait in the next step) and
    ``durable_s`` (from the call until the checkpoint is durable). Systems: ``pccheck``
    (``Checkpointer``), ``pccheck_dcp`` (``dcp.async_save`` + ``pccheck.dcp.Writer``), ``dcp_fs``
@@ -140,6 +141,7 @@ def measure(system: str, workdir: Path, cfg: Mapping[str, Any]) -> dict[str, Any
              for i in range(cfg["saves"])]
     floor: dict[str, Any] = {}
     if system == "pccheck":
+        floor["pool_touched_s"] = max(r["pool_touched_s"] for r in saved)
         ranges = load_ranges(workdir, cfg["load_world"])
         make_cold(workdir)
         raw = run_job("floor", system, cfg["load_world"], workdir, cfg, [{"ranges": r} for r in ranges])
