@@ -254,3 +254,37 @@ def test_hostile_shards_sections_are_refused_cleanly():
         except CorruptCheckpointError:
             continue
         assert all(c.box.within(shape) for c in chunks)
+
+
+def test_chunk_reads_are_planned_in_file_order_and_a_gap_is_found_before_any_read():
+    """A load hands its chunk reads to the threads member by member, front to back (issue 32:
+    taken tensor by tensor they scatter over the files and a cold load ran at half the disk's
+    rate), whatever order the tensors come in; a destination the chunks do not cover is a
+    CorruptCheckpointError found while planning, before a byte is read."""
+    from types import SimpleNamespace
+
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.sharded.dtensor import Destination
+    from pccheck.sharded.index import Chunk, TensorInfo
+    from pccheck.sharded.load import _plan
+
+    # Tensors "a" and "b" of 4 x 3, each saved as two 2-row chunks by ranks 0 and 1.
+    offsets = {(0, "a0"): 500, (1, "a1"): 100, (0, "b0"): 0, (1, "b1"): 900}
+    cand = SimpleNamespace(position=lambda rank, name: (rank, offsets[(rank, name)]))
+    tensors = {t: TensorInfo(t, "float32", (4, 3), (Chunk(0, f"{t}0", Box((0, 0), (2, 3))),
+                                                    Chunk(1, f"{t}1", Box((2, 0), (2, 3)))))
+               for t in ("a", "b")}
+
+    def dest(box: Box) -> Destination:
+        return Destination(box, torch.empty(box.sizes), lambda t: t)
+
+    plan = _plan(cand, tensors, {"a": dest(Box((0, 0), (4, 3))), "b": dest(Box((0, 0), (4, 3)))})
+    assert [r.chunk.array for r in plan] == ["b0", "a0", "a1", "b1"]
+    assert [r.position for r in plan] == [(0, 0), (0, 500), (1, 100), (1, 900)]
+    # A rank holding rows 1-3 reads both chunks of "a", each for its overlap only.
+    part = _plan(cand, tensors, {"a": dest(Box((1, 0), (3, 3)))})
+    assert [(r.chunk.array, r.part) for r in part] == [("a0", Box((1, 0), (1, 3))), ("a1", Box((2, 0), (2, 3)))]
+    # Rank 1's chunk of "a" is missing: rows 2-3 are uncovered.
+    gap = {"a": TensorInfo("a", "float32", (4, 3), tensors["a"].chunks[:1])}
+    with pytest.raises(CorruptCheckpointError, match="cover 6 of the 12 elements"):
+        _plan(cand, gap, {"a": dest(Box((0, 0), (4, 3)))})

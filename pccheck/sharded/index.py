@@ -116,6 +116,14 @@ class CheckpointSet:
             self.bytes_read += arr.nbytes
         return arr
 
+    def position(self, rank: int, name: str) -> tuple[int, int]:
+        """(rank, file offset) of array ``name`` of rank ``rank``'s slot: the order in which a load
+        reads arrays so that each member file is read front to back."""
+        m = self.members[rank]
+        if name not in m.entries:
+            raise CorruptCheckpointError(f"{m.image.path} slot {m.slot}: no array {name!r}")
+        return rank, slot_base(m.image, m.slot) + m.entries[name][0].offset
+
     def _fd(self, rank: int) -> int:
         """One descriptor per member file, opened at its first read (closed by :meth:`close`)."""
         with self._lock:

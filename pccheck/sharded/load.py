@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from ..arrays import TORCH_ONLY, torch_dtype
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..persist.recovery import Restored
 from .dtensor import Destination, destination, is_dtensor
-from .geometry import numel, overlap
-from .index import CheckpointSet, Member, TensorInfo, check_visible, find_sets
+from .geometry import Box, numel, overlap
+from .index import CheckpointSet, Chunk, Member, TensorInfo, check_visible, find_sets
 
 __all__ = ["load_sharded", "newest_is_sharded"]
 
@@ -159,38 +160,81 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
             dests[fqn] = dest
         return dests
 
-    def build(item: tuple[str, Destination]) -> Any:
-        fqn, dest = item
-        _fill(cand, tensors[fqn], dest)
-        t = dest.wrap(dest.local)
-        return t.to(map_location) if map_location is not None and state is None else t
+    def build(fqns: list[str]) -> dict[str, Any]:
+        """Every tensor of ``fqns``, its chunks read in file order (see _read_all)."""
+        dests = place(fqns)
+        _read_all(cand, _plan(cand, tensors, dests))
+        out = {fqn: dest.wrap(dest.local) for fqn, dest in dests.items()}
+        return {f: t.to(map_location) for f, t in out.items()} if map_location is not None and state is None else out
 
     if "model" not in tree:  # written by pccheck.dcp.Writer: a flat set of tensors, no model tree
         if state is not None:
             raise ConfigError("this checkpoint was written through pccheck.dcp.Writer (no model tree): load it "
                               "with torch.distributed.checkpoint.load(..., storage_reader=pccheck.dcp.Reader(path)), "
                               "or with pccheck.load_latest(path) without model=")
-        return _in_parallel(build, place(list(tensors))), member
+        return build(list(tensors)), member
     wanted = state_tree(tree)
     if state is not None and state.optimizer is None:
         wanted["d"].pop("optimizer", None)  # not read at all
-    # Every tensor the tree refers to is built first, several at a time: each reads its own
-    # chunks (preadv, crc32c and the copies release the GIL), so the reads overlap.
-    built = _in_parallel(build, place(sorted(_shard_leaves(wanted))))
+    built = build(sorted(_shard_leaves(wanted)))  # every tensor the tree refers to, before the rest
     nested = unwrap_extra(rebuild(wanted, _MemberArrays(cand, member), as_tensor, built.__getitem__))
     return nested, member
 
 
+# Threads reading one rank's chunks. Invariant: they take the chunks in file order (member by
+# member, front to back), so the disk sees a few neighbouring requests of one stream at a time:
+# buffered reads then run at the device's sequential rate (the page cache's readahead follows
+# each file), where chunks taken tensor by tensor scatter over both member files (issue 32:
+# 1.4-1.8 s cold against 0.7-0.8 s for the same bytes read in order).
 READ_THREADS = 4
 
 
-def _in_parallel(build: Callable[[tuple[str, Destination]], Any], dests: dict[str, Destination]) -> dict[str, Any]:
-    """fqn -> build((fqn, destination)), on up to READ_THREADS threads; the first error is raised."""
-    items = list(dests.items())
-    if len(items) < 2:
-        return {f: build((f, d)) for f, d in items}
-    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="pccheck-reshard") as pool:
-        return dict(zip(dests, pool.map(build, items)))
+@dataclass(frozen=True)
+class _Read:
+    """One saved chunk this rank reads, and the destination its overlap goes into."""
+
+    position: tuple[int, int]  # (member rank, file offset): the order reads are handed out in
+    info: TensorInfo
+    chunk: Chunk
+    part: Box                  # the overlap of the chunk and the destination's box
+    dest: Destination
+
+
+def _plan(cand: CheckpointSet, tensors: Mapping[str, TensorInfo], dests: Mapping[str, Destination]) -> list[_Read]:
+    """Every chunk read that fills ``dests``, in file order; CorruptCheckpointError, before a byte
+    is read, if the saved chunks leave part of a destination box uncovered."""
+    reads = []
+    for fqn, dest in dests.items():
+        info, covered = tensors[fqn], 0
+        for chunk in info.chunks:
+            ov = overlap(chunk.box, dest.box)
+            if ov is None or numel(ov) == 0:
+                continue
+            reads.append(_Read(cand.position(chunk.rank, chunk.array), info, chunk, ov, dest))
+            covered += numel(ov)
+        if covered < numel(dest.box):
+            raise CorruptCheckpointError(f"tensor {fqn!r}: the saved chunks cover {covered} of the "
+                                         f"{numel(dest.box)} elements this rank needs (a rank's shards are missing)")
+    reads.sort(key=lambda r: r.position)
+    return reads
+
+
+def _read_all(cand: CheckpointSet, reads: list[_Read]) -> None:
+    """Runs ``reads`` on up to READ_THREADS threads, handed out in list order (preadv, crc32c and
+    the copies release the GIL, so the reads overlap); the first error is raised and the reads
+    not started yet are dropped."""
+    if len(reads) < 2:
+        for r in reads:
+            _fill(cand, r)
+        return
+    pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="pccheck-reshard")
+    try:
+        for _ in pool.map(lambda r: _fill(cand, r), reads):  # the executor's queue is FIFO: file order
+            pass
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _shard_leaves(node: Any) -> set[str]:
@@ -265,30 +309,20 @@ class _Layouts:
         return None
 
 
-def _fill(cand: CheckpointSet, info: TensorInfo, dest: Destination) -> None:
-    """Puts the overlap of every saved chunk of ``info`` into ``dest``; CorruptCheckpointError
-    if the chunks leave part of the destination box uncovered. A chunk that lies wholly inside
-    the box on a contiguous stretch of the buffer (a Shard(0) chunk going into a rank holding
-    the same or more rows: the usual case) is read straight into it; any other is read into a
-    buffer of its own and its overlap copied (the whole chunk is read either way: its crc32c
-    covers all of it)."""
+def _fill(cand: CheckpointSet, r: _Read) -> None:
+    """Puts the overlap of one saved chunk into its destination. A chunk that lies wholly inside
+    the box on a contiguous stretch of the buffer (a Shard(0) chunk going into a rank holding the
+    same or more rows: the usual case) is read straight into it; any other is read into a buffer
+    of its own and its overlap copied (the whole chunk is read either way: its crc32c covers all
+    of it). Reads of one destination touch disjoint regions, so they may run concurrently."""
     import torch
 
-    covered = 0
-    for chunk in info.chunks:
-        ov = overlap(chunk.box, dest.box)
-        if ov is None or numel(ov) == 0:
-            continue
-        region = dest.local.detach()[ov.slices(dest.box.offsets)]
-        if ov == chunk.box and region.device.type == "cpu" and region.is_contiguous():
-            cand.read(chunk.rank, chunk.array, into=region.view(-1).view(torch.uint8).numpy())
-        else:
-            src = torch.from_numpy(cand.read(chunk.rank, chunk.array))
-            if info.dtype in TORCH_ONLY:
-                src = src.view(torch_dtype(info.dtype))
-            region.copy_(src[ov.slices(chunk.box.offsets)])
-        covered += numel(ov)
-    if covered < numel(dest.box):
-        raise CorruptCheckpointError(f"tensor {info.fqn!r}: the saved chunks cover {covered} of the {numel(dest.box)} "
-                                     "elements this rank needs (a rank's shards are missing)")
-
+    chunk, dest = r.chunk, r.dest
+    region = dest.local.detach()[r.part.slices(dest.box.offsets)]
+    if r.part == chunk.box and region.device.type == "cpu" and region.is_contiguous():
+        cand.read(chunk.rank, chunk.array, into=region.view(-1).view(torch.uint8).numpy())
+        return
+    src = torch.from_numpy(cand.read(chunk.rank, chunk.array))
+    if r.info.dtype in TORCH_ONLY:
+        src = src.view(torch_dtype(r.info.dtype))
+    region.copy_(src[r.part.slices(chunk.box.offsets)])
