@@ -145,7 +145,7 @@ def measure(system: str, workdir: Path, cfg: Mapping[str, Any]) -> dict[str, Any
         ranges = load_ranges(workdir, cfg["load_world"])
         make_cold(workdir)
         raw = run_job("floor", system, cfg["load_world"], workdir, cfg, [{"ranges": r} for r in ranges])
-        floor = {"floor_s": max(r["load_s"] for r in raw), "floor_bytes_per_rank": [r["bytes_read"] for r in raw]}
+        floor.update(floor_s=max(r["load_s"] for r in raw), floor_bytes_per_rank=[r["bytes_read"] for r in raw])
     make_cold(workdir)
     loaded = run_job("load", system, cfg["load_world"], workdir, cfg)
     warm = run_job("load", system, cfg["load_world"], workdir, cfg)  # the files are in the page cache now
