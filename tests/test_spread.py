@@ -297,10 +297,10 @@ def test_auto_starts_from_the_tuned_k_and_keeps_learning(tmp_path, caplog):
     assert 'moves from 1 to' in caplog.text
 
 
-def test_auto_starts_with_one_then_picks_from_the_stall_model(tmp_path, caplog):
-    caplog.set_level("INFO", logger="pccheck")
+def train_auto(path) -> pccheck.Checkpointer:
+    """30 AdamW steps with spread_steps="auto", a checkpoint every 10; closed, for its stats."""
     model, opt, sched, scaler = make("adamw")
-    ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
+    ck = pccheck.Checkpointer(model, opt, path=path, extra_state={"sched": sched, "scaler": scaler},
                               interval=10, spread_steps="auto")
     for s in range(1, 31):
         train_step(model, opt, sched, scaler, s)
@@ -308,7 +308,12 @@ def test_auto_starts_with_one_then_picks_from_the_stall_model(tmp_path, caplog):
         if s == 10:
             ck.wait()  # "auto" learns from finished checkpoints: step 10's, before step 20 begins
     ck.close()
-    stats = ck.stats().as_dict()["checkpoints"]
+    return ck
+
+
+def test_auto_starts_with_one_then_picks_from_the_stall_model(tmp_path, caplog):
+    caplog.set_level("INFO", logger="pccheck")
+    stats = train_auto(tmp_path).stats().as_dict()["checkpoints"]
     assert stats[0]["spread_steps"] == 1
     assert "spread_steps=\"auto\" picked" in caplog.text
     # then the model's choices, as it picked and (on a clear gain) moved, within half the interval

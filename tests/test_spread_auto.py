@@ -4,6 +4,7 @@ derived. No timing is asserted: the inputs are set, or only their presence and s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -16,7 +17,16 @@ from pccheck.spread.driver import Spreader
 from pccheck.spread.mode import SpreadMode
 from pccheck.spread.plan import modelled_stall
 
-from test_spread import make, train_step
+from test_spread import make, train_auto, train_step
+
+
+@contextlib.contextmanager
+def _spreader(opt):
+    sp = Spreader(opt)
+    try:
+        yield sp
+    finally:
+        sp.close()
 
 
 def _adamw(n: int = 4, elems: int = 4096):
@@ -34,15 +44,7 @@ def _stat(nbytes: int, copy_s: float, k: int = 1, prepare_s: float = 0.0, stall_
 
 
 def test_every_checkpoint_records_autos_decision_and_its_inputs(tmp_path):
-    model, opt, sched, scaler = make("adamw")
-    ck = pccheck.Checkpointer(model, opt, path=tmp_path, extra_state={"sched": sched, "scaler": scaler},
-                              interval=10, spread_steps="auto")
-    for s in range(1, 31):
-        train_step(model, opt, sched, scaler, s)
-        ck.maybe_checkpoint(s)
-        if s == 10:
-            ck.wait()
-    ck.close()
+    ck = train_auto(tmp_path)
     cks = ck.stats().as_dict()["checkpoints"]
     assert len(cks) == 3
     first = cks[0]["spread_decision"]
@@ -88,34 +90,27 @@ def _spread_once(sp: Spreader, opt, k: int) -> None:
 
 def test_a_copy_that_first_touches_its_buffers_is_not_a_link_sample():
     opt = _adamw()
-    sp = Spreader(opt)
-    try:
+    with _spreader(opt) as sp:
         _spread_once(sp, opt, 2)  # the shadow's buffers are allocated by these copies
         assert sp.copy_bandwidth() is None
         _spread_once(sp, opt, 2)  # now they are touched: both parts measure the copy itself
         rate, n = sp.copy_bandwidth()
         assert n == 2 and rate > 0
-    finally:
-        sp.close()
 
 
 def test_warming_the_shadow_makes_the_first_spreads_copies_link_samples():
     opt = _adamw()
-    sp = Spreader(opt)
-    try:
+    with _spreader(opt) as sp:
         sp.warm()
         sp._warming.result(30)
         assert len(sp._buffers) == 4 * 4  # every parameter, its step and both of AdamW's moments
         _spread_once(sp, opt, 2)
         assert sp.copy_bandwidth()[1] == 2
-    finally:
-        sp.close()
 
 
 def test_the_window_is_from_a_steps_end_to_the_next_steps_begin_without_checkpoint_waits():
     opt = _adamw()
-    sp = Spreader(opt)
-    try:
+    with _spreader(opt) as sp:
         assert sp.window_time() is None
         for _ in range(3):
             opt.step()
@@ -129,8 +124,6 @@ def test_the_window_is_from_a_steps_end_to_the_next_steps_begin_without_checkpoi
         time.sleep(0.5)  # a checkpoint wait in an earlier pre-hook
         opt.step()
         assert len(sp._windows) == 2 and sp._windows[-1] < 0.5  # (with the wait it would be >= 0.51)
-    finally:
-        sp.close()
 
 
 def test_the_link_is_the_median_one_step_copy_without_preparation_and_the_first_checkpoint():
