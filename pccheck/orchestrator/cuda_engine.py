@@ -50,13 +50,13 @@ def _pool_array(native_engine: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-def _pieces(views: list, base: int, chunk: int, starts: list[int] | None = None) -> Iterator[tuple[Any, Any, int, int]]:
+def _pieces(views: list, base: int, chunk: int, starts: list[int]) -> Iterator[tuple[Any, Any, int, int]]:
     """(entry, byte view, lo, hi): the stream bytes [lo, hi) of each array inside chunk [base, base+chunk).
-    ``starts``: the entries' offsets (ascending, as the layout places them), to begin at the chunk's
-    first array instead of scanning every array for every chunk."""
-    i = max(0, bisect.bisect_right(starts, base) - 1) if starts is not None else 0
+    ``starts``: the entries' offsets, ascending (plan() places arrays in entry order), so the scan
+    begins at the chunk's first array instead of at every array for every chunk."""
+    i = max(0, bisect.bisect_right(starts, base) - 1)
     for e, view in itertools.islice(views, i, None):
-        if starts is not None and e.offset >= base + chunk:
+        if e.offset >= base + chunk:
             return
         lo, hi = max(base, e.offset), min(base + chunk, e.offset + e.nbytes)
         if lo < hi:
