@@ -395,6 +395,34 @@ def test_load_latest_map_location_cuda_restores_device_tensors(store):
     assert o2.state and all(p.is_cuda for p in m2.parameters())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_lazy_restore_into_a_device_model(store, fused):
+    """The optimizer's placeholders are made on the device (no host-to-device copy at load time),
+    the loader fills them, and the state after ``wait`` is the saved one, bit for bit."""
+    torch.manual_seed(4)
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True)
+
+    model, opt = make()
+    x = torch.randn(64, 256, device="cuda")
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    with pccheck.Checkpointer(model, opt, path=store, interval=10**6) as ck:
+        ck.checkpoint(3)
+        want = {"model": _clone(model.state_dict()), "optimizer": _clone(opt.state_dict())}
+    m2, o2 = make()
+    r = pccheck.load_latest(store, model=m2, optimizer=o2, lazy=True)
+    assert all(v.device == p.device for p in m2.parameters() for k, v in o2.state[p].items() if k != "step")
+    m2(x)  # waits for the model's own tensors only
+    r.wait()
+    _assert_same(m2.state_dict(), want["model"], "m2", device="cuda")
+    _assert_same(o2.state_dict(), want["optimizer"], "o2", device="cuda")
+
+
 # -- bitwise resume of a CUDA training run after SIGKILL -------------------------------------------
 
 CHILD = str(Path(__file__).with_name("_gpu_train.py"))
