@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 
-from .distributed import GroupCoordinator, detect_group
+from .group.distributed import GroupCoordinator, detect_group
 from .errors import ConfigError, PCCheckError, StorageError
 from .lazy import restoring, wait_for_pending
 from .options import Options
@@ -34,7 +34,7 @@ from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
 from .persist.layout import Layout, plan
 from .spread.mode import SpreadMode, budget_split, check_spread, substitute
-from .torch_state import Snapshot, TorchState
+from .state.torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
 
@@ -149,7 +149,7 @@ class Checkpointer:
         self._history = None
         hist = self.options.history
         if hist.keep_every is not None and self._writes:
-            from .history import HistoryKeeper
+            from .ops.history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
         if self._writes:

@@ -35,7 +35,7 @@ from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
 from ..persist.files import default_path
-from ..torch_state import Flattener, rebuild, tensor_from
+from ..state.torch_state import Flattener, rebuild, tensor_from
 from .named import Pointers, load_named, open_store, pointer_bytes, read_pointer
 
 __all__ = ["register_accelerate", "AccelerateHooks", "POINTER_NAME"]

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..distributed import read_global
+from ..group.distributed import read_global
 from ..errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions

@@ -23,7 +23,7 @@ not a pointer (a torch.save checkpoint from before) is loaded by Lightning's own
 ``weights_only=True``. ``remove_checkpoint`` removes the pointer; the store's slots are reused
 only by newer commits, so the newest valid checkpoint is never at risk.
 
-The dict becomes pccheck's JSON tree (``pccheck.torch_state``); values JSON cannot hold
+The dict becomes pccheck's JSON tree (``pccheck.state.torch_state``); values JSON cannot hold
 (``hyper_parameters`` objects and the like) are stored with torch's serializer and loaded only
 with ``torch.load(weights_only=True)``; one it refuses raises a ConfigError naming its key.
 """
@@ -41,7 +41,7 @@ from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
 from ..persist.recovery import load_newest
-from ..torch_state import Flattener, load_serialized, rebuild, tensor_from
+from ..state.torch_state import Flattener, load_serialized, rebuild, tensor_from
 from .named import Pointers, load_named, open_store, pointer_bytes, read_pointer
 
 try:
