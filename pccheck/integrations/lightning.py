@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, NoCheckpointError, PCCheckError
+from ..orchestrator.args import StartArgs
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
@@ -144,7 +145,8 @@ class CheckpointIO(_LightningCheckpointIO):
         with self._lock:
             orch = self._orchestrator(target, arrays)
             versions = [(k, t, t._version) for k, t in list(arrays.items())[n_eager:] if hasattr(t, "_version")]
-            started = orch.start(step, arrays, meta, tree=tree, n_eager=n_eager, validate=_unchanged(versions))
+            started = orch.start(step, arrays, meta,
+                                 StartArgs(tree=tree, n_eager=n_eager, validate=_unchanged(versions)))
         if not started:  # when_busy="skip": nothing was saved, so no name may point at it
             log.warning("pccheck: skipped the checkpoint %s (step %d): max_concurrent checkpoints are in flight",
                         target, step)

@@ -7,7 +7,8 @@ Modules, one job each: :mod:`.model` (the formulas), :mod:`.workload` (the emula
 profilers checkpoint), :mod:`.samples` (what the profilers measure: plain data), :mod:`.profile`
 (the profilers), :mod:`.search` (the choice), :mod:`.config` (``pccheck-tune.json`` and
 ``resolve_auto``), :mod:`.online` (what runs during training: iteration reports, whose public face
-is :mod:`pccheck.tune`, and ``interval="auto"``). The command is :mod:`pccheck.commands.tune_cli`.
+is :mod:`pccheck.tune`, and ``interval="auto"``), :mod:`.policy` (when ``maybe_checkpoint`` takes a
+checkpoint: a fixed interval or the online tuner's). The command is :mod:`pccheck.commands.tune_cli`.
 """
 
 from __future__ import annotations
