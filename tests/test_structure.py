@@ -150,7 +150,7 @@ def test_import_pccheck_loads_no_profiler_torch_or_cupy():
 def _python_files() -> list[Path]:
     files = sorted(PKG.rglob("*.py"))
     if (REPO / "bench").is_dir():  # the source tree's bench/ (not installed)
-        files += sorted((REPO / "bench").glob("*.py"))
+        files += sorted((REPO / "bench").rglob("*.py"))
     return files
 
 
@@ -171,3 +171,22 @@ def test_version_matches_pyproject():
     if not pyproject.is_file():
         pytest.skip("no source tree beside the tests")
     assert tomllib.loads(pyproject.read_text())["project"]["version"] == __version__ == pccheck.__version__
+
+
+# bench/__init__.py's contract: each role goes by one name (run, targets, report, plot, main).
+BENCH_ROLE_VARIANTS = {"run_benchmark", "run_cycles", "print_report", "_report", "_plot"}
+
+
+def test_bench_is_faces_over_folders_and_names_its_roles_one_way():
+    bench = REPO / "bench"
+    if not bench.is_dir():
+        pytest.skip("no source tree beside the tests")
+    for face in sorted(bench.glob("*.py")):  # faces only: `python -m bench.X` runs bench/<folder>/X.py
+        if face.name in ("__init__.py", "__main__.py"):
+            continue
+        defs = [n.name for n in ast.parse(face.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not defs, f"{face} is a face: it imports main from its folder and defines nothing ({defs})"
+    bad = [f"{p.relative_to(REPO)}: {n.name}" for p in sorted(bench.glob("*/*.py"))
+           for n in ast.parse(p.read_text()).body
+           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in BENCH_ROLE_VARIANTS]
+    assert not bad, "name these roles run / targets / report / plot (bench/__init__.py):\n" + "\n".join(bad)

@@ -2,15 +2,15 @@
 
 Two layers:
 
-*How each system saves and loads* (module functions, used by :mod:`bench.persist`,
-:mod:`bench.recovery`, the training-loop systems below and :mod:`bench.gpu_train`): ``torch_save``
+*How each system saves and loads* (module functions, used by :mod:`bench.micro.persist`,
+:mod:`bench.micro.recovery`, the training-loop systems below and :mod:`bench.gpu.gpu_train`): ``torch_save``
 (:func:`torch_save_durable`, :func:`torch_load`), ``safetensors`` (:func:`safetensors_save_durable`,
 :func:`safetensors_load`), DCP (:func:`dcp_writer`, :func:`dcp_async_save`, :func:`dcp_upload`,
 :func:`dcp_save`, :func:`dcp_load`), the device limit ``raw_odirect`` (:func:`pieces`,
 :func:`odirect_share`) and ``pccheck`` on host arrays (:func:`pccheck_on_arrays`).
 
 *The systems inside a training loop* (:class:`LoopSystem` and :func:`make_loop_system`, used by
-:mod:`bench.overhead`'s cells and the figures built on them), by the name they carry in every result:
+:mod:`bench.training.overhead`'s cells and the figures built on them), by the name they carry in every result:
 
 ``none``          no checkpointing.
 ``torch_save``    synchronous :func:`torch_save_durable` of ``{"model": sd, "optim": osd}``; the previous
@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import median_or_none
-from bench.workloads import Workload
+from bench.harness.common import median_or_none
+from bench.harness.workloads import Workload
 
 __all__ = [
     "CHUNK", "ALIGN", "COLORS", "fsync_path", "torch_tensors", "torch_save_durable", "torch_load",

@@ -5,7 +5,7 @@
 [--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
 rewritten after each phase; gpu.csv and gpu.png come last. Each section, set-up and window is its own ``try``
 (errors recorded, the rest runs); phases due after --budget-s s are skipped. GB/s decimal. --quick: 1 GiB, half
-windows, one micro-batch per iteration, to bench/results/gpu-quick. The GPT and the systems: bench/gpu_train.py.
+windows, one micro-batch per iteration, to bench/results/gpu-quick. The GPT and the systems: bench/gpu/gpu_train.py.
 
 d2h (S = 4 GiB, 1 GiB quick, 8 CUDA float32 tensors): peak = ``copy_(non_blocking=True)`` into 8 pinned
 ``torch.empty`` + ``torch.cuda.synchronize()``, median of 5 after a warm-up; engine = ``Checkpointer(tensors, path,
@@ -46,7 +46,7 @@ and the checkpoint call (call_s). ``disk_bound``: the write rate persist needs a
 O_DIRECT, the largest state the disk sustains there at 0.8 of raw, and the least interval where persist needs
 <= 0.8 of raw; pccheck_N2 gets a window at that interval. DCP's ``DefaultStager`` is made anew per save (torch
 2.11's drops its pinned cache after each stage and fails a second stage with ``KeyError: <class 'type'>``).
-DCP runs before pccheck, so --budget-s cuts pccheck's extras first. --profile (bench/gpu_profile.py): after
+DCP runs before pccheck, so --budget-s cuts pccheck's extras first. --profile (bench/gpu/gpu_profile.py): after
 pccheck_N2's interval-10 window, the same window with the first GPU run's copy loop (``_legacy_copy``), then
 the disk-bound window, interval 50, the interval-10 window again under py-spy (``pyspy.txt``) and
 torch.profiler around one checkpoint (``profile.txt``).
@@ -71,16 +71,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench._common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
+from bench.harness.common import BENCH_DIR
+from bench.harness.common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
     write_csv, write_json
-from bench._common import median_or_none as _med
-from bench.gpu_profile import PROFILED, Spy, legacy_window, profile_checkpoint
-from bench.gpu_train import BATCH, SEQ, DCPAsync, PCCheck, System, TorchSave, Trainer, engine_info
-from bench.systems import pieces
+from bench.harness.common import median_or_none as _med
+from bench.gpu.gpu_profile import PROFILED, Spy, legacy_window, profile_checkpoint
+from bench.gpu.gpu_train import BATCH, SEQ, DCPAsync, PCCheck, System, TorchSave, Trainer, engine_info
+from bench.harness.systems import pieces
 
 __all__ = ["SECTIONS", "SYSTEMS", "INTERVALS", "main"]
 
-_BENCH_DIR = Path(__file__).resolve().parent
+_BENCH_DIR = BENCH_DIR
 _GIB, _CHUNK, _MM = 1 << 30, 64 << 20, 8192  # _CHUNK: pccheck chunk_size in train, raw O_DIRECT piece
 SECTIONS, INTERVALS = ("d2h", "persist", "train"), (10, 50)
 SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save")
@@ -465,7 +466,7 @@ def _finalize(res: dict[str, Any]) -> None:
     res["targets"] = {k: {"value": v, "target": f"{op} {thr}", "met": None if v is None else (
         v >= thr if op == ">=" else v <= thr)} for (k, (op, thr)), v in zip(TARGETS.items(), values)}
 
-def _report(res: dict[str, Any], out: Path) -> None:
+def report(res: dict[str, Any], out: Path) -> None:
     """Print every figure and the target verdicts; write gpu.csv and gpu.png."""
     ov, pe = res["overlap"], res["persist"]
     rows: list[tuple[str, str, Any, Any, str]] = [
@@ -551,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"== {sec}")
             run.guard(run.res["sections"].setdefault(sec, {}), lambda f=funcs[sec]: f(run))
             _free()
-    run.guard(run.res.setdefault("report", {}), lambda: _report(run.res, args.out))
+    run.guard(run.res.setdefault("report", {}), lambda: report(run.res, args.out))
     _log(f"wrote {args.out}/gpu.json, gpu.csv, gpu.png; total elapsed {time.perf_counter() - _T0:.1f} s")
     return 0
 

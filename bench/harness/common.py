@@ -26,6 +26,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# bench/: results/ and _scratch/ live here, whichever subfolder a module sits in.
+BENCH_DIR = Path(__file__).resolve().parent.parent
+
 __all__ = [
     "parse_size",
     "parse_size_list",
@@ -338,7 +341,7 @@ def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
 def figure_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     """The command line every figure module shares: ``--quick``, ``--out`` (results directory) and
     ``--dir`` (scratch directory on the disk under test)."""
-    bench_dir = Path(__file__).resolve().parent
+    bench_dir = BENCH_DIR
     p = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, short windows: a smoke run")
     p.add_argument("--out", type=Path, default=bench_dir / "results", help="results directory (default: %(default)s)")

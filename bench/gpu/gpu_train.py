@@ -1,14 +1,14 @@
 """The training side of ``python -m bench.gpu``: the GPT it trains and the checkpointing systems
 compared in its loop (none, pccheck, DCP ``async_save``, ``torch.save``). The method is described
-in bench/gpu.py's docstring; how each system saves is :mod:`bench.systems`'s."""
+in bench/gpu/gpu.py's docstring; how each system saves is :mod:`bench.harness.systems`'s."""
 
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import median_or_none as _med
-from bench.systems import dcp_async_save, dcp_upload, dcp_writer, quiet_dcp_warnings, torch_save_durable
+from bench.harness.common import median_or_none as _med
+from bench.harness.systems import dcp_async_save, dcp_upload, dcp_writer, quiet_dcp_warnings, torch_save_durable
 
 __all__ = ["VOCAB", "D_MODEL", "N_HEAD", "SEQ", "BATCH", "CHUNK", "Trainer", "System", "PCCheck", "DCPAsync",
            "TorchSave", "engine_info"]

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import fmt, interval_axes, print_table, pyplot, save_figure
-from bench.probes import NOISY_OTHER_CPUS
+from bench.harness.common import fmt, interval_axes, print_table, pyplot, save_figure
+from bench.harness.probes import NOISY_OTHER_CPUS
 
 __all__ = ["TARGET_INTERVAL", "TARGET_SLOWDOWN", "TARGET_EXTRA_VS_DCP", "RSS_SLACK", "FLAT_RSS_TOL",
            "FLAT_FAULTS_PER_CKPT", "CSV_HEADERS", "by_interval", "targets", "print_targets", "report", "plot"]

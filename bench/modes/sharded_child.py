@@ -1,4 +1,4 @@
-"""One rank of a :mod:`bench.sharded` job: ``python bench/sharded_child.py SPEC`` (one JSON object).
+"""One rank of a :mod:`bench.modes.sharded` job: ``python bench/modes/sharded_child.py SPEC`` (one JSON object).
 
 The workload: ``blocks`` x ``Linear(d, d, bias=False)``, each block and the root wrapped with FSDP2
 ``fully_shard`` on a CPU mesh of ``world`` ranks, AdamW (its state made by one step), d chosen so that

@@ -1,6 +1,6 @@
-"""The processes :mod:`bench.restart` starts: one training run to kill, one restart, one fresh start.
+"""The processes :mod:`bench.training.restart` starts: one training run to kill, one restart, one fresh start.
 
-Run only by bench.restart, as ``python bench/restart_child.py SPEC`` (SPEC: one JSON object, see
+Run only by bench.restart, as ``python bench/training/restart_child.py SPEC`` (SPEC: one JSON object, see
 :func:`bench.restart.child_spec`). The clock starts on the first line below, before any import; the
 parent passes the wall-clock time at which it spawned this process (``spawn_wall``), so the phase
 ``start`` is the interpreter's own start-up.
@@ -22,7 +22,7 @@ parameters a third of it). **The GPU is emulated**: one iteration runs the real 
 block on a batch of ``batch`` rows (under ``no_grad``, so each block's forward pre-hooks fire, as a
 lazy restore needs), sleeps ``iter_time`` (the host waiting for the GPU's backward), then
 ``optimizer.step()`` updates every parameter and the optimizer's state in place; the gradients are
-set once, when the model is built (as :mod:`bench.workloads` does).
+set once, when the model is built (as :mod:`bench.harness.workloads` does).
 
 The last line a ``restart`` or ``fresh`` child prints is one JSON object (its phases in seconds and
 what it measured), or ``{"error": ...}`` with exit status 1.
@@ -41,8 +41,8 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
-    from bench.systems import LoopSystem
-    from bench.workloads import Workload
+    from bench.harness.systems import LoopSystem
+    from bench.harness.workloads import Workload
 
 __all__ = ["SYSTEMS", "PHASES", "SAVERS", "make_blocks", "block_width", "state_bytes", "loop_system", "load", "main"]
 
@@ -79,7 +79,7 @@ def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float) -> "Work
     """The model, its fused AdamW and one (emulated GPU) iteration; see the module docstring."""
     import torch
 
-    from bench.workloads import LR, Workload
+    from bench.harness.workloads import LR, Workload
 
     d = block_width(nbytes, blocks)
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float) -> "Work
 # -- saving (bench.systems' training-loop systems) ----------------------------------------------------------
 
 def _safetensors_system() -> type:
-    from bench.systems import LoopSystem, safetensors_save_durable
+    from bench.harness.systems import LoopSystem, safetensors_save_durable
 
     class SafetensorsSave(LoopSystem):
         """Synchronous ``save_file`` of the model's and the optimizer's tensors, flattened as
@@ -126,7 +126,7 @@ def _safetensors_system() -> type:
 
 def loop_system(system: str, wl: "Workload", workdir: Path, interval: int) -> "LoopSystem":
     """The saver of ``system`` (:data:`SAVERS`) on ``workdir``, checkpointing every ``interval`` steps."""
-    from bench.systems import make_loop_system
+    from bench.harness.systems import make_loop_system
 
     if SAVERS[system] == "safetensors":
         return _safetensors_system()(wl, workdir, interval)
@@ -165,7 +165,7 @@ def _load_dcp(wl: "Workload", workdir: Path) -> int:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from bench.systems import dcp_load, quiet_dcp_warnings
+    from bench.harness.systems import dcp_load, quiet_dcp_warnings
 
     quiet_dcp_warnings()
     step, src = _newest(workdir, "step-*")
@@ -178,7 +178,7 @@ def _load_dcp(wl: "Workload", workdir: Path) -> int:
 
 def _load_torch(wl: "Workload", workdir: Path) -> int:
     """``torch.load(weights_only=True)`` (bench.systems' :func:`torch_load`) + ``load_state_dict``."""
-    from bench.systems import torch_load
+    from bench.harness.systems import torch_load
 
     step, path = _newest(workdir, "ckpt-*.pt")
     sd = torch_load(path)
@@ -189,7 +189,7 @@ def _load_torch(wl: "Workload", workdir: Path) -> int:
 
 def _load_safetensors(wl: "Workload", workdir: Path) -> int:
     """``safetensors.torch.load_file`` (bench.systems' :func:`safetensors_load`) + ``load_state_dict``."""
-    from bench.systems import safetensors_load
+    from bench.harness.systems import safetensors_load
 
     step, path = _newest(workdir, "ckpt-*.safetensors")
     _put_flat(wl, safetensors_load(path), "", "optim.")
@@ -282,7 +282,7 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
         marks[phase], lap[0] = now - lap[0], now
 
     # torch._dynamo: what torch.optim's first optimizer imports (seconds), counted with the imports
-    for lib in ("torch", "torch._dynamo", "bench.systems", _LIBRARIES[spec["system"]]):
+    for lib in ("torch", "torch._dynamo", "bench.harness.systems", _LIBRARIES[spec["system"]]):
         importlib.import_module(lib)
     mark("imports")
     wl, workdir = _build(spec), Path(spec["dir"])
@@ -317,7 +317,7 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def _versions() -> dict[str, str]:
     """The libraries this process used, and where its pccheck came from (the checkout or installed)."""
-    from bench._common import versions
+    from bench.harness.common import versions
 
     found = versions(["torch", "numpy", "safetensors", "pccheck"])
     if "pccheck" in sys.modules:

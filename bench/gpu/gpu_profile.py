@@ -1,7 +1,7 @@
 """``python -m bench.gpu --profile``: where the time of a training window goes. py-spy samples the
 process during a window (:class:`Spy`), the window is repeated with the first GPU run's copy loop
 (:func:`legacy_window`), and torch.profiler records the iterations around one checkpoint
-(:func:`profile_checkpoint`). The window itself is bench/gpu.py's ``_window``, passed in."""
+(:func:`profile_checkpoint`). The window itself is bench/gpu/gpu.py's ``_window``, passed in."""
 
 import contextlib
 import os
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_train import PCCheck, System, Trainer
+from bench.gpu.gpu_train import PCCheck, System, Trainer
 
 __all__ = ["PROFILED", "Spy", "legacy_window", "profile_checkpoint"]
 

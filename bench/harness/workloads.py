@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench._common import format_size
+from bench.harness.common import format_size
 
 __all__ = ["Workload", "make_emulated", "make_real", "N_PARAMS", "LR"]
 
