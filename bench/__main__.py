@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import RUNNABLE_FOLDERS
 from bench.paper import fig8
 from bench.paper import fig11
 from bench.paper import fig12
@@ -439,16 +440,21 @@ def _rec_ticks(quick: bool) -> int:
     return len(recovery.SYSTEMS) * (1 + (1 if quick else 3)) + 1
 
 
-def _bench_names() -> set[str]:
-    """The NAMEs of ``python -m bench NAME``: the faces in bench/, and gpu (a folder with __main__)."""
-    return {p.stem for p in _BENCH_DIR.glob("*.py")} - {"__init__", "__main__"} | {"gpu"}
+def _bench_main(name: str) -> Callable[[list[str]], Any] | None:
+    """The ``main`` of ``python -m bench.NAME`` (bench/__init__.py: a module in one of the folders,
+    or gpu, a folder with a __main__), or None when NAME is no bench."""
+    if name == "gpu":
+        name = "gpu.gpu"
+    elif not any((_BENCH_DIR / folder / f"{name}.py").is_file() for folder in RUNNABLE_FOLDERS):
+        return None
+    return getattr(importlib.import_module(f"bench.{name}"), "main", None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in _bench_names():  # `python -m bench NAME ARGS...` = `python -m bench.NAME ARGS...`
-        module = importlib.import_module("bench.gpu.gpu" if args[0] == "gpu" else f"bench.{args[0]}")
-        return module.main(args[1:]) or 0
+    one = _bench_main(args[0]) if args and not args[0].startswith("-") else None
+    if one is not None:  # `python -m bench NAME ARGS...` = `python -m bench.NAME ARGS...`
+        return one(args[1:]) or 0
     a = _parse_args(argv)
     if a.command == "summary":
         return _resummarize(a)
