@@ -8,6 +8,7 @@ Grouped by job, one folder each (each folder's ``__init__.py`` lists its files):
 - ``training/``: training loops that checkpoint: overhead (+ overhead_report), restart, soak, integrations.
 - ``paper/``: the paper's figures: fig8, fig11, fig12, goodput (Figure 9), tuner.
 - ``modes/``: pccheck's modes: gockpt (spread), lazy, sharded, distributed, transparent.
+- ``resilience/``: surviving a lost machine: scale (the goodput model of a large job per tier set).
 - ``gpu/``: the GPU benches (``python -m bench.gpu``, gpu_claims; gpu_train, gpu_profile).
 
 ``python -m bench.X`` (the commands in the docs and in every result's ``command``) runs X from its
@@ -26,5 +27,5 @@ has, under these names and no others (tests/test_structure.py checks the names).
 from pathlib import Path as _Path
 
 # `python -m bench.X` finds bench/<folder>/X.py (see above; tests/test_structure.py keeps the names unique).
-RUNNABLE_FOLDERS = ("micro", "training", "paper", "modes", "gpu")
+RUNNABLE_FOLDERS = ("micro", "training", "paper", "modes", "resilience", "gpu")
 __path__ += [str(_Path(__file__).parent / _g) for _g in RUNNABLE_FOLDERS]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import scale  # noqa: E402
+from bench.resilience import scale  # noqa: E402
 
 INPUTS = json.loads(scale.DEFAULT_INPUTS.read_text(encoding="utf-8"))
 

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench._common import print_table, pyplot, save_figure, write_json
+from bench.harness.common import print_table, pyplot, save_figure, write_json
 
 __all__ = ["Tier", "Config", "load_inputs", "refresh", "tiers_of", "replay", "run", "report", "plot", "main"]
 
-_ROOT = Path(__file__).resolve().parent
+_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_INPUTS = _ROOT / "results" / "scale-inputs.json"
 DAY = 86400.0
 
