@@ -30,7 +30,8 @@ checkpoint call (after the sync: DCP's stager does not wait for the training str
 Systems: ``none`` (timed first and last; t_none = median of both windows' median step time); ``pccheck_N2`` =
 ``Checkpointer(model, opt, path, max_concurrent=2, writer_threads=4, chunk_size=64 MiB)``, ``maybe_checkpoint`` each
 step, 3 warm-up checkpoints, one instance for both intervals (``ck.interval`` set per window); ``pccheck_reserve`` =
-the same + ``device_reserve="auto"``; ``dcp_async`` = ``async_save(sd, storage_writer=FileSystemWriter(new dir,
+the same + ``device_reserve="auto"``; ``pccheck_memory`` = pccheck_N2 + the memory tier every iteration
+(``memory_interval=1``, a tmpfs store in /dev/shm, no replicas); ``dcp_async`` = ``async_save(sd, storage_writer=FileSystemWriter(new dir,
 sync_files=True), no_dist=True, async_stager=DefaultStager(pinned, unshared, async, non-blocking))`` (else DCP's
 default: see ``staging``), the next ``optimizer.step`` waiting for ``staging_completion``, the previous
 ``upload_completion`` awaited before a save; ``torch_save`` = ``torch.save(sd, f)`` + flush + ``fsync``. Window per
@@ -84,7 +85,7 @@ __all__ = ["SECTIONS", "SYSTEMS", "INTERVALS", "main"]
 _BENCH_DIR = BENCH_DIR
 _GIB, _CHUNK, _MM = 1 << 30, 64 << 20, 8192  # _CHUNK: pccheck chunk_size in train, raw O_DIRECT piece
 SECTIONS, INTERVALS = ("d2h", "persist", "train"), (10, 50)
-SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save")
+SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save", "pccheck_memory")
 ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {10: 40, 50: 100}, {10: 20, 50: 50}, 40  # torch_save: saves take seconds
 TARGETS = {"d2h_vs_peak": (">=", 0.9), "slowdown_pccheck_N2_i10": ("<=", 1.03),
            "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2)}
@@ -418,6 +419,13 @@ def _section_train(run: _Run) -> None:
     if "pccheck_reserve" in want:
         _run_system(run, tr, "pccheck_reserve", lambda: PCCheck(tr, store, reserve=True), None)
     shutil.rmtree(store, ignore_errors=True)
+    if "pccheck_memory" in want:  # the disk tier at the window's interval, the memory tier every iteration
+        shm = Path("/dev/shm") / f"pccheck-bench-gpu-mem-{os.getpid()}"
+        try:
+            _run_system(run, tr, "pccheck_memory", lambda: PCCheck(tr, store, reserve=False, memory=shm), None)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(store, ignore_errors=True)
     if "torch_save" in want:
         _run_system(run, tr, "torch_save", lambda: TorchSave(tr, ts), ts)
     run.guard(run.res["train"].setdefault("none_last", {}), none)

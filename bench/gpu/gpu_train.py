@@ -128,12 +128,18 @@ class System:
     close = drain
 
 class PCCheck(System):
-    def __init__(self, tr: Trainer, path: Path, reserve: bool) -> None:
+    """pccheck N = 2 to the disk; ``reserve``: with device_reserve="auto"; ``memory``: also the memory
+    tier every iteration (``memory_interval=1``, a tmpfs store under ``memory``)."""
+
+    def __init__(self, tr: Trainer, path: Path, reserve: bool, memory: Path | None = None) -> None:
         import pccheck
         super().__init__()
-        self.name = "pccheck_reserve" if reserve else "pccheck_N2"
+        self.name = "pccheck_reserve" if reserve else "pccheck_memory" if memory else "pccheck_N2"
+        extra: dict[str, Any] = {"device_reserve": "auto"} if reserve else {}
+        if memory is not None:
+            extra.update(memory_interval=1, memory_dir=memory)
         self.ck = pccheck.Checkpointer(tr.model, tr.opt, path=path, interval=self.interval, max_concurrent=2,
-                                       writer_threads=4, chunk_size=CHUNK, **({"device_reserve": "auto"} if reserve else {}))
+                                       writer_threads=4, chunk_size=CHUNK, **extra)
 
     def warmup(self, tr: Trainer) -> None:
         for _ in range(3):  # N+1 back to back: every slot written once; no timed write meets an unwritten extent
