@@ -1,0 +1,119 @@
+"""Loading from the remote tier: the newest committed step whose every checksum holds (FORMAT.md §12.4).
+
+:func:`load_remote` lists the committed step manifests (newest first by (generation, step)), and
+for each: fetches and checks the manifest, checks the local manifest it embeds (§5's rules, the
+same parser as a local load), fetches the data object by parallel ranged GETs, one per part,
+straight into one buffer, checks every part's crc32c and every array's crc32c, and returns the
+arrays. A missing or damaged object makes it fall back to the next older committed step, with a
+warning naming what was wrong. Nothing read is unpickled; every size and offset is bounded by the
+manifest before a byte is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import CorruptCheckpointError, NoCheckpointError, RemoteError
+from ...persist.layout import Manifest, parse_manifest
+from ...persist.reader import crc32c, fresh_buffer
+from ...persist.recovery import Restored
+from .commit import committed
+from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, decode_manifest, manifest_key, parts_of
+from .objstore import NotFound, ObjectStore
+
+__all__ = ["load_remote"]
+
+log = logging.getLogger("pccheck")
+
+GET_THREADS = 8
+
+
+def _local_manifest(part: RankPart, step: int) -> Manifest:
+    try:
+        counter = json.loads(part.manifest.decode("utf-8")).get("counter")
+    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        raise CorruptCheckpointError("the embedded local manifest is not a JSON object") from None
+    if type(counter) is not int:
+        raise CorruptCheckpointError("the embedded local manifest has no counter")
+    man = parse_manifest(part.manifest, step=step, counter=counter, data_len_limit=part.size)
+    if man.data_len != part.size:
+        raise CorruptCheckpointError(f"the data object holds {part.size} bytes, its manifest says {man.data_len}")
+    return man
+
+
+def _fetch(store: ObjectStore, part: RankPart, man: Manifest) -> np.ndarray:
+    """The data object into one buffer, each part's crc32c and each array's crc32c checked."""
+    buf = fresh_buffer(part.size)
+    view = memoryview(buf)
+    pieces = parts_of(part.size, part.part_size)
+
+    def get(i: int) -> None:
+        off, n = pieces[i]
+        try:
+            store.read_into(part.data, off, view[off:off + n])
+        except NotFound as exc:
+            raise CorruptCheckpointError(f"data object {part.data} is missing or short ({exc})") from None
+        if crc32c(view[off:off + n]) != part.part_crcs[i]:
+            raise CorruptCheckpointError(f"data object {part.data}: part {i + 1} checksum mismatch")
+
+    with ThreadPoolExecutor(min(GET_THREADS, len(pieces))) as pool:
+        list(pool.map(get, range(len(pieces))))
+    for e, want in zip(man.arrays, man.crcs):
+        if crc32c(view[e.offset:e.offset + e.nbytes]) != want:
+            raise CorruptCheckpointError(f"array {e.name!r} checksum mismatch in {part.data}")
+    return buf
+
+
+def _load_step(store: ObjectStore, generation: int, step: int) -> Restored:
+    try:
+        raw, _ = store.get(manifest_key(generation, step), MAX_MANIFEST_BYTES)
+    except NotFound:
+        raise CorruptCheckpointError("its manifest disappeared (deleted by retention?)") from None
+    sm: StepManifest = decode_manifest(raw, generation, step)
+    if sm.world_size != 1:
+        raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks; loading a multi-rank remote "
+                                     "checkpoint is not supported yet")
+    part = sm.ranks[0]
+    man = _local_manifest(part, step)
+    buf = _fetch(store, part, man)
+    state = {}
+    for e in man.arrays:
+        try:
+            arr = np.frombuffer(buf, dtype=e.dtype, count=e.nbytes // e.dtype.itemsize if e.dtype.itemsize else 0,
+                                offset=e.offset).reshape(e.shape) if e.nbytes else np.empty(e.shape, dtype=e.dtype)
+        except (ValueError, TypeError, OverflowError, MemoryError) as exc:
+            raise CorruptCheckpointError(f"array {e.name!r} cannot be built: {exc}") from None
+        state[e.name] = arr
+    return Restored(man.step, state, man.metadata, man.counter, generation, 0, Path(store.url.replace("s3://", "")),
+                    {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype}, man.tree, man.epoch,
+                    tier="remote")
+
+
+def load_remote(url: str) -> Restored:
+    """Loads the newest committed remote step under ``url`` whose every checksum holds, falling
+    back to older committed steps. NoCheckpointError when none loads."""
+    store = ObjectStore(url)
+    try:
+        candidates = committed(store)
+    except RemoteError as exc:
+        raise NoCheckpointError(f"cannot list {url}: {exc}") from None
+    if not candidates:
+        raise NoCheckpointError(f"{url} holds no committed pccheck checkpoint")
+    problems = []
+    for generation, step in candidates:
+        try:
+            r = _load_step(store, generation, step)
+        except (CorruptCheckpointError, RemoteError) as exc:
+            problems.append(f"step {step} (generation {generation}): {exc}")
+            log.warning("pccheck: %s: cannot load step %d (generation %d): %s; trying the previous committed step",
+                        url, step, generation, exc)
+            continue
+        if problems:
+            log.warning("pccheck: %s: fell back to step %d because: %s", url, step, "; ".join(problems))
+        return r
+    raise NoCheckpointError(f"no committed checkpoint under {url} loads: " + "; ".join(problems))
