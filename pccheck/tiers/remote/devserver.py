@@ -63,6 +63,7 @@ class DevServer:
 
     directory: Path
     bucket: str = "pccheck"
+    anonymous: bool = False  # also serve unsigned requests (the tests' no-conditional-write proxy)
     ports: dict[str, int] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
@@ -84,9 +85,11 @@ class DevServer:
         if not self.ports:
             self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
         config = self.directory / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "pccheck", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        identities = [{"name": "pccheck", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]
+        if self.anonymous:
+            identities.append({"name": "anonymous", "actions": ["Read", "Write", "List"]})
+        config.write_text(json.dumps({"identities": identities}))
         args = [weed, "mini", f"-dir={self.directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-s3.config={config}", "-admin.ui=false", "-webdav=false", f"-bucket={self.bucket}"]
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]

@@ -1,0 +1,278 @@
+"""The remote tier (issue 28, FORMAT.md §12) against a real S3 server (SeaweedFS, tests/conftest.py).
+
+Each fault of the issue is a test: SIGKILL at three points of the remote commit, the server
+stopped mid-upload and restarted, wrong credentials / missing bucket / no conditional writes at
+construction, a damaged or missing data object, two jobs racing on one prefix, and a cluster-loss
+round (train, SIGKILL, delete the local store, resume from the remote bit for bit)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pccheck
+from pccheck.tiers.remote import layout
+from pccheck.tiers.remote.commit import commit_step, committed, read_pointer
+from pccheck.tiers.remote.objstore import ObjectStore
+
+HERE = Path(__file__).parent
+MiB = 1 << 20
+
+
+def _arrays(step: int, n: int = 1000) -> dict[str, np.ndarray]:
+    return {"w": np.full(n, step, dtype=np.float32), "i": np.arange(7, dtype=np.int64) * step}
+
+
+def _fill(state: dict, step: int) -> None:
+    for k, v in _arrays(step, len(state["w"])).items():
+        state[k][...] = v
+
+
+def _assert_step(r, step: int, n: int = 1000) -> None:
+    assert r.step == step
+    for k, v in _arrays(step, n).items():
+        assert np.array_equal(r.state[k], v), k
+
+
+def test_roundtrip_stats_and_fallback_to_remote(s3_url, tmp_path):
+    state = _arrays(0)
+    ck = pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url)
+    for s in (1, 2, 3):
+        _fill(state, s)
+        ck.checkpoint(s)
+    assert ck.wait(remote=True, timeout=60)
+    st = ck.stats()
+    assert st.remote_step == 3 and st.remote_lag_s == 0.0
+    assert st.as_dict()["summary"]["remote_step"] == 3
+    ck.close()
+    r = pccheck.load_latest(s3_url)
+    assert r.tier == "remote"
+    _assert_step(r, 3)
+    local = pccheck.load_latest(tmp_path / "ck", remote=s3_url)
+    assert local.tier == "disk" and local.step == 3
+    shutil.rmtree(tmp_path / "ck")  # the machine is gone: the local store with it
+    r = pccheck.load_latest(tmp_path / "ck", remote=s3_url)
+    assert r.tier == "remote"
+    _assert_step(r, 3)
+
+
+def test_remote_every_and_close_waits(s3_url, tmp_path):
+    state = _arrays(0)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_every=2) as ck:
+        for s in range(1, 6):
+            _fill(state, s)
+            ck.checkpoint(s)
+            ck.wait()
+    store = ObjectStore(s3_url)
+    steps = {s for _, s in committed(store)}
+    assert steps <= {2, 4} and 4 in steps  # only every 2nd; close() waited for the newest
+    _assert_step(pccheck.load_latest(s3_url), 4)
+
+
+@pytest.mark.parametrize("mode,survivor", [("parts", 1), ("manifest", 1), ("pointer", 2)])
+def test_sigkill_during_the_remote_commit_never_tears(s3_url, tmp_path, mode, survivor):
+    n = 3 << 20
+    out = subprocess.run([sys.executable, str(HERE / "_remote_child.py"), str(tmp_path / "ck"), s3_url, mode],
+                         capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert out.returncode == -9, out.stderr[-2000:]
+    assert "REMOTE 1" in out.stdout and "NOT KILLED" not in out.stdout
+    r = pccheck.load_latest(s3_url)  # the newest committed step, whole
+    _assert_step(r, survivor, n)
+    ptr, _ = read_pointer(ObjectStore(s3_url))
+    assert ptr is not None and ptr.step == 1  # the pointer never moved past step 1
+    # A job that resumes in the same prefix continues there: its generation supersedes.
+    state = {k: v.copy() for k, v in r.state.items()}
+    with pccheck.Checkpointer(state, tmp_path / "ck2", remote=s3_url) as ck:
+        assert ck._remote.generation == 2
+        _fill(state, 3)
+        ck.checkpoint(3)
+    r3 = pccheck.load_latest(s3_url)
+    _assert_step(r3, 3, n)
+    assert r3.generation == 2
+
+
+def test_server_stopped_mid_upload_then_restarted(s3_server, s3_url, tmp_path):
+    state = _arrays(0, n=5 * MiB)  # 20 MiB: three parts of 8 MiB
+    ck = pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_part_size=8 * MiB, remote_concurrency=1)
+    try:
+        _fill(state, 1)
+        ck.checkpoint(1)
+        s3_server.stop()  # mid-upload (or before it starts): every request now fails
+        for s in range(2, 6):  # training goes on: checkpoints commit locally, nothing waits on S3
+            _fill(state, s)
+            assert ck.checkpoint(s)
+            ck.wait()
+            assert ck.last_durable_step == s
+        assert ck.stats().remote_step is None
+    finally:
+        s3_server.start()
+    assert ck.wait(remote=True, timeout=120)  # the newest is uploaded once the server is back
+    assert ck.stats().remote_step == 5
+    ck.close()
+    _assert_step(pccheck.load_latest(s3_url), 5, 5 * MiB)
+
+
+def test_construction_errors_are_clear(s3_server, s3_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    with pytest.raises(pccheck.RemoteConfigError, match="access denied|refuses writes"):
+        pccheck.Checkpointer(_arrays(0), tmp_path / "a", remote=s3_url)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.env()["AWS_SECRET_ACCESS_KEY"])
+    with pytest.raises(pccheck.RemoteConfigError, match="does not exist"):
+        pccheck.Checkpointer(_arrays(0), tmp_path / "b", remote="s3://no-such-bucket-28/x")
+    import _s3proxy
+
+    proxy = _s3proxy.start(s3_server.ports["s3.port"])
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.server_address[1]}")
+        with pytest.raises(pccheck.RemoteConfigError, match="conditional writes"):
+            pccheck.Checkpointer(_arrays(0), tmp_path / "c", remote=s3_url)
+    finally:
+        proxy.shutdown()
+    assert not (tmp_path / "a").exists() or not list((tmp_path / "a").glob("store-*"))  # nothing was opened
+    with pytest.raises(pccheck.ConfigError):
+        pccheck.Checkpointer(_arrays(0), tmp_path / "d", remote="http://x/y")
+    with pytest.raises(pccheck.ConfigError):
+        pccheck.Checkpointer(_arrays(0), tmp_path / "d", remote=s3_url, remote_part_size=MiB)
+
+
+def _two_steps(s3_url: str, tmp_path: Path) -> ObjectStore:
+    state = _arrays(0)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url) as ck:
+        for s in (1, 2):
+            _fill(state, s)
+            ck.checkpoint(s)
+            assert ck.wait(remote=True, timeout=60)
+    return ObjectStore(s3_url)
+
+
+def _data_key(store: ObjectStore, step: int) -> str:
+    raw, _ = store.get(layout.manifest_key(1, step), 1 << 20)
+    return layout.decode_manifest(raw, 1, step).ranks[0].data
+
+
+def test_damaged_data_object_falls_back(s3_url, tmp_path, caplog):
+    store = _two_steps(s3_url, tmp_path)
+    key = _data_key(store, 2)
+    raw = bytearray(store.client.get_object(Bucket=store.bucket, Key=store.key(key))["Body"].read())
+    raw[5] ^= 0x01  # one bit of step 2's first array
+    store.put(key, bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="pccheck"):
+        r = pccheck.load_latest(s3_url)
+    _assert_step(r, 1)
+    assert "checksum mismatch" in caplog.text
+
+
+def test_missing_data_object_falls_back(s3_url, tmp_path):
+    store = _two_steps(s3_url, tmp_path)
+    store.delete(_data_key(store, 2))
+    _assert_step(pccheck.load_latest(s3_url), 1)
+    store.delete(_data_key(store, 1))
+    with pytest.raises(pccheck.NoCheckpointError):
+        pccheck.load_latest(s3_url)
+
+
+def test_racing_commits_of_one_step_exactly_one_wins(s3_url):
+    store = ObjectStore(s3_url)
+    part = layout.RankPart(0, "data/x.bin", 0, 8 * MiB, (0,), b"{}")
+    results: list[object] = []
+    go = threading.Barrier(8)
+
+    def racer() -> None:
+        go.wait()
+        try:
+            commit_step(store, layout.StepManifest(1, 7, 1, 0.0, (part,)))
+            results.append("won")
+        except pccheck.RemoteConflictError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=racer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count("won") == 1
+    assert all("another job writes the same prefix" in str(e) for e in results if e != "won")
+
+
+def test_two_jobs_on_one_prefix_one_wins_each_step_the_other_errors(s3_url, tmp_path):
+    a_state, b_state = _arrays(0), _arrays(0)
+    errors: dict[str, list] = {"a": [], "b": []}
+    a = pccheck.Checkpointer(a_state, tmp_path / "a", remote=s3_url, on_error=errors["a"].append)
+    b = pccheck.Checkpointer(b_state, tmp_path / "b", remote=s3_url, on_error=errors["b"].append)
+    assert a._remote.generation == b._remote.generation  # started together: the same generation
+    _fill(a_state, 1)
+    b_state["w"][:] = -1.0
+    a.checkpoint(1)
+    b.checkpoint(1)
+    a.wait(remote=True, timeout=60)
+    b.wait(remote=True, timeout=60)
+    a.close()
+    b.close()
+    lost = [k for k, v in errors.items() if v]
+    assert len(lost) == 1, errors  # exactly one lost, with a clear error
+    assert isinstance(errors[lost[0]][0], pccheck.RemoteConflictError)
+    assert [s for _, s in committed(ObjectStore(s3_url))] == [1]
+    r = pccheck.load_latest(s3_url)
+    assert r.step == 1 and r.state["w"][0] == (-1.0 if lost == ["a"] else 1.0)
+
+
+def test_manifest_and_pointer_decoding_refuses_hostile_input():
+    part = layout.RankPart(0, "data/g00000001/s1-x/rank-0.bin", 20 * MiB, 8 * MiB, (1, 2, 3), b"{}")
+    good = layout.encode_manifest(layout.StepManifest(1, 1, 1, 0.0, (part,)))
+    assert layout.decode_manifest(good, 1, 1).ranks[0].part_crcs == (1, 2, 3)
+    bad = [good.replace(b'"step":1', b'"step":2'), good.replace(b'"size":20971520', b'"size":99999999999'),
+           good.replace(b"data/g", b"../g"), good[:-5], b"\xff", good.replace(b'"world_size":1', b'"world_size":2')]
+    for raw in bad:
+        with pytest.raises(pccheck.CorruptCheckpointError):
+            layout.decode_manifest(raw, 1, 1)
+    with pytest.raises(pccheck.CorruptCheckpointError):
+        layout.decode_pointer(layout.encode_pointer(layout.Pointer(1, 5)).replace(b"s5.json", b"s6.json"))
+    assert layout.parse_manifest_key("manifests/g00000003/s-12.json") == (3, -12)
+    assert layout.parse_manifest_key("manifests/g3/s1.json") is None
+
+
+def _remote_losses(out: str) -> dict[int, float]:
+    return {int(l.split()[1]): float(l.split()[2]) for l in out.splitlines() if l.startswith("LOSS")}
+
+
+def test_cluster_loss_resume_from_remote_is_bitwise(s3_url, tmp_path):
+    """Train with the remote tier, SIGKILL, delete every local directory, resume from the remote:
+    the rest of the loss curve and the final weights equal an uninterrupted run's."""
+    import torch
+
+    import _torch_train as tt
+
+    steps = 16
+    tt.setup()
+    model, optim, sched = tt.make(width=64)
+    ref = {s: tt.train_step(model, optim, sched, s) for s in range(1, steps + 1)}
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    child = [sys.executable, str(HERE / "_remote_train.py"), str(tmp_path / "ck"), s3_url, str(steps)]
+    proc = subprocess.Popen(child, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith("REMOTE") and line.split()[1] != "None" and int(line.split()[1]) >= 6:
+            proc.kill()  # SIGKILL: the machine is gone
+            break
+    proc.wait(60)
+    assert proc.returncode == -9
+    shutil.rmtree(tmp_path / "ck")
+    out = subprocess.run(child + ["--resume", "--final", str(tmp_path / "final.pt")], capture_output=True,
+                         text=True, timeout=120, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr[-3000:]
+    start = int(next(l for l in out.stdout.splitlines() if l.startswith("START")).split()[1])
+    assert start >= 6 and "tier remote" in out.stdout
+    losses = _remote_losses(out.stdout)
+    assert sorted(losses) == list(range(start + 1, steps + 1))
+    assert all(losses[s] == ref[s] for s in losses)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert all(torch.equal(final[k], ref_state[k]) for k in ref_state)
+    assert uuid  # (used for prefixes by the fixture)
