@@ -70,6 +70,7 @@ class _Flight:
     stall: float
     blocked_copy: float = 0.0
     prepare: float = 0.0
+    slot_wait: float = 0.0  # part of prepare: waiting for a free slot
     cow_wait: float = 0.0
     reserve_bytes: int = 0
     copied: threading.Event = field(default_factory=threading.Event)  # every chunk is in host memory
@@ -328,7 +329,9 @@ class Orchestrator:
             self._fit_pool(layout.data_len)
             native = self.store.native
             counter = native.next_counter()
+            t_slot = time.perf_counter()
             slot = self._acquire_slot(native)
+            slot_wait = time.perf_counter() - t_slot
         except BaseException:
             self._inflight.release()
             raise
@@ -343,6 +346,7 @@ class Orchestrator:
                      cow_wait=cow_wait, hold=hold, extra_stats=extra_stats or {}, arrays=arrays)
         if copied is not None:
             fl.copied = copied
+        fl.slot_wait = slot_wait
         t1 = time.perf_counter()
         try:
             if n_eager is None:
@@ -518,6 +522,7 @@ class Orchestrator:
                 step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
                 job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
                 time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
+                slot_wait_s=fl.slot_wait,
                 **fl.extra_stats)
             self.stats.append(st)
             if self._on_finished is not None:
