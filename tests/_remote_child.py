@@ -15,7 +15,7 @@ import numpy as np
 import pccheck
 from pccheck.tiers.remote import objstore
 
-N = 3 << 20  # 12 MiB of float32: two 8 MiB parts
+N = 5 << 19  # 10 MiB of float32: two parts of 8 MiB (the last one short)
 
 
 def state_at(step: int) -> dict[str, np.ndarray]:

@@ -80,7 +80,7 @@ def test_remote_every_and_close_waits(s3_url, tmp_path):
 
 @pytest.mark.parametrize("mode,survivor", [("parts", 1), ("manifest", 1), ("pointer", 2)])
 def test_sigkill_during_the_remote_commit_never_tears(s3_url, tmp_path, mode, survivor):
-    n = 3 << 20
+    n = 5 << 19  # _remote_child.N
     out = subprocess.run([sys.executable, str(HERE / "_remote_child.py"), str(tmp_path / "ck"), s3_url, mode],
                          capture_output=True, text=True, timeout=120, env=os.environ.copy())
     assert out.returncode == -9, out.stderr[-2000:]
@@ -106,7 +106,7 @@ def test_server_stopped_mid_upload_then_restarted(s3_server, s3_url, tmp_path):
     try:
         _fill(state, 1)
         ck.checkpoint(1)
-        s3_server.stop()  # mid-upload (or before it starts): every request now fails
+        s3_server.stop(kill=True)  # mid-upload (or before it starts): every request now fails
         for s in range(2, 6):  # training goes on: checkpoints commit locally, nothing waits on S3
             _fill(state, s)
             assert ck.checkpoint(s)
@@ -251,7 +251,7 @@ def test_cluster_loss_resume_from_remote_is_bitwise(s3_url, tmp_path):
 
     import _torch_train as tt
 
-    steps = 16
+    steps = 12
     tt.setup()
     model, optim, sched = tt.make(width=64)
     ref = {s: tt.train_step(model, optim, sched, s) for s in range(1, steps + 1)}
@@ -276,3 +276,46 @@ def test_cluster_loss_resume_from_remote_is_bitwise(s3_url, tmp_path):
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert all(torch.equal(final[k], ref_state[k]) for k in ref_state)
     assert uuid  # (used for prefixes by the fixture)
+
+
+def test_slot_held_while_its_upload_runs(s3_url, tmp_path, monkeypatch):
+    """Step 1's upload is stalled (in this process, on the real server) while five more local
+    checkpoints commit: training never waits, the slot under upload is never reused (its upload
+    commits with every crc matching), and the newest supersedes the queued ones."""
+    from pccheck.tiers.remote import objstore
+    from pccheck.tiers.remote.load import _load_step
+
+    gate, started = threading.Event(), threading.Event()
+    orig = objstore.ObjectStore.upload_part
+
+    def stalled(self, rel, upload_id, number, data):
+        if "/s1-" in rel and number == 1:
+            started.set()
+            gate.wait(60)
+        return orig(self, rel, upload_id, number, data)
+
+    monkeypatch.setattr(objstore.ObjectStore, "upload_part", stalled)
+    n = 7 * MiB  # 28 MiB: four parts; the reader is stalled mid-slot (two part buffers, one sender)
+    state = _arrays(0, n)
+    ck = pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, max_concurrent=1, remote_part_size=8 * MiB,
+                              remote_concurrency=1)
+    try:
+        _fill(state, 1)
+        ck.checkpoint(1)
+        assert started.wait(60)
+        for s in range(2, 7):  # 1 in flight + the latest + 1 held: the held slot is never taken
+            _fill(state, s)
+            assert ck.checkpoint(s)
+            ck.wait()
+            assert ck.last_durable_step == s
+        gate.set()
+        assert ck.wait(remote=True, timeout=60)
+        p = ck.stats().remote
+        assert p["remote_abandoned"] == 0 and p["remote_uploads"] == 2 and p["remote_superseded"] == 4
+    finally:
+        gate.set()
+        ck.close()
+    store = ObjectStore(s3_url)
+    assert [s for _, s in committed(store)] == [6, 1]
+    _assert_step(_load_step(store, 1, 1), 1, n)
+    _assert_step(pccheck.load_latest(s3_url), 6, n)

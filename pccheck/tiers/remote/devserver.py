@@ -122,11 +122,12 @@ class DevServer:
         raise RuntimeError(f"weed mini did not serve S3 within {timeout:.0f} s ({last}); "
                            f"see {self.directory / 'weed.log'}")
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """Stops the server: SIGTERM (SIGKILL after 15 s), or SIGKILL at once with ``kill``."""
         p, self.proc = self.proc, None
         if p is None or p.poll() is not None:
             return
-        os.killpg(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, signal.SIGKILL if kill else signal.SIGTERM)
         try:
             p.wait(timeout=15)
         except subprocess.TimeoutExpired:

@@ -106,6 +106,7 @@ class RemoteUploader:
         self._commits = 0
         self._stopped = False   # a lost race: nothing more is uploaded
         self._closing = False
+        self._kick = False      # retry now instead of waiting out the backoff
         self._pool: BufferPool | None = None
         self._senders = ThreadPoolExecutor(options.remote_concurrency, thread_name_prefix="pccheck-remote-part")
         self._thread = threading.Thread(target=self._run, name="pccheck-remote", daemon=True)
@@ -126,6 +127,7 @@ class RemoteUploader:
                     self.progress.superseded += 1
                     log.info("pccheck: remote upload of step %d superseded by step %d", self._pending[0].step, info.step)
                 self._pending = (SlotRef(info.store_file, info.slot, info.counter, info.step), time.time())
+                self._kick = True
                 if self.progress.behind_since is None:
                     self.progress.behind_since = self._pending[1]
                 self._cv.notify_all()
@@ -154,8 +156,11 @@ class RemoteUploader:
     # -- waiting -----------------------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> bool:
-        """True once nothing is queued or uploading (or the uploads stopped on a lost race)."""
+        """True once nothing is queued or uploading (or the uploads stopped on a lost race). A
+        failed upload waiting out its backoff is retried at once."""
         with self._cv:
+            self._kick = True
+            self._cv.notify_all()
             return self._cv.wait_for(lambda: self._stopped or (self._pending is None and self._running is None),
                                      timeout)
 
@@ -183,8 +188,9 @@ class RemoteUploader:
         backoff = 0.0
         while True:
             with self._cv:
-                if backoff:
-                    self._cv.wait_for(lambda: self._closing, backoff)
+                if backoff:  # cut short by a newer checkpoint, a waiter, or close
+                    self._kick = False
+                    self._cv.wait_for(lambda: self._closing or self._kick, backoff)
                 self._cv.wait_for(lambda: self._closing or (self._pending is not None and not self._stopped))
                 if self._closing or self._pending is None:
                     return
