@@ -25,7 +25,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections import deque
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -43,6 +45,17 @@ __all__ = ["RemoteUploader", "UploadRetention", "RemoteProgress"]
 log = logging.getLogger("pccheck")
 
 _BACKOFF_MAX_S = 30.0
+
+
+_NICE = 10  # the upload threads yield the CPUs to training (the slot read, crc32c, HTTP, hashing)
+
+
+def _background_priority() -> None:
+    """Lowers this thread's scheduling priority (Linux: a thread is a task with its own nice)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+    except (OSError, AttributeError):  # not Linux, or not permitted: upload at normal priority
+        pass
 
 
 class UploadRetention(Retention):
@@ -75,6 +88,9 @@ class RemoteProgress:
         self.bytes = 0
         self.upload_s = 0.0
         self.error: str | None = None
+        # (step, local commit time, remote commit time, bytes, upload seconds) of the last 1000
+        # remote commits, time.time() clocks (bench/remote.py reads it)
+        self.history: deque[tuple[int, float, float, int, float]] = deque(maxlen=1000)
 
     def as_dict(self) -> dict[str, Any]:
         return {"remote_step": self.step, "remote_lag_s": (time.time() - self.behind_since)
@@ -108,7 +124,8 @@ class RemoteUploader:
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
         self._pool: BufferPool | None = None
-        self._senders = ThreadPoolExecutor(options.remote_concurrency, thread_name_prefix="pccheck-remote-part")
+        self._senders = ThreadPoolExecutor(options.remote_concurrency, thread_name_prefix="pccheck-remote-part",
+                                           initializer=_background_priority)
         self._thread = threading.Thread(target=self._run, name="pccheck-remote", daemon=True)
         self._thread.start()
         log.info("pccheck: remote tier %s (generation %d)", options.remote, self.generation)
@@ -185,6 +202,7 @@ class RemoteUploader:
     # -- the upload thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _background_priority()
         backoff = 0.0
         while True:
             with self._cv:
@@ -198,7 +216,7 @@ class RemoteUploader:
                 self._pending, self._running = None, ref
             retry = False
             try:
-                self._upload(ref)
+                self._upload(ref, t_commit)
                 backoff = 0.0
             except Cancelled:
                 pass
@@ -231,7 +249,7 @@ class RemoteUploader:
             if self._orch is not None:
                 self._orch.retire_if_allowed()
 
-    def _upload(self, ref: SlotRef) -> None:
+    def _upload(self, ref: SlotRef, t_commit: float) -> None:
         opts = self.options
         if self._pool is None:  # allocated at the first upload, reused: bounded memory
             self._pool = BufferPool(opts.remote_concurrency + 1, opts.remote_part_size)
@@ -245,4 +263,5 @@ class RemoteUploader:
             p.step, p.time, p.uploads, p.error = ref.step, time.time(), p.uploads + 1, None
             p.bytes += part.size
             p.upload_s += time.perf_counter() - t0
+            p.history.append((ref.step, t_commit, p.time, part.size, time.perf_counter() - t0))
         log.info("pccheck: step %d committed remotely (%s, generation %d)", ref.step, self.store.url, self.generation)
