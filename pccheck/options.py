@@ -146,6 +146,9 @@ class RemoteOptions:
         remote_concurrency: parts in flight at once (default 4).
         remote_close_timeout: seconds ``close()`` waits for the newest checkpoint to be committed
             remotely (default 600; None: no limit).
+        remote_keep_last: keep the newest k remotely committed steps of the prefix, delete older
+            ones after each remote commit (default None: keep all). Never the newest.
+        remote_keep_every: also keep every step divisible by this (like ``keep_every``).
     """
 
     remote: str | None = None
@@ -153,6 +156,8 @@ class RemoteOptions:
     remote_part_size: int = 32 << 20
     remote_concurrency: int = 4
     remote_close_timeout: float | None = 600.0
+    remote_keep_last: int | None = None
+    remote_keep_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.remote is not None:
@@ -163,6 +168,9 @@ class RemoteOptions:
         if self.remote_part_size % 4096:
             raise ConfigError(f"remote_part_size must be a multiple of 4096, got {self.remote_part_size}")
         check_int("remote_concurrency", self.remote_concurrency, 1, 64)
+        for name in ("remote_keep_last", "remote_keep_every"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
         t = self.remote_close_timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise ConfigError(f"remote_close_timeout must be a number of seconds >= 0 or None, got {t!r}")

@@ -319,3 +319,21 @@ def test_slot_held_while_its_upload_runs(s3_url, tmp_path, monkeypatch):
     assert [s for _, s in committed(store)] == [6, 1]
     _assert_step(_load_step(store, 1, 1), 1, n)
     _assert_step(pccheck.load_latest(s3_url), 6, n)
+
+
+def test_remote_retention_keeps_last_and_every_and_collects_orphans(s3_url, tmp_path):
+    store = ObjectStore(s3_url)
+    # an older job's leftovers: a data object no manifest names, and an upload never completed
+    store.put("data/g00000000/s9-dead/rank-0.bin", b"x")
+    stale = store.start_multipart("data/g00000000/s9-beef/rank-0.bin")
+    state = _arrays(0)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_keep_last=2, remote_keep_every=3) as ck:
+        for s in range(1, 8):
+            _fill(state, s)
+            ck.checkpoint(s)
+            assert ck.wait(remote=True, timeout=60)
+    assert [s for _, s in committed(store)] == [7, 6, 3]
+    data = {o.key for o in store.list("data/")}
+    assert len(data) == 3 and not any(k.startswith("data/g00000000/") for k in data)
+    assert all(u[1] != stale for u in store.stale_uploads("data/"))
+    _assert_step(pccheck.load_latest(s3_url), 7)

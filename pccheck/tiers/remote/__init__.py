@@ -13,6 +13,8 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
                   parts, per-part and per-array crc32c, parts sent in parallel (§12.1)
     uploader.py   RemoteUploader: the background thread, one queued upload (newest supersedes),
                   the held slots (UploadRetention), retries, progress for stats()
+    retention.py  prune: keep-last / keep-every, manifest deleted before its data; orphans and
+                  stale multipart uploads of older generations (§12.6)
     load.py       load_remote: newest committed step whose every checksum holds, falling back
     devserver.py  a local SeaweedFS (``weed mini``) for tests, benchmarks and trying it out
 

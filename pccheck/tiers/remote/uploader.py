@@ -38,6 +38,7 @@ from ...persist.files import store_generation
 from .commit import advance_pointer, commit_step, next_generation
 from .layout import StepManifest
 from .objstore import ObjectStore
+from .retention import prune
 from .upload import BufferPool, Cancelled, SlotRef, upload_slot
 
 __all__ = ["RemoteUploader", "UploadRetention", "RemoteProgress"]
@@ -265,3 +266,8 @@ class RemoteUploader:
             p.upload_s += time.perf_counter() - t0
             p.history.append((ref.step, t_commit, p.time, part.size, time.perf_counter() - t0))
         log.info("pccheck: step %d committed remotely (%s, generation %d)", ref.step, self.store.url, self.generation)
+        if opts.remote_keep_last is not None or opts.remote_keep_every is not None:
+            try:
+                prune(self.store, self.generation, opts.remote_keep_last, opts.remote_keep_every)
+            except (RemoteError, OSError) as exc:  # the next pass tries again; the commit stands
+                log.warning("pccheck: remote retention failed (%s); it runs again after the next commit", exc)
