@@ -170,9 +170,12 @@ class Checkpointer:
         """The remote tier's uploader (pccheck/tiers/remote), or None without ``remote=``."""
         if self.options.remote.remote is None or not self._writes:
             return None
-        if self._coord is not None:
-            raise ConfigError("remote= in a torch.distributed group (one store per rank) is not supported yet; "
-                              "use replicated='rank0' or a single process")
+        if self._coord is not None:  # each rank uploads its part; rank 0 commits the step
+            from .tiers.remote.group import GroupUploader
+
+            up = GroupUploader(self.options.remote, on_error=self._background_error, group=group, coord=self._coord)
+            self._coord.remote, self._coord.extra_slots = up, 2  # one more slot: the one uploading
+            return up
         from .tiers.remote.uploader import RemoteUploader
 
         return RemoteUploader(self.options.remote, on_error=self._background_error)
@@ -217,7 +220,8 @@ class Checkpointer:
             orch = Orchestrator(store_dir, layout, engine,
                                 copy_engine=snapshot.copy_engine or select_copy_engine(snap.arrays),
                                 on_error=self._background_error,
-                                retention=self._coord or (self._remote.retention if self._remote else None),
+                                retention=self._coord if self._coord is not None else
+                                (self._remote.retention if self._remote is not None else None),
                                 world_size=world_size, rank=rank, on_commit=self._on_commit,
                                 on_finished=self._tuner.on_checkpoint if self._tuner else None,
                                 device_reserve=snapshot.device_reserve, pool=self._prepared)

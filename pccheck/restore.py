@@ -60,9 +60,8 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if lazy or zero_copy or not verify:
             raise ConfigError("a remote load reads and checks every byte: it takes no lazy=, zero_copy= or "
                               "verify=False yet")
-        if distributed and detect_group() is not None:
-            raise ConfigError("loading from the remote tier in a torch.distributed group is not supported yet")
-        return _as_loaded(_remote_or_local(path, remote), model, optimizer, extra_state, map_location)
+        group = detect_group() if distributed else None
+        return _as_loaded(_remote_or_local(path, remote, group), model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
     if lazy:
@@ -85,19 +84,22 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     return _as_loaded(r, model, optimizer, extra_state, map_location)
 
 
-def _remote_or_local(path: Any, remote: str | None) -> Restored:
-    """``path`` itself when it is s3://, else the local store at ``path``, falling back to ``remote``."""
+def _remote_or_local(path: Any, remote: str | None, group: Group | None) -> Restored:
+    """``path`` itself when it is s3://, else the local store at ``path`` (a group: every rank's
+    store, agreed), falling back to ``remote`` when nothing there is valid."""
     from .tiers.remote.load import load_remote
 
     if is_remote(path):
-        return load_remote(path)
+        return load_remote(path, group)
     directory = Path(path) if path is not None else default_path()
     try:
+        if group is not None:  # collective: NoCheckpointError on every rank alike
+            return agree_and_load(directory, group)
         return recovery.load_newest(directory)
     except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
         log.warning("pccheck: no valid local checkpoint under %s (%s); loading from the remote tier %s",
                     directory, exc, remote)
-        return load_remote(str(remote))
+        return load_remote(str(remote), group)
 
 
 def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None,

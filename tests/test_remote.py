@@ -337,3 +337,35 @@ def test_remote_retention_keeps_last_and_every_and_collects_orphans(s3_url, tmp_
     assert len(data) == 3 and not any(k.startswith("data/g00000000/") for k in data)
     assert all(u[1] != stale for u in store.stale_uploads("data/"))
     _assert_step(pccheck.load_latest(s3_url), 7)
+
+
+@pytest.mark.slow  # four processes importing torch: 20-45 s here
+def test_two_ranks_each_upload_their_part_and_resume_from_remote(s3_url, tmp_path):
+    """A 2-rank job: each rank uploads its part, rank 0 commits one global manifest; with every
+    local store deleted, a new 2-rank job loads each rank's part from the remote, bit for bit."""
+    import torch
+
+    def launch(*extra: str) -> list[subprocess.CompletedProcess]:
+        init = tmp_path / f"init-{uuid.uuid4().hex}"
+        procs = [subprocess.Popen([sys.executable, str(HERE / "_remote_dist.py"), str(tmp_path / "ck"), s3_url, "8",
+                                   str(r), "2", str(init), str(tmp_path), *extra], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=os.environ.copy()) for r in range(2)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        for p, (o, e) in zip(procs, outs):
+            assert p.returncode == 0, e[-3000:]
+        return [o for o, _ in outs]
+
+    outs = launch()
+    assert "REMOTE True 8" in outs[0]
+    store = ObjectStore(s3_url)
+    (g, s), *_ = committed(store)
+    raw, _ = store.get(layout.manifest_key(g, s), 1 << 20)
+    man = layout.decode_manifest(raw, g, s)
+    assert (s, man.world_size, [p.rank for p in man.ranks]) == (8, 2, [0, 1])
+    shutil.rmtree(tmp_path / "ck")  # every node is gone
+    outs = launch("--resume")
+    for r in range(2):
+        assert "START 8 remote" in outs[r]
+        final = torch.load(tmp_path / f"final-{r}.pt", weights_only=True)
+        loaded = torch.load(tmp_path / f"loaded-{r}.pt", weights_only=True)
+        assert all(torch.equal(final[k], loaded[k]) for k in final)

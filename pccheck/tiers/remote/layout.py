@@ -21,7 +21,7 @@ from ...errors import CorruptCheckpointError
 
 __all__ = ["POINTER", "MANIFESTS", "DATA", "RankPart", "StepManifest", "Pointer", "manifest_key",
            "data_key", "parse_manifest_key", "encode_manifest", "decode_manifest", "encode_pointer",
-           "decode_pointer", "MAX_MANIFEST_BYTES", "MIN_PART", "parts_of"]
+           "decode_pointer", "MAX_MANIFEST_BYTES", "MIN_PART", "parts_of", "rank_part_from_json"]
 
 POINTER = "latest"
 MANIFESTS = "manifests/"
@@ -127,6 +127,15 @@ def _rank_part(r: Any, where: str) -> RankPart:
     if not isinstance(man, str):
         raise CorruptCheckpointError(f"{where}: no local manifest")
     return RankPart(rank, data, size, part, tuple(int(c, 16) for c in parts), man.encode("utf-8"))
+
+
+def rank_part_from_json(raw: bytes, where: str) -> RankPart:
+    """One rank's part description (a group's ``parts/...`` object), every field checked."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError(f"{where} is not UTF-8 JSON") from None
+    return _rank_part(doc, where)
 
 
 def decode_manifest(raw: bytes, generation: int, step: int) -> StepManifest:

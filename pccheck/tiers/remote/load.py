@@ -15,6 +15,7 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,16 +70,16 @@ def _fetch(store: ObjectStore, part: RankPart, man: Manifest) -> np.ndarray:
     return buf
 
 
-def _load_step(store: ObjectStore, generation: int, step: int) -> Restored:
+def _load_step(store: ObjectStore, generation: int, step: int, rank: int = 0, world_size: int = 1) -> Restored:
     try:
         raw, _ = store.get(manifest_key(generation, step), MAX_MANIFEST_BYTES)
     except NotFound:
         raise CorruptCheckpointError("its manifest disappeared (deleted by retention?)") from None
     sm: StepManifest = decode_manifest(raw, generation, step)
-    if sm.world_size != 1:
-        raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks; loading a multi-rank remote "
-                                     "checkpoint is not supported yet")
-    part = sm.ranks[0]
+    if sm.world_size != world_size:
+        raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks, and {world_size} load it "
+                                     "(resharding from the remote tier is not supported yet)")
+    part = sm.ranks[rank]
     man = _local_manifest(part, step)
     buf = _fetch(store, part, man)
     state = {}
@@ -94,26 +95,47 @@ def _load_step(store: ObjectStore, generation: int, step: int) -> Restored:
                     tier="remote")
 
 
-def load_remote(url: str) -> Restored:
+def load_remote(url: str, group: Any = None) -> Restored:
     """Loads the newest committed remote step under ``url`` whose every checksum holds, falling
-    back to older committed steps. NoCheckpointError when none loads."""
+    back to older committed steps. NoCheckpointError when none loads. In a torch.distributed
+    group (every rank calls it) each rank loads its own part, and a step counts only if every
+    rank's part loads (the ranks vote after each try, on pccheck's gloo group)."""
     store = ObjectStore(url)
     try:
         candidates = committed(store)
     except RemoteError as exc:
-        raise NoCheckpointError(f"cannot list {url}: {exc}") from None
+        candidates, listing = [], exc
+    else:
+        listing = None
+    if group is not None:  # rank 0's list for everyone: the ranks try the same steps in order
+        candidates = _vote(group, candidates, rank0=True)
     if not candidates:
-        raise NoCheckpointError(f"{url} holds no committed pccheck checkpoint")
+        raise NoCheckpointError(f"cannot list {url}: {listing}" if listing else
+                                f"{url} holds no committed pccheck checkpoint")
+    rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
     problems = []
     for generation, step in candidates:
         try:
-            r = _load_step(store, generation, step)
+            r: Restored | None = _load_step(store, generation, step, rank, world)
         except (CorruptCheckpointError, RemoteError) as exc:
+            r = None
             problems.append(f"step {step} (generation {generation}): {exc}")
             log.warning("pccheck: %s: cannot load step %d (generation %d): %s; trying the previous committed step",
                         url, step, generation, exc)
+        if group is not None and not all(_vote(group, r is not None)):
+            continue  # some rank's part failed: every rank moves on together
+        if r is None:
             continue
         if problems:
             log.warning("pccheck: %s: fell back to step %d because: %s", url, step, "; ".join(problems))
         return r
     raise NoCheckpointError(f"no committed checkpoint under {url} loads: " + "; ".join(problems))
+
+
+def _vote(group: Any, mine: Any, rank0: bool = False) -> Any:
+    """Every rank's ``mine`` (a list), or rank 0's (``rank0``), over pccheck's gloo group."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * group.world_size
+    dist.all_gather_object(everyone, mine, group=group.pg)
+    return [tuple(x) for x in everyone[0]] if rank0 else everyone

@@ -109,7 +109,7 @@ class RemoteUploader:
         self.options = options
         self.store = ObjectStore(options.remote, connections=options.remote_concurrency + 4)
         self.store.probe()  # RemoteConfigError: wrong credentials, no bucket, no conditional writes
-        self.generation = next_generation(self.store)
+        self.generation = self._take_generation()
         self.rank = rank
         self.retention = UploadRetention(self, options.remote_every)
         self.progress = RemoteProgress()
@@ -130,6 +130,9 @@ class RemoteUploader:
         self._thread = threading.Thread(target=self._run, name="pccheck-remote", daemon=True)
         self._thread.start()
         log.info("pccheck: remote tier %s (generation %d)", options.remote, self.generation)
+
+    def _take_generation(self) -> int:
+        return next_generation(self.store)
 
     def attach(self, orch: Any) -> None:
         self._orch = orch
