@@ -95,7 +95,7 @@ def _assert_same(got: Any, want: Any, path: str = "", device: str | None = None)
             f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
         if device is not None:
             where = want.device.type if device == "same" else device
-            assert got.device.type == where, f"{path} is on {got.device}, not {where}", f"{path} is on {got.device}, not {device}"
+            assert got.device.type == where, f"{path} is on {got.device}, not {where}"
         assert torch.equal(_bits(got), _bits(want)), f"{path} differs"
     elif isinstance(want, dict):
         assert isinstance(got, dict) and got.keys() == want.keys(), f"{path}: keys differ"

@@ -33,9 +33,9 @@ import numpy as np
 
 from ..arrays import torch_dtype
 from ..errors import ConfigError, CorruptCheckpointError
-from ..inventory import Located
+from ..ops.inventory import Located
 from ..persist.recovery import mark_validated, slot_base
-from ..torch_state import TorchState, rebuild, unwrap_extra
+from ..state.torch_state import TorchState, rebuild, unwrap_extra
 from .loader import Loader, read_entry
 
 __all__ = ["LazyRestore", "restore_lazily", "restoring", "wait_for_pending"]
