@@ -369,3 +369,23 @@ def test_two_ranks_each_upload_their_part_and_resume_from_remote(s3_url, tmp_pat
         final = torch.load(tmp_path / f"final-{r}.pt", weights_only=True)
         loaded = torch.load(tmp_path / f"loaded-{r}.pt", weights_only=True)
         assert all(torch.equal(final[k], loaded[k]) for k in final)
+
+
+def test_cli_ls_and_verify_take_s3(s3_url, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pccheck.commands.cli import app
+
+    store = _two_steps(s3_url, tmp_path)
+    run = CliRunner().invoke
+    out = run(app, ["ls", s3_url, "--json"])
+    assert out.exit_code == 0, out.output
+    assert [(s["step"], s["pointer"]) for s in json.loads(out.output)["steps"]] == [(2, True), (1, False)]
+    assert run(app, ["verify", s3_url]).exit_code == 0
+    store.delete(_data_key(store, 2))  # the newest no longer loads: verify says 1, and why
+    out = run(app, ["verify", s3_url, "--json"])
+    doc = json.loads(out.output)
+    assert out.exit_code == 1 and doc["exit_code"] == 1
+    assert doc["steps"][0]["problem"] and doc["steps"][1]["problem"] is None
