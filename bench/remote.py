@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench._common import host_info, parse_size
+from bench._common import bar_chart, host_info, parse_size
 from bench.workloads import make_emulated
 from pccheck.tiers.remote.devserver import DevServer
 
@@ -280,8 +280,18 @@ def main(argv: list[str] | None = None) -> int:
            "runs": runs, "summary": summary, "host": host_info(tempfile.gettempdir())}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    _chart(summary, Path(a.out).with_suffix(".png"), a)
     print(json.dumps(summary, indent=1, default=str))
     return 0
+
+
+def _chart(summary: dict[str, Any], path: Path, a: argparse.Namespace) -> None:
+    """Blocked per save and time until committed remotely, per row (medians)."""
+    rows = ["pccheck-remote", "torch.save+upload"]
+    bar_chart(path, ["blocked per save (s)", "save call -> remote commit (s)"],
+              {r: [summary[r]["blocked_per_save_s"] or 0.0, summary[r]["to_remote_s"] or 0.0] for r in rows},
+              title=f"remote tier, {a.size} state, GPU emulated (t = {a.iter_time} s), every {a.every}; "
+                    "SeaweedFS on loopback, 2 vCPUs", ylabel="seconds (median of runs)")
 
 
 if __name__ == "__main__":
