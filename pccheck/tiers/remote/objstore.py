@@ -199,9 +199,15 @@ class ObjectStore:
             body = self.client.get_object(Bucket=self.bucket, Key=self.key(rel),
                                           Range=f"bytes={offset}-{offset + n - 1}")["Body"]
             got = 0
-            raw = body._raw_stream if hasattr(body, "_raw_stream") else body
+            # urllib3's response reads straight into our buffer; else chunks are copied in
+            raw = getattr(body, "_raw_stream", None)
             while got < n:
-                k = raw.readinto(out[got:]) if hasattr(raw, "readinto") else 0
+                if raw is not None and hasattr(raw, "readinto"):
+                    k = raw.readinto(out[got:])
+                else:
+                    chunk = body.read(min(n - got, 8 << 20))
+                    k = len(chunk)
+                    out[got:got + k] = chunk
                 if not k:
                     break
                 got += k
