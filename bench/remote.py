@@ -13,13 +13,14 @@ serves every row. Rows, each the same loop with a checkpoint every ``--every`` i
 * ``torch.save+upload``: ``torch.save`` + fsync of the state dict on the training thread, then a
   boto3 multipart upload of the file on a background thread (same part size and concurrency;
   one upload at a time, the newest file next);
-* ``raw-client``: boto3 uploading the same bytes from memory, no loop (the best the client does).
+* ``raw-client``: boto3 uploading the same bytes from memory, no loop (the best the client does);
+* ``dcp.async_save+FsspecWriter`` (with ``--s3fs-path``): DCP's async save to s3fs, one in flight,
+  in a child process (bench/remote_dcp_child.py), and its cold load with ``FsspecReader``.
 
 Per row: the loop's wall time, blocked per save (loop time over ``none``, per save), time from the
 save call until the checkpoint is committed remotely (median over committed ones), upload
 throughput, and a cold load from the remote (pccheck ``load_latest("s3://...")`` vs download +
-``torch.load``). DCP ``async_save`` + ``FsspecWriter`` is not measured here: s3fs pins a botocore
-that conflicts with boto3 in one environment (docs/notes/issue-28.md).
+``torch.load``; with ``--s3fs-path``, DCP's ``FsspecReader``).
 Speeds on 2 vCPUs are the server's: compare ratios between rows of one run.
 """
 
@@ -200,6 +201,22 @@ def cold_loads(wl: Any, url: str, work: Path) -> dict[str, float]:
     return {"pccheck_load_s": pcc, "torch_download_load_s": ts}
 
 
+def row_dcp(a: argparse.Namespace, url: str) -> dict[str, Any] | None:
+    """DCP ``async_save`` + ``FsspecWriter`` (s3fs) in a child process (bench/remote_dcp_child.py),
+    s3fs from ``--s3fs-path`` (it pins a botocore that boto3 cannot share a process with)."""
+    import subprocess
+    import sys
+
+    if not a.s3fs_path:
+        return None
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([a.s3fs_path, str(Path(__file__).resolve().parent.parent)]))
+    out = subprocess.run([sys.executable, "-m", "bench.remote_dcp_child", a.size, str(a.iter_time), str(a.every),
+                          str(a.iters), url], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"the DCP row failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any]:
     size = parse_size(a.size)
     base = f"s3://{srv.bucket}/bench-{uuid.uuid4().hex[:6]}"
@@ -211,6 +228,10 @@ def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any
     res["torch.save+upload"] = row_torch_save(wl, a, work, base)
     res["raw-client"] = {"upload_gbps": [raw_client(size, base)]}
     res["cold_load"] = cold_loads(wl, base, work)
+    del wl  # the DCP child builds its own state
+    dcp_row = row_dcp(a, base + "/dcp")
+    if dcp_row is not None:
+        res["dcp.async_save+FsspecWriter"] = dcp_row
     return res
 
 
@@ -229,6 +250,16 @@ def summarize(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, An
             gb = [med(r[name]["upload_gbps"]) for r in runs if r[name]["upload_gbps"]]
             out[name].update({"to_remote_s": med(to), "to_remote_range": [min(to), max(to)] if to else None,
                               "upload_gbps": med(gb), "upload_range": [min(gb), max(gb)] if gb else None})
+    if all("dcp.async_save+FsspecWriter" in r for r in runs):
+        d = [r["dcp.async_save+FsspecWriter"] for r in runs]
+        blocked = [(x["wall_s"] - x["none_wall_s"]) / max(1, x["saves"]) for x in d]
+        to = [med(x["to_remote_s"]) for x in d]
+        out["dcp.async_save+FsspecWriter"] = {
+            "blocked_per_save_s": med(blocked), "blocked_range": [min(blocked), max(blocked)],
+            "slowdown_vs_none": med([x["wall_s"] / x["none_wall_s"] for x in d]),
+            "to_remote_s": med(to), "to_remote_range": [min(to), max(to)],
+            "upload_gbps": med([med(x["upload_gbps"]) for x in d]),
+            "cold_load_s": med([x["cold_load_s"] for x in d])}
     raw = [r["raw-client"]["upload_gbps"][0] for r in runs]
     out["raw-client"] = {"upload_gbps": med(raw), "upload_range": [min(raw), max(raw)]}
     pr, ts = out["pccheck-remote"], out["torch.save+upload"]
@@ -242,10 +273,22 @@ def summarize(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, An
         "cold_load_vs_torch_download_load": med([r["cold_load"]["pccheck_load_s"] / r["cold_load"]["torch_download_load_s"]
                                                  for r in runs]),
         "loop_remote_vs_local": med([r / l for r, l in zip(loop_remote, loop_local)]),
+        **_dcp_ratios(out, runs),
         "loop_remote_vs_local_range": [min(r / l for r, l in zip(loop_remote, loop_local)),
                                        max(r / l for r, l in zip(loop_remote, loop_local))],
     }
     return out
+
+
+def _dcp_ratios(out: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    d = out.get("dcp.async_save+FsspecWriter")
+    if d is None:
+        return {}
+    pr = out["pccheck-remote"]
+    loads = [r["cold_load"]["pccheck_load_s"] for r in runs]
+    return {"blocked_vs_dcp_fsspec": pr["blocked_per_save_s"] / d["blocked_per_save_s"] if d["blocked_per_save_s"] else None,
+            "to_remote_vs_dcp_fsspec": pr["to_remote_s"] / d["to_remote_s"] if d["to_remote_s"] else None,
+            "cold_load_vs_dcp_fsspec_reader": statistics.median(loads) / d["cold_load_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", default="bench/results/remote.json")
+    ap.add_argument("--s3fs-path", default=os.environ.get("PCCHECK_BENCH_S3FS"),
+                    help="a directory holding s3fs (pip install --target DIR s3fs) for the DCP row")
     a = ap.parse_args(argv)
     import logging
 
@@ -287,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _chart(summary: dict[str, Any], path: Path, a: argparse.Namespace) -> None:
     """Blocked per save and time until committed remotely, per row (medians)."""
-    rows = ["pccheck-remote", "torch.save+upload"]
+    rows = [r for r in ("pccheck-remote", "torch.save+upload", "dcp.async_save+FsspecWriter") if r in summary]
     bar_chart(path, ["blocked per save (s)", "save call -> remote commit (s)"],
               {r: [summary[r]["blocked_per_save_s"] or 0.0, summary[r]["to_remote_s"] or 0.0] for r in rows},
               title=f"remote tier, {a.size} state, GPU emulated (t = {a.iter_time} s), every {a.every}; "
