@@ -388,3 +388,11 @@ def test_cli_ls_and_verify_take_s3(s3_url, tmp_path):
     doc = json.loads(out.output)
     assert out.exit_code == 1 and doc["exit_code"] == 1
     assert doc["steps"][0]["problem"] and doc["steps"][1]["problem"] is None
+    out = run(app, ["inspect", s3_url, "--step", "2", "--json"])  # the manifest alone: still fine
+    assert out.exit_code == 0 and [a["name"] for a in json.loads(out.output)["arrays"]] == ["w", "i"]
+    dest = tmp_path / "x.safetensors"
+    assert run(app, ["export", s3_url, "--out", str(dest)]).exit_code == 0  # falls back to step 1
+    from safetensors.numpy import load_file
+
+    assert np.array_equal(load_file(dest)["w"], _arrays(1)["w"])
+    assert run(app, ["export", s3_url, "--step", "2", "--out", str(dest)]).exit_code == 2

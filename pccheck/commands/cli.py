@@ -44,7 +44,7 @@ __all__ = ["app", "main"]
 app = typer.Typer(name="pccheck", add_completion=False, no_args_is_help=True,
                   help="Inspect, verify and export pccheck checkpoint stores.")
 
-PathArg = Annotated[Optional[Path], typer.Argument(help="store directory, or one above it (a Lightning dirpath, a distributed job's root; default: $PCCHECK_DIR or ./checkpoints); ls and verify also take s3://bucket/prefix",
+PathArg = Annotated[Optional[Path], typer.Argument(help="store directory, or one above it (a Lightning dirpath, a distributed job's root; default: $PCCHECK_DIR or ./checkpoints), or s3://bucket/prefix (the remote tier)",
                                                    show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="this step instead of the latest checkpoint")]
@@ -278,18 +278,24 @@ def inspect_cmd(path: PathArg = None, step: StepOpt = None, as_json: JsonOpt = F
     Reads only the manifest (checked against its crc32c); `pccheck verify` checks the array data.
     """
     def run() -> None:
-        loc = locate(path, step)
-        man = loc.manifest
+        url = remote_url(path)
+        if url is not None:  # the remote tier: rank 0's manifest of the step (FORMAT.md §12.2)
+            from ..tiers.remote.inventory import manifest_of
+
+            generation, _, man = manifest_of(url, step)
+            slot, where = 0, url
+        else:
+            loc = locate(path, step)
+            man, generation, slot, where = loc.manifest, loc.generation, loc.slot, str(loc.image.path)
         arrays = [{"name": e.name, "dtype": _descr(e.dtype), "torch_dtype": getattr(e, "torch_dtype", None),
                    "shape": list(e.shape), "nbytes": e.nbytes, "offset": e.offset, "crc32c": f"{crc:08x}"}
                   for e, crc in zip(man.arrays, man.crcs)]
         if as_json:
-            _emit_json({"step": man.step, "counter": man.counter, "generation": loc.generation, "slot": loc.slot,
-                        "path": str(loc.image.path), "data_bytes": man.data_len, "metadata": man.metadata,
-                        "arrays": arrays})
+            _emit_json({"step": man.step, "counter": man.counter, "generation": generation, "slot": slot,
+                        "path": where, "data_bytes": man.data_len, "metadata": man.metadata, "arrays": arrays})
             return
         con = _out()
-        con.print(f"step {man.step}  counter {man.counter}  generation {loc.generation}  slot {loc.slot}  "
+        con.print(f"step {man.step}  counter {man.counter}  generation {generation}  slot {slot}  "
                   f"{len(arrays)} arrays  {_bytes(sum(a['nbytes'] for a in arrays))}")
         if man.metadata:
             meta = json.dumps(man.metadata, separators=(",", ":"))
@@ -321,7 +327,13 @@ def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (r
     The checkpoint is fully verified first. A torch file loads with torch.load(weights_only=True).
     """
     def run() -> None:
-        r = load(path, step)
+        url = remote_url(path)
+        if url is not None:
+            from ..tiers.remote.inventory import load_step
+
+            r = load_step(url, step)
+        else:
+            r = load(path, step)
         skipped = export_checkpoint(r, out, fmt.value, skip_unsupported=skip_unsupported)
         written = [n for n in r.state if n not in skipped]
         nbytes = sum(int(r.state[n].nbytes) for n in written)

@@ -17,7 +17,8 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
                   stale multipart uploads of older generations (§12.6)
     group.py      GroupUploader: a torch.distributed group's side (each rank its part, rank 0
                   announces the steps and commits them; §12.7)
-    inventory.py  survey / verify of a prefix (``pccheck ls|verify s3://...``)
+    inventory.py  survey / verify / manifest_of / load_step of a prefix (``pccheck ls|verify|inspect|export
+                  s3://...``)
     load.py       load_remote: newest committed step whose every checksum holds, falling back
     devserver.py  a local SeaweedFS (``weed mini``) for tests, benchmarks and trying it out
 

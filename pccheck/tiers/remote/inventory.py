@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import CorruptCheckpointError, RemoteError
+from ...errors import CorruptCheckpointError, NoCheckpointError, RemoteError
 from .commit import committed, read_pointer
 from .layout import MAX_MANIFEST_BYTES, decode_manifest, manifest_key
-from .load import _load_step
+from .load import _load_step, _local_manifest, load_remote
 from .objstore import NotFound, ObjectStore
 
-__all__ = ["RemoteStep", "survey", "verify", "remote_url"]
+__all__ = ["RemoteStep", "survey", "verify", "remote_url", "manifest_of", "load_step"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,32 @@ def verify(url: str) -> tuple[list[RemoteStep], int]:
         steps.append(RemoteStep(st.generation, st.step, st.world_size, st.nbytes, st.unix_time, st.pointer, problem))
     ok = [i for i, s in enumerate(steps) if s.problem is None]
     return steps, (0 if ok and ok[0] == 0 else 1 if ok else 2)
+
+
+def _find(store: ObjectStore, url: str, step: int | None) -> tuple[int, int]:
+    steps = committed(store)
+    found = [gs for gs in steps if step is None or gs[1] == step]
+    if not found:
+        raise NoCheckpointError(f"{url} holds no committed step" + (f" {step}" if step is not None else ""))
+    return found[0]
+
+
+def manifest_of(url: str, step: int | None = None) -> tuple[int, int, Any]:
+    """(generation, world size, rank 0's local manifest) of the newest committed step (or of
+    ``step``): for ``pccheck inspect s3://...``; the manifest is checked, the data is not read."""
+    store = ObjectStore(url)
+    g, s = _find(store, url, step)
+    raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+    m = decode_manifest(raw, g, s)
+    return g, m.world_size, _local_manifest(m.ranks[0], s)
+
+
+def load_step(url: str, step: int | None = None) -> Any:
+    """Rank 0's arrays of the newest committed step that loads (or of ``step``, no fallback),
+    every checksum checked: for ``pccheck export s3://...``."""
+    if step is None:
+        return load_remote(url)
+    store = ObjectStore(url)
+    g, s = _find(store, url, step)
+    raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+    return _load_step(store, g, s, 0, decode_manifest(raw, g, s).world_size)
