@@ -56,10 +56,11 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
+    if lazy and (is_remote(path) or remote is not None):
+        return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
     if is_remote(path) or remote is not None:
-        if lazy or zero_copy or not verify:
-            raise ConfigError("a remote load reads and checks every byte: it takes no lazy=, zero_copy= or "
-                              "verify=False yet")
+        if zero_copy or not verify:
+            raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
         group = detect_group() if distributed else None
         return _as_loaded(_remote_or_local(path, remote, group), model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
@@ -143,6 +144,28 @@ def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: An
     if isinstance(located.manifest.tree, dict) and "shards" in located.manifest.tree or has_dtensors(model):
         raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
     return restore_lazily(located, TorchState(model, optimizer, extra_state))
+
+
+def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
+                   extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
+                   map_location: Any) -> LazyRestore:
+    """lazy=True from the remote tier: ``path`` itself when s3://, else the local store, falling
+    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs)."""
+    from .tiers.remote.load import locate_remote
+
+    if not is_remote(path):
+        try:
+            return _load_lazily(Path(path) if path is not None else default_path(), None, model, optimizer,
+                                extra_state, zero_copy, verify, map_location)
+        except NoCheckpointError as exc:
+            log.warning("pccheck: no local checkpoint to restore lazily (%s); from the remote tier %s", exc, remote)
+            path = remote
+    if zero_copy or not verify or map_location is not None:
+        raise ConfigError("lazy=True takes no zero_copy=, verify=False or map_location=")
+    if model is None or has_dtensors(model):
+        raise ConfigError("lazy=True restores a model (without DTensors) in place: pass model=")
+    located = locate_remote(str(path))
+    return restore_lazily(located, TorchState(model, optimizer, extra_state), read=located.read)
 
 
 def _check_same_step(group: Group, step: int) -> None:

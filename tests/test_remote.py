@@ -396,3 +396,29 @@ def test_cli_ls_and_verify_take_s3(s3_url, tmp_path):
 
     assert np.array_equal(load_file(dest)["w"], _arrays(1)["w"])
     assert run(app, ["export", s3_url, "--step", "2", "--out", str(dest)]).exit_code == 2
+
+
+def test_lazy_restore_from_remote_matches_eager(s3_url, tmp_path):
+    import torch
+
+    import _torch_train as tt
+
+    tt.setup()
+    model, optim, sched = tt.make(width=64)
+    with pccheck.Checkpointer(model, optim, tmp_path / "ck", extra_state={"sched": sched}, remote=s3_url) as ck:
+        for s in range(1, 4):
+            tt.train_step(model, optim, sched, s)
+            ck.checkpoint(s)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    m2, o2, s2 = tt.make(width=64)
+    r = pccheck.load_latest(s3_url, model=m2, optimizer=o2, extra_state={"sched": s2}, lazy=True)
+    assert isinstance(r, pccheck.LazyRestore) and r.step == 3
+    r.wait()
+    assert all(torch.equal(m2.state_dict()[k], want[k]) for k in want)
+    want_opt = optim.state_dict()["state"]
+    assert all(torch.equal(o2.state_dict()["state"][i][k], want_opt[i][k]) for i in want_opt for k in want_opt[i])
+    shutil.rmtree(tmp_path / "ck")  # lazy with remote= falls back to the remote tier too
+    m3, o3, s3 = tt.make(width=64)
+    r = pccheck.load_latest(tmp_path / "ck", model=m3, optimizer=o3, extra_state={"sched": s3}, lazy=True, remote=s3_url)
+    r.wait()
+    assert r.step == 3 and all(torch.equal(m3.state_dict()[k], want[k]) for k in want)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .commit import committed
 from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, decode_manifest, manifest_key, parts_of
 from .objstore import NotFound, ObjectStore
 
-__all__ = ["load_remote"]
+__all__ = ["load_remote", "locate_remote", "RemoteLocated"]
 
 log = logging.getLogger("pccheck")
 
@@ -147,3 +148,71 @@ def _vote(group: Any, mine: Any, rank0: bool = False) -> Any:
     everyone: list[Any] = [None] * group.world_size
     dist.all_gather_object(everyone, mine, group=group.pg)
     return [tuple(x) for x in everyone[0]] if rank0 else everyone
+
+
+
+@dataclass(frozen=True)
+class _Where:
+    path: str  # the prefix's URL, in messages
+
+
+@dataclass(frozen=True)
+class RemoteLocated:
+    """The newest committed remote step whose manifests check out (no data read): what a lazy
+    restore needs (``manifest``, ``image.path``, ``slot``, ``generation``), and ``read``, which
+    fetches one array by parallel ranged GETs and checks its crc32c."""
+
+    manifest: Manifest
+    image: _Where
+    slot: int
+    generation: int
+    read: Any
+
+
+def locate_remote(url: str) -> RemoteLocated:
+    """The step a lazy restore from ``url`` loads: the newest committed one whose manifest and
+    embedded local manifest check out (its arrays are checked as they arrive). Single process."""
+    store = ObjectStore(url)
+    problems = []
+    for generation, step in committed(store):
+        try:
+            raw, _ = store.get(manifest_key(generation, step), MAX_MANIFEST_BYTES)
+            sm = decode_manifest(raw, generation, step)
+            if sm.world_size != 1:
+                raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks")
+            man = _local_manifest(sm.ranks[0], step)
+        except (NotFound, CorruptCheckpointError, RemoteError) as exc:
+            problems.append(f"step {step} (generation {generation}): {exc}")
+            continue
+        return RemoteLocated(man, _Where(url), 0, generation, _array_reader(store, sm.ranks[0].data))
+    raise NoCheckpointError(f"no committed checkpoint under {url} can be restored lazily"
+                            + (": " + "; ".join(problems) if problems else ""))
+
+
+def _array_reader(store: ObjectStore, key: str) -> Any:
+    pool = ThreadPoolExecutor(GET_THREADS, thread_name_prefix="pccheck-remote-get")
+
+    def read(entry: Any, crc: int, into: np.ndarray | None) -> np.ndarray:
+        """One array: ranged GETs of at most GET_PIECE bytes into ``into`` (or a new buffer),
+        its crc32c combined from the pieces' and checked."""
+        if not entry.nbytes:
+            return np.empty(entry.shape, dtype=entry.dtype)
+        buf = into if into is not None else fresh_buffer(entry.nbytes)
+        view = memoryview(buf).cast("B")
+        pieces = [(o, min(GET_PIECE, entry.nbytes - o)) for o in range(0, entry.nbytes, GET_PIECE)]
+
+        def get(p: tuple[int, int]) -> int:
+            try:
+                store.read_into(key, entry.offset + p[0], view[p[0]:p[0] + p[1]])
+            except NotFound as exc:
+                raise CorruptCheckpointError(f"data object {key} is missing or short ({exc})") from None
+            return crc32c(view[p[0]:p[0] + p[1]])
+
+        got = 0
+        for (_, n), c in zip(pieces, pool.map(get, pieces)):
+            got = crc32c_combine(got, c, n)
+        if got != crc:
+            raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch in {key}")
+        return np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes).view(entry.dtype).reshape(entry.shape)
+
+    return read
