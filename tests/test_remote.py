@@ -355,7 +355,7 @@ def test_two_ranks_each_upload_their_part_and_resume_from_remote(s3_url, tmp_pat
         return [o for o, _ in outs]
 
     outs = launch()
-    assert "REMOTE True 8" in outs[0]
+    assert "REMOTE True 8" in outs[0] and "REMOTE True 8" in outs[1]
     store = ObjectStore(s3_url)
     (g, s), *_ = committed(store)
     raw, _ = store.get(layout.manifest_key(g, s), 1 << 20)

@@ -140,6 +140,8 @@ class GroupUploader(RemoteUploader):
                 idle = self._stopped or (self._running is None and self._seen >= self._kv.add(self._ns + "up", 0)
                                          and (self.group.rank != 0 or not (self._busy or self._wanted is not None))
                                          and self._globally_published())
+            if idle and self.group.rank != 0:
+                self._learn_committed()
             if idle or self._closing:
                 log.debug("pccheck: remote wait: idle %s (seen %d, busy %s, wanted %s, global %s, closing %s)", idle,
                           self._seen, self._busy, self._wanted, self._coord.global_step, self._closing)
@@ -147,6 +149,15 @@ class GroupUploader(RemoteUploader):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+
+    def _learn_committed(self) -> None:
+        """A rank other than 0: the newest step rank 0 committed remotely, for stats()."""
+        key = self._ns + "committed"
+        if self._kv.check([key]):
+            step = int(self._kv.get(key).decode())
+            with self._cv:
+                if self.progress.step is None or step > self.progress.step:
+                    self.progress.step, self.progress.time, self.progress.behind_since = step, time.time(), None
 
     def _globally_published(self) -> bool:
         """Whether this rank's newest local commit is known globally committed, and rank 0 has
@@ -181,6 +192,8 @@ class GroupUploader(RemoteUploader):
             self._coord.release_unpinned()  # this rank's slot of the step may go now
             if self.group.rank == 0:
                 self._commit_group(step, ok)
+            if self.group.rank != 0:
+                self._learn_committed()
             with self._cv:
                 self._running = None
                 self._cv.notify_all()
@@ -245,6 +258,7 @@ class GroupUploader(RemoteUploader):
                 parts = tuple(self._read_part(step, r) for r in range(w))
                 commit_step(self.store, StepManifest(self.generation, step, w, time.time(), parts))
                 advance_pointer(self.store, self.generation, step)
+                self._kv.set(self._ns + "committed", str(step))  # the other ranks' stats()
                 with self._cv:
                     p = self.progress
                     p.step, p.time, p.uploads, p.error = step, time.time(), p.uploads + 1, None
