@@ -142,7 +142,7 @@ class RemoteOptions:
         remote_every: upload every k-th durable checkpoint (default 1). A newer one supersedes an
             upload still queued.
         remote_part_size: bytes per multipart part (>= 8 MiB, a multiple of 4096; default 32 MiB,
-            chosen by bench/remote_clients.py). Memory: (remote_concurrency + 1) parts.
+            chosen by bench/resilience/remote_clients.py). Memory: (remote_concurrency + 1) parts.
         remote_concurrency: parts in flight at once (default 4).
         remote_close_timeout: seconds ``close()`` waits for the newest checkpoint to be committed
             remotely (default 600; None: no limit).

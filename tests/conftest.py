@@ -8,18 +8,6 @@ import pytest
 from pccheck.native import _native
 
 
-def pytest_collection_modifyitems(config, items):
-    """``slow`` rounds run only with PCCHECK_SLOW=1 (make test stays within its time budget)."""
-    import os
-
-    if os.environ.get("PCCHECK_SLOW") == "1":
-        return
-    skip = pytest.mark.skip(reason="slow round: run with PCCHECK_SLOW=1")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(autouse=True)
 def _no_fault_left_armed():
     """An injected I/O fault must never leak into the next test."""

@@ -338,7 +338,7 @@ def test_remote_retention_keeps_last_and_every_and_collects_orphans(s3_url, tmp_
     _assert_step(pccheck.load_latest(s3_url), 7)
 
 
-@pytest.mark.slow  # four processes importing torch: 20-45 s here
+@pytest.mark.slow  # four processes importing torch: 20-45 s here (make test-slow)
 def test_two_ranks_each_upload_their_part_and_resume_from_remote(s3_url, tmp_path):
     """A 2-rank job: each rank uploads its part, rank 0 commits one global manifest; with every
     local store deleted, a new 2-rank job loads each rank's part from the remote, bit for bit."""

@@ -90,7 +90,7 @@ class RemoteProgress:
         self.upload_s = 0.0
         self.error: str | None = None
         # (step, local commit time, remote commit time, bytes, upload seconds) of the last 1000
-        # remote commits, time.time() clocks (bench/remote.py reads it)
+        # remote commits, time.time() clocks (bench/resilience/remote.py reads it)
         self.history: deque[tuple[int, float, float, int, float]] = deque(maxlen=1000)
 
     def as_dict(self) -> dict[str, Any]:
