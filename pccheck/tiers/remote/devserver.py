@@ -74,7 +74,7 @@ class DevServer:
     def env(self) -> dict[str, str]:
         """The standard AWS variables pointing a client at this server."""
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
 
     def start(self, timeout: float = 60.0) -> "DevServer":
         weed = weed_binary()
