@@ -160,8 +160,10 @@ def row_torch_save(wl: Any, a: argparse.Namespace, work: Path, url: str) -> dict
             "to_remote_s": [d[1] - calls[d[0]] for d in done], "upload_gbps": [d[2] / d[3] / 1e9 for d in done]}
 
 
-def raw_client(size: int, url: str) -> float:
+def raw_client(size: int, url: str, stop: threading.Event | None = None) -> float:
     import numpy as np
+
+    from pccheck.tiers.remote.uploader import _background_priority
 
     store = _client()(url, connections=CONC + 4)
     data = np.ones(size, dtype=np.uint8)
@@ -169,10 +171,12 @@ def raw_client(size: int, url: str) -> float:
     key = f"raw/{uuid.uuid4().hex}"
     t = time.perf_counter()
     up = store.start_multipart(key)
-    with ThreadPoolExecutor(CONC) as ex:
+    with ThreadPoolExecutor(CONC, initializer=_background_priority if stop is not None else None) as ex:
         etags = list(ex.map(lambda io: store.upload_part(key, up, io[0] + 1, view[io[1]:io[1] + PART]),
                             enumerate(range(0, size, PART))))
     store.complete_multipart(key, up, etags)
+    if stop is not None:
+        store.delete(key)  # disk: the pump uploads again and again
     return size / (time.perf_counter() - t) / 1e9
 
 
@@ -217,12 +221,40 @@ def row_dcp(a: argparse.Namespace, url: str) -> dict[str, Any] | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def row_local_beside_upload(wl: Any, a: argparse.Namespace, work: Path, url: str) -> dict[str, Any]:
+    """The local-only loop while the raw client uploads the state's size, again and again, on
+    threads at the uploader's priority: the slowdown the traffic alone causes on this machine
+    (the server shares its CPUs), without any of pccheck's remote tier."""
+    from pccheck.tiers.remote.uploader import _background_priority
+
+    stop = threading.Event()
+    size = parse_size(a.size)
+
+    def pump() -> None:
+        _background_priority()
+        while not stop.is_set():
+            raw_client(size, url, stop)
+
+    th = threading.Thread(target=pump, daemon=True)
+    th.start()
+    try:
+        return row_pccheck(wl, a, work, None)
+    finally:
+        stop.set()
+        th.join()
+
+
 def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any]:
     size = parse_size(a.size)
     base = f"s3://{srv.bucket}/bench-{uuid.uuid4().hex[:6]}"
     res: dict[str, Any] = {}
     wl = make_emulated(size, a.iter_time)
     res["none"] = row_none(wl, a, work, base)
+    if a.attribution:  # only: local, pccheck-remote, local beside the raw client's uploads
+        res["local"] = row_pccheck(wl, a, work, None)
+        res["pccheck-remote"] = row_pccheck(wl, a, work, base + "/pccheck")
+        res["local-beside-raw-upload"] = row_local_beside_upload(wl, a, work, base)
+        return res
     res["local"] = row_pccheck(wl, a, work, None)
     res["pccheck-remote"] = row_pccheck(wl, a, work, base + "/pccheck")
     res["torch.save+upload"] = row_torch_save(wl, a, work, base)
@@ -235,7 +267,21 @@ def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any
     return res
 
 
+def summarize_attribution(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each row's loop against ``none`` and ``local`` (median [min, max] over runs)."""
+    out: dict[str, Any] = {}
+    for name in ("local", "pccheck-remote", "local-beside-raw-upload"):
+        vs_none = [r[name]["wall_s"] / r["none"]["wall_s"] for r in runs]
+        vs_local = [r[name]["wall_s"] / r["local"]["wall_s"] for r in runs]
+        out[name] = {"slowdown_vs_none": statistics.median(vs_none), "range_vs_none": [min(vs_none), max(vs_none)],
+                     "slowdown_vs_local": statistics.median(vs_local), "range_vs_local": [min(vs_local), max(vs_local)]}
+    return out
+
+
 def summarize(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
+    if a.attribution:
+        return summarize_attribution(runs)
+
     def med(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
 
@@ -299,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", default="bench/results/remote.json")
+    ap.add_argument("--attribution", action="store_true",
+                    help="only the loop rows: local, pccheck-remote, and local beside the raw client's uploads")
     ap.add_argument("--s3fs-path", default=os.environ.get("PCCHECK_BENCH_S3FS"),
                     help="a directory holding s3fs (pip install --target DIR s3fs) for the DCP row")
     a = ap.parse_args(argv)
@@ -325,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
            "runs": runs, "summary": summary, "host": host_info(tempfile.gettempdir())}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
-    plot(summary, Path(a.out).with_suffix(".png"), a)
+    if not a.attribution:
+        plot(summary, Path(a.out).with_suffix(".png"), a)
     print(json.dumps(summary, indent=1, default=str))
     return 0
 
