@@ -94,7 +94,7 @@ def _remote_or_local(path: Any, remote: str | None, group: Group | None) -> Rest
         return load_remote(path, group)
     directory = Path(path) if path is not None else default_path()
     try:
-        if group is not None:  # collective: NoCheckpointError on every rank alike
+        if group is not None and rank_dir(directory, group.rank).is_dir():  # collective, as load_latest's
             return agree_and_load(directory, group)
         return recovery.load_newest(directory)
     except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
