@@ -91,7 +91,8 @@ class DevServer:
             identities.append({"name": "anonymous", "actions": ["Read", "Write", "List"]})
         config.write_text(json.dumps({"identities": identities}))
         args = [weed, "mini", f"-dir={self.directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                f"-s3.config={config}", "-admin.ui=false", "-webdav=false", f"-bucket={self.bucket}"]
+                f"-s3.config={config}", "-admin.ui=false", "-webdav=false", f"-bucket={self.bucket}",
+                "-master.telemetry=false"]  # it reports to a remote URL by default: nothing leaves 127.0.0.1
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]
         log = open(self.directory / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
