@@ -422,3 +422,23 @@ def test_lazy_restore_from_remote_matches_eager(s3_url, tmp_path):
     r = pccheck.load_latest(tmp_path / "ck", model=m3, optimizer=o3, extra_state={"sched": s3}, lazy=True, remote=s3_url)
     r.wait()
     assert r.step == 3 and all(torch.equal(m3.state_dict()[k], want[k]) for k in want)
+
+
+def test_an_older_commit_reported_late_never_supersedes_a_newer_one(s3_url, tmp_path):
+    """Two commit threads may report their commits in either order: the older one must not
+    replace the newer one in the upload queue (a regression test for a flaky round trip)."""
+    from pccheck.orchestrator.orchestrator import CommitInfo
+
+    state = _arrays(0)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url) as ck:
+        for s in (1, 2):
+            _fill(state, s)
+            ck.checkpoint(s)
+            ck.wait()
+        up = ck._remote
+        with up._cv:  # replay step 1's commit report after step 2's
+            up._commits -= 1
+        up.on_commit(CommitInfo(1, 1, 0, ck._orch.store.file))
+        assert ck.wait(remote=True, timeout=60)
+        assert ck.stats().remote_step == 2
+    _assert_step(pccheck.load_latest(s3_url), 2)

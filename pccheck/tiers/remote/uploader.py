@@ -121,6 +121,7 @@ class RemoteUploader:
         self._held: set[int] = set()  # replaced slots of generation _held_gen, held for us
         self._held_gen = 0
         self._commits = 0
+        self._newest_counter = 0  # the highest local commit counter seen by on_commit
         self._stopped = False   # a lost race: nothing more is uploaded
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
@@ -143,7 +144,12 @@ class RemoteUploader:
         """A local commit (CommitInfo) became the durable latest: queue every k-th. No I/O."""
         with self._cv:
             self._commits += 1
-            if not self._stopped and not self._closing and self._commits % self.options.remote_every == 0:
+            # Two commit threads may call in either order after their CASes: a commit older than
+            # one already seen (by counter) is no longer the durable latest and must not
+            # supersede the newer one queued (its slot is already replaced).
+            newer = info.counter > self._newest_counter
+            self._newest_counter = max(self._newest_counter, info.counter)
+            if newer and not self._stopped and not self._closing and self._commits % self.options.remote_every == 0:
                 if self._pending is not None:
                     self.progress.superseded += 1
                     log.info("pccheck: remote upload of step %d superseded by step %d", self._pending[0].step, info.step)
