@@ -98,9 +98,12 @@ class Checkpointer:
             the tuned value, else 2, 2, 64 MiB), ``dram_budget``, ``storage``, ``when_busy``;
             snapshot ``soft_cow``, ``capture_rng``, ``eager``, ``device_reserve``,
             ``copy_engine``; history ``keep_every``, ``max_history``; group ``distributed``,
-            ``replicated`` (see :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
-            :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`). An unknown name
-            raises ConfigError.
+            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``: the object-storage
+            tier), ``remote_every``, ``remote_part_size``, ``remote_concurrency``,
+            ``remote_close_timeout``, ``remote_keep_last``, ``remote_keep_every`` (see
+            :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
+            :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`,
+            :class:`pccheck.RemoteOptions`). An unknown name raises ConfigError.
     """
 
     def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
