@@ -8,13 +8,14 @@ them in place, including the RNG states, so training resumes bit for bit at ``r.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Mapping
 
 from pathlib import Path
 
 from .group.distributed import Group, agree_and_load, detect_group
-from .errors import ConfigError, PCCheckError
+from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PCCheckError
 from .ops.inventory import locate
 from .lazy import LazyRestore, restore_lazily
 from .persist import recovery
@@ -23,14 +24,17 @@ from .persist.recovery import Restored
 from .sharded.dtensor import has_dtensors
 from .sharded.load import load_sharded, newest_is_sharded
 from .state.torch_state import TorchState, nested_state
+from .tiers.remote.objstore import is_remote
 
 __all__ = ["load_latest"]
+
+log = logging.getLogger("pccheck")
 
 
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
                 extra_state: Mapping[str, Any] | None = None, map_location: Any = None,
                 zero_copy: bool = False, verify: bool = True, distributed: bool = True,
-                lazy: bool = False) -> Restored | LazyRestore:
+                lazy: bool = False, remote: str | None = None) -> Restored | LazyRestore:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
@@ -44,9 +48,21 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     forward (and the optimizer's step) waits only for what it needs; ``r.wait()`` waits for all
     (pccheck/lazy/restore.py says what it does not cover). The array checksums are checked as
     the tensors arrive; a mismatch raises at the next wait point.
+
+    The remote tier (pccheck/tiers/remote, FORMAT.md §12): ``path="s3://bucket/prefix"`` loads the
+    newest committed remote step whose every checksum holds (falling back to older ones);
+    ``remote="s3://..."`` beside a local ``path`` loads from the remote when the local store is
+    missing or holds nothing valid. ``r.tier`` says which: "disk" or "remote".
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
+    if lazy and (is_remote(path) or remote is not None):
+        return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
+    if is_remote(path) or remote is not None:
+        if zero_copy or not verify:
+            raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
+        group = detect_group() if distributed else None
+        return _as_loaded(_remote_or_local(path, remote, group), model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
     if lazy:
@@ -66,6 +82,30 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         r = recovery.load_newest(directory, zero_copy=zero_copy and model is None, verify=verify)
         if group is not None:  # replicated="rank0": everyone read rank 0's store; same step?
             _check_same_step(group, r.step)
+    return _as_loaded(r, model, optimizer, extra_state, map_location)
+
+
+def _remote_or_local(path: Any, remote: str | None, group: Group | None) -> Restored:
+    """``path`` itself when it is s3://, else the local store at ``path`` (a group: every rank's
+    store, agreed), falling back to ``remote`` when nothing there is valid."""
+    from .tiers.remote.load import load_remote
+
+    if is_remote(path):
+        return load_remote(path, group)
+    directory = Path(path) if path is not None else default_path()
+    try:
+        if group is not None and rank_dir(directory, group.rank).is_dir():  # collective, as load_latest's
+            return agree_and_load(directory, group)
+        return recovery.load_newest(directory)
+    except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+        log.warning("pccheck: no valid local checkpoint under %s (%s); loading from the remote tier %s",
+                    directory, exc, remote)
+        return load_remote(str(remote), group)
+
+
+def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None,
+               map_location: Any) -> Restored:
+    """Puts a loaded checkpoint's state back into the objects (or rebuilds the nested state)."""
     tree = r.tree
     if tree is None:
         if model is not None:
@@ -104,6 +144,28 @@ def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: An
     if isinstance(located.manifest.tree, dict) and "shards" in located.manifest.tree or has_dtensors(model):
         raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
     return restore_lazily(located, TorchState(model, optimizer, extra_state))
+
+
+def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
+                   extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
+                   map_location: Any) -> LazyRestore:
+    """lazy=True from the remote tier: ``path`` itself when s3://, else the local store, falling
+    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs)."""
+    from .tiers.remote.load import locate_remote
+
+    if not is_remote(path):
+        try:
+            return _load_lazily(Path(path) if path is not None else default_path(), None, model, optimizer,
+                                extra_state, zero_copy, verify, map_location)
+        except NoCheckpointError as exc:
+            log.warning("pccheck: no local checkpoint to restore lazily (%s); from the remote tier %s", exc, remote)
+            path = remote
+    if zero_copy or not verify or map_location is not None:
+        raise ConfigError("lazy=True takes no zero_copy=, verify=False or map_location=")
+    if model is None or has_dtensors(model):
+        raise ConfigError("lazy=True restores a model (without DTensors) in place: pass model=")
+    located = locate_remote(str(path))
+    return restore_lazily(located, TorchState(model, optimizer, extra_state), read=located.read)
 
 
 def _check_same_step(group: Group, step: int) -> None:

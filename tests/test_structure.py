@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("native", ("pccheck.native",)),
     ("persist", ("pccheck.persist",)),
     ("orchestrator", ("pccheck.orchestrator",)),
-    ("store services", ("pccheck.ops", "pccheck.group", "pccheck.sharded", "pccheck.transparent")),
+    ("store services", ("pccheck.ops", "pccheck.group", "pccheck.sharded", "pccheck.transparent", "pccheck.tiers")),
     ("state", ("pccheck.state",)),
     ("front-end parts", ("pccheck.lazy", "pccheck.spread", "pccheck.tuner")),
     ("front-end", ("pccheck.checkpointer", "pccheck.restore", "pccheck.options")),
