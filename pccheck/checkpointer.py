@@ -37,6 +37,7 @@ from .spread.mode import SpreadMode, budget_split, check_spread, substitute
 from .torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
+from .tiers.memory.shm_store import build_memory_tier
 
 __all__ = ["Checkpointer", "OnError"]
 
@@ -152,9 +153,13 @@ class Checkpointer:
             from .history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
+        # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
+        self._memory = build_memory_tier(self, engine, layout, snap, group)
         if self._writes:
             self._prepared = not self._defer_prepare()
             self._orch = self._open(engine, layout, snap, group)
+            if self._memory is not None:
+                self._memory.start(self._epoch(), layout, snap.arrays, *((group.world_size, group.rank) if group else (1, 0)))
             if self.soft_cow:
                 self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
@@ -290,6 +295,8 @@ class Checkpointer:
         # `pccheck-tune -- python train.py` times the iterations here when the script does not
         # report them itself (a no-op otherwise: one environment lookup).
         report_from_checkpointer(self._state_bytes)
+        if self._memory is not None:  # its own interval, from the same state at the same call
+            self._memory.maybe(step, self._source.snapshot, {**self.metadata, **_check_metadata(metadata)}, self.soft_cow)
         if self._spread is not None:
             self._spread.on_call(step)
             self._spread.poll(self._orch.stats)
@@ -379,11 +386,15 @@ class Checkpointer:
         Call it before mutating parameters or optimizer state outside ``optimizer.step()``."""
         if self._orch is not None:
             self._orch.ensure_copied()
+        if self._memory is not None:
+            self._memory.ensure_copied()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._spread is not None:
             self._spread.step_begins()  # the step's window ends here, before this wait
         self._orch.ensure_copied()
+        if self._memory is not None:
+            self._memory.ensure_copied()
 
     def _epoch(self) -> int | None:
         """The job incarnation recorded in each manifest (a group), else None."""
@@ -400,6 +411,8 @@ class Checkpointer:
         checkpoint still gathering its parts is finished first, as the step of the last
         ``maybe_checkpoint`` call (abandoned, with a warning, if the optimizer stepped since)."""
         self._settle_spread()
+        if self._memory is not None:
+            self._memory.wait()
         if self._orch is not None:
             self._orch.wait()
         self._raise_pending()
@@ -431,7 +444,8 @@ class Checkpointer:
         o = self._orch
         if o is None:
             return StatsReport((), 0, None, None)
-        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time)
+        tiers = {"disk": o.last_durable_step, **(self._memory.newest() if self._memory is not None else {})}
+        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time, tiers)
 
     @property
     def storage(self) -> str:
@@ -458,7 +472,11 @@ class Checkpointer:
                     self._spread.close()
                     self._spread = None
         finally:
-            self._close_engine()
+            try:
+                if self._memory is not None:
+                    self._memory.close()
+            finally:
+                self._close_engine()
 
     def _close_engine(self) -> None:
         self._prepared = True

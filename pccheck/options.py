@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.options import AUTO, EngineOptions, check_int
 
-__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions"]
+__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions", "TierOptions"]
 
 
 def _check_bool(name: str, value: Any, optional: bool = False) -> None:
@@ -128,18 +128,44 @@ class GroupOptions:
             raise ConfigError(f"replicated must be None or 'rank0', got {self.replicated!r}")
 
 
+@dataclass(frozen=True)
+class TierOptions:
+    """The memory tier (pccheck.tiers.memory).
+
+    Attributes:
+        memory_interval: also checkpoint into RAM (a tmpfs store that survives the process) every
+            k steps (1: every iteration), beside the disk tier's ``interval``. None: off.
+        memory_dir: the memory tier's directory (default ``/dev/shm/pccheck/<store>``).
+        replicas: copies of each rank's memory checkpoint, its own included: m - 1 go to ranks on
+            other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
+            ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Needs at least m nodes.
+    """
+
+    memory_interval: int | None = None
+    memory_dir: Any = None
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.memory_interval is not None:
+            check_int("memory_interval", self.memory_interval, 1)
+        check_int("replicas", self.replicas, 1)
+        if self.replicas > 1 and self.memory_interval is None:
+            raise ConfigError("replicas copies memory checkpoints: set memory_interval too")
+
+
 _GROUPS: dict[str, type] = {"engine": EngineOptions, "snapshot": SnapshotOptions, "history": HistoryOptions,
-                            "group": GroupOptions}
+                            "group": GroupOptions, "tiers": TierOptions}
 
 
 @dataclass(frozen=True)
 class Options:
-    """All of a Checkpointer's settings, in four groups (see each group's attributes)."""
+    """All of a Checkpointer's settings, in five groups (see each group's attributes)."""
 
     engine: EngineOptions = field(default_factory=EngineOptions)
     snapshot: SnapshotOptions = field(default_factory=SnapshotOptions)
     history: HistoryOptions = field(default_factory=HistoryOptions)
     group: GroupOptions = field(default_factory=GroupOptions)
+    tiers: TierOptions = field(default_factory=TierOptions)
 
     def __post_init__(self) -> None:
         for name, cls in _GROUPS.items():

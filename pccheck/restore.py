@@ -30,7 +30,7 @@ __all__ = ["load_latest"]
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
                 extra_state: Mapping[str, Any] | None = None, map_location: Any = None,
                 zero_copy: bool = False, verify: bool = True, distributed: bool = True,
-                lazy: bool = False) -> Restored | LazyRestore:
+                lazy: bool = False, memory_dir: str | os.PathLike[str] | bool | None = None) -> Restored | LazyRestore:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
@@ -44,6 +44,11 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     forward (and the optimizer's step) waits only for what it needs; ``r.wait()`` waits for all
     (pccheck/lazy/restore.py says what it does not cover). The array checksums are checked as
     the tensors arrive; a mismatch raises at the next wait point.
+
+    With ``memory_dir`` (a path, or True for the default ``/dev/shm/pccheck/<store>``) the memory
+    tier is searched too (pccheck.tiers.memory.nearest): the ranks agree on the newest step each
+    can obtain from its own memory, a peer's replica or its own disk, and each loads from the
+    nearest; ``Restored.tier`` says which. Every rank must pass it.
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
@@ -60,7 +65,14 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
                               "load it without zero_copy= or verify=False")
         state = TorchState(model, optimizer, extra_state) if model is not None else None
         return load_sharded(directory, group, state, map_location)
-    if group is not None and rank_dir(directory, group.rank).is_dir():
+    if memory_dir is not None and memory_dir is not False:
+        from .tiers.memory import default_memory_dir, load_nearest
+
+        if lazy or zero_copy:
+            raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
+        root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
+        r = load_nearest(directory, root, group, verify=verify)
+    elif group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
         r = recovery.load_newest(directory, zero_copy=zero_copy and model is None, verify=verify)

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                    "pccheck.history", "pccheck.export", "pccheck.inventory", "pccheck.distributed",
                    "pccheck.tuner.config", "pccheck.tuner.online", "pccheck.tuner.model", "pccheck.tuner.search",
                    "pccheck.tuner.samples", "pccheck.lazy", "pccheck.sharded", "pccheck.integrations",
-                   "pccheck.spread", "pccheck.transparent")),
+                   "pccheck.spread", "pccheck.transparent", "pccheck.tiers")),
     ("entry", ("pccheck", "pccheck.aio", "pccheck.dcp", "pccheck.cli", "pccheck.demo", "pccheck.tune", "pccheck.tuner",
                "pccheck.tuner.cli", "pccheck.tuner.profile", "pccheck.tuner.workload", "pccheck.__main__")),
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["CheckpointStats", "SpreadDecision", "StatsReport"]
@@ -95,6 +95,7 @@ class StatsReport:
     skipped: int
     last_durable_step: int | None
     last_durable_time: float | None  # time.time() of that commit, in this process
+    tiers: dict[str, Any] = field(default_factory=dict)  # newest step per tier (pccheck.tiers)
 
     @property
     def last_durable_age_s(self) -> float | None:
@@ -121,6 +122,7 @@ class StatsReport:
                 "last_durable_step": self.last_durable_step,
                 "last_durable_age_s": self.last_durable_age_s,
             },
+            "tiers": self.tiers,
         }
 
     def to_json(self, **kw: Any) -> str:
