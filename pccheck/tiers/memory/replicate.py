@@ -1,15 +1,19 @@
 """Replication of memory checkpoints to peer nodes, in the background (FORMAT.md §10).
 
 Transport: a gloo group of pccheck's own (never the training collectives), every wait bounded
-(``TIMEOUT_S``). For each memory checkpoint that commits, the sender thread (newest first: a
-checkpoint committed while a send runs replaces the pending one) puts a JSON header in the
-job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch, counter, the
+(``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends
+the same steps, so replicas pair across ranks by (epoch, step) at a restore); at most ``QUEUE``
+wait, beyond that the next memory checkpoint waits (``throttle``). The sender thread puts a
+JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch, counter, the
 manifest, the crc32c of every wire chunk), then sends the slot's data region chunk by chunk.
 Invariant (wire.py): the receiver posts a receive only after it read the header. The receiver
 thread of each source checks each chunk's crc32c as it arrives, then every array's crc32c
 against the manifest, and only then writes the replica into ``replica-<src>/``, a store of two
 slots committed with the protocol of §4 (so a peer holds only committed replicas, the newest two).
-While a slot is being sent the memory coordinator keeps it from reuse (shm_store.MemoryCoordinator).
+Each replica commit adds 1 to ``rc/<step>``; the commit that brings it to world × (replicas - 1)
+appends the step to ``rlog``: the newest step *replicated everywhere*, which every rank follows
+and its memory coordinator keeps (with every newer step: queued, being sent, or needed to pair
+with a lost peer's replica; shm_store.MemoryCoordinator).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import json
 import logging
 import mmap
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,11 +35,12 @@ from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.copy_engine import CpuCopyEngine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
+from ...orchestrator.retention import Retention
 from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import WIRE_CHUNK, ReplicationError, gather_json, recv_bytes, send_bytes
+from .wire import WIRE_CHUNK, ReplicationError, gather_json, poll_key, private_store, recv_bytes, send_bytes
 
 __all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "check_arrays", "arrays_of"]
 
@@ -41,7 +48,7 @@ log = logging.getLogger("pccheck")
 
 TIMEOUT_S = 120.0        # one wire chunk, or one collective, at most
 MAX_DATA = 1 << 46       # bytes of one replica a receiver accepts
-_POLL_S = 0.2
+QUEUE = 2                # committed memory checkpoints waiting to be sent, at most
 
 
 @dataclass(frozen=True)
@@ -125,21 +132,23 @@ class Replicator:
     """The sender thread and one receiver thread per source rank (see the module docstring)."""
 
     def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
-        import torch.distributed as dist
-
         self.links, self.root, self.coord = links, root, coord
         self._engine = replace(engine, max_concurrent=1, writer_threads=1)
-        self._kv = dist.PrefixStore(f"rep/e{epoch}/", links.group.store)
+        self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
         self._cv = threading.Condition()
-        self._pending: CommitInfo | None = None
+        self._queue: deque[CommitInfo] = deque()
+        self._sending = False
         self._stopping = False
+        self.throttled_s = 0.0                # time memory checkpoints waited for the queue
         self._dead: set[int] = set()          # peers a send to failed: no more sends to them
         self.sent_step: int | None = None     # newest step every live peer received
         self.held: dict[int, int] = {}        # source rank -> newest replica step committed here
+        self.replicated: int | None = None    # newest step replicated everywhere (rlog)
         self._stores: dict[int, Orchestrator] = {}
         self._bufs: dict[int, np.ndarray] = {}
         self._recv_stop = threading.Event()
         self._threads = [threading.Thread(target=self._send_loop, name="pccheck-replica-send", daemon=True)]
+        self._threads += [threading.Thread(target=self._follow_replicated, name="pccheck-replica-log", daemon=True)]
         self._threads += [threading.Thread(target=self._recv_loop, args=(s,), name=f"pccheck-replica-recv-{s}",
                                            daemon=True) for s in links.sources]
         for t in self._threads:
@@ -148,30 +157,42 @@ class Replicator:
     # -- sending ----------------------------------------------------------------------------------
 
     def offer(self, info: CommitInfo) -> None:
-        """A memory checkpoint committed (commit thread): send it next, replacing an older one."""
+        """A memory checkpoint committed (commit thread): queue it for sending."""
         with self._cv:
-            self._pending = info
-            self._cv.notify()
+            self._queue.append(info)
+            self._cv.notify_all()
+
+    def throttle(self) -> None:
+        """Waits (training thread, before a memory checkpoint) while ``QUEUE`` checkpoints wait
+        to be sent, so replication never falls further behind (bounded: a peer that stopped
+        receiving is dropped by the sender after TIMEOUT_S)."""
+        t0 = time.perf_counter()
+        with self._cv:
+            while len(self._queue) + self._sending > QUEUE and not self._stopping:
+                self._cv.wait(1.0)
+        self.throttled_s += time.perf_counter() - t0
 
     def _send_loop(self) -> None:
         seq = 0
         while True:
             with self._cv:
-                while self._pending is None and not self._stopping:
+                while not self._queue and not self._stopping:
                     self._cv.wait()
-                info, self._pending = self._pending, None
-            if info is None:
-                break
-            if self.coord is not None:
-                self.coord.set_sending(info.step)
+                if not self._queue:
+                    break
+                info = self._queue.popleft()
+                self._sending = True
             try:
+                log.debug("pccheck: sending step %d", info.step)
                 if self._send(info, seq):
                     seq += 1
+                log.debug("pccheck: sent step %d", info.step)
             except Exception:
                 log.exception("pccheck: replicating the memory checkpoint of step %d failed", info.step)
             finally:
-                if self.coord is not None:
-                    self.coord.set_sending(None)
+                with self._cv:
+                    self._sending = False
+                    self._cv.notify_all()
         for dst in self.links.peers:  # tells each receiver that nothing more comes
             if dst not in self._dead:
                 try:
@@ -205,24 +226,22 @@ class Replicator:
                         log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
                                   "to it", man.step, dst, exc)
                         self._dead.add(dst)
+                        if self.coord is not None:
+                            self.coord.degrade()
                 del view
         self.sent_step = info.step
         return True
 
     # -- receiving --------------------------------------------------------------------------------
 
-    def _wait_key(self, key: str) -> str | None:
-        from datetime import timedelta
-
-        while not self._recv_stop.is_set():
+    def _wait_key(self, key: str, delete: bool = True) -> str | None:
+        v = poll_key(self._kv, key, self._recv_stop)
+        if v is not None and delete:
             try:
-                self._kv.wait([key], timedelta(seconds=_POLL_S))
-                v = self._kv.get(key).decode()
                 self._kv.delete_key(key)
-                return v
-            except Exception:  # a timeout (the store raises), or a store that went away
-                self._recv_stop.wait(0.01)
-        return None
+            except Exception:  # noqa: BLE001 - only a little memory in the store
+                pass
+        return v
 
     def _recv_loop(self, src: int) -> None:
         seq = 0
@@ -266,29 +285,61 @@ class Replicator:
         if orch is None:
             def committed(info: CommitInfo, src: int = src) -> None:
                 self.held[src] = info.step
+                log.debug("pccheck: replica of step %d from rank %d committed", info.step, src)
+                self._count_replica(info.step)
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
-                                copy_engine=CpuCopyEngine(threads=1), on_error=_log_error,
+                                copy_engine=CpuCopyEngine(threads=1), on_error=_log_error, retention=_KeepTwo(),
                                 world_size=self.links.world, rank=src, on_commit=committed)
             self._stores[src] = orch
         return orch
 
+    def _count_replica(self, step: int) -> None:
+        """A replica of ``step`` committed here; the last of all world × (m - 1) logs the step."""
+        try:
+            pairs = self.links.world * len(self.links.peers)
+            if self._kv.add(f"rc/{step}", 1) == pairs:
+                i = self._kv.add("rlog", 1)
+                self._kv.set(f"rlog/{i}", str(step))
+        except Exception as exc:  # noqa: BLE001 - the store went away: nothing more is counted
+            log.warning("pccheck: counting the replica of step %d failed: %s", step, exc)
+
+    def _follow_replicated(self) -> None:
+        i = 1
+        while (v := self._wait_key(f"rlog/{i}", delete=False)) is not None:
+            i += 1
+            step = int(v)
+            if self.replicated is None or step > self.replicated:
+                self.replicated = step
+                if self.coord is not None:
+                    self.coord.set_replicated(step)
+
     def newest(self) -> dict[str, Any]:
-        return {"replicated": self.sent_step, "peer_replicas": dict(sorted(self.held.items()))}
+        """The newest step this rank sent to every live peer, the newest replicated everywhere,
+        and per source rank the newest replica committed here."""
+        return {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
+                "replication_wait_s": self.throttled_s}
 
     def close(self, deadline_s: float = TIMEOUT_S) -> None:
         """Sends what is pending, ends the sender, waits (bounded) for every source's end."""
         with self._cv:
             self._stopping = True
-            self._cv.notify()
+            self._cv.notify_all()
         self._threads[0].join(deadline_s)
-        for t in self._threads[1:]:
+        for t in self._threads[2:]:  # the receivers end at their source's end marker
             t.join(deadline_s)
         self._recv_stop.set()
         for t in self._threads[1:]:
             t.join(5)
         for orch in self._stores.values():
             orch.close()
+
+
+class _KeepTwo(Retention):
+    """A replica store: one slot in flight and the two newest committed replicas. The native free
+    queue hands out the slot freed longest ago, so while one is written the two newest stay valid."""
+
+    extra_slots = 1
 
 
 def _log_error(exc: PCCheckError) -> None:

@@ -46,7 +46,7 @@ MEMORY_ROOT = Path("/dev/shm/pccheck")
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
 MEM_POOL = 4 * MEM_CHUNK
-REPLICA_SLOTS = 2      # a peer keeps the newest two committed replicas per source rank
+REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
 
 
 def default_memory_dir(path: str | os.PathLike[str]) -> Path:
@@ -90,33 +90,52 @@ def check_room(root: Path, need: int) -> None:
 
 class MemoryCoordinator(GroupCoordinator):
     """The group protocol of pccheck.distributed for the memory stores (its own key prefix and
-    GLOBAL under the memory root), plus one slot: the one the replicator is sending. Invariant: a
-    held slot is given back only once its step is older than both the group's newest common step
-    and the step being sent (a slot is never rewritten under a send)."""
+    GLOBAL under the memory root), keeping more: with replication, every committed step from the
+    second newest one *replicated everywhere* (every rank's replica committed on each of its
+    peers: replicate.Replicator follows that log) up to the latest. Invariant: a held slot is
+    given back only once its step is older than both the group's newest common step and the
+    second newest step replicated everywhere, so a slot is never rewritten while it is queued or
+    being sent, and every rank still holds the steps its lost peers' two replicas pair with (the
+    newest, and the one before it should the newest be damaged). Slots: 1 in flight, the
+    latest and ``extra_slots`` more; when replication lags further, the next memory checkpoint
+    waits for a slot (back-pressure), it never drops one."""
 
-    extra_slots = 2
+    extra_slots = 4
 
     def __init__(self, path: Path, group: Group) -> None:
         super().__init__(path, group)
-        self.sending: int | None = None
+        self.replicating = False
+        self.replicated: list[int] = []  # the two newest steps replicated everywhere
 
     def _settle_locked(self) -> None:
         if self.orch is not None:
             keep = self.global_step
-            if self.sending is not None and (keep is None or self.sending < keep):
-                keep = self.sending
+            if self.replicating and self.replicated and keep is not None:
+                keep = min(keep, self.replicated[0])
             self._slots.settle(self.orch, keep)
 
-    def set_sending(self, step: int | None) -> None:
+    def _wait_key(self, key: str) -> str | None:
+        from .wire import poll_key
+
+        return poll_key(self.group.store, key, self._stop)
+
+    def degrade(self) -> None:
+        """A peer is gone: replication stops counting; the plain group rule keeps the slots."""
         with self._lock:
-            self.sending = step
+            self.replicating = False
             self._settle_locked()
+
+    def set_replicated(self, step: int) -> None:
+        with self._lock:
+            if not self.replicated or step > self.replicated[-1]:
+                self.replicated = [*self.replicated, step][-2:]
+                self._settle_locked()
 
 
 def _prefixed(group: Group, prefix: str) -> Group:
-    import torch.distributed as dist
+    from .wire import private_store
 
-    return dataclasses.replace(group, store=dist.PrefixStore(prefix, group.store))
+    return dataclasses.replace(group, store=private_store(group.store, prefix, 120.0))
 
 
 class MemoryTier:
@@ -145,6 +164,8 @@ class MemoryTier:
             self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"))
             self.coord.prepare(self.dir)  # collective: the memory stores' epochs and common step
         self.replicator: Any = None
+        if self.coord is not None:
+            self.coord.replicating = bool(self.links.peers)
 
     @property
     def seen_epoch(self) -> int:
@@ -176,6 +197,8 @@ class MemoryTier:
         """A memory checkpoint of ``step`` if ``step % interval == 0``; returns whether one started."""
         if self.orch is None or step % self.interval:
             return False
+        if self.replicator is not None:
+            self.replicator.throttle()  # replication at most QUEUE checkpoints behind
         snap = snapshot()
         try:
             return self.orch.start(int(step), snap.arrays, metadata, tree=snap.tree, epoch=self.epoch,

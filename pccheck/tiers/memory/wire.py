@@ -16,7 +16,8 @@ import numpy as np
 
 from ...errors import PCCheckError
 
-__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "MAX_JSON", "WIRE_CHUNK"]
+__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
+           "WIRE_CHUNK"]
 
 MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
 WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
@@ -51,6 +52,36 @@ def gather_json(pg: Any, world: int, obj: Any, timeout_s: float) -> list[Any]:
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise ReplicationError("a peer sent a message that is not JSON") from None
     return docs
+
+
+def private_store(shared: Any, prefix: str, timeout_s: float) -> Any:
+    """A key-value store for the tier's threads under ``prefix``: a connection of its own to the
+    job's TCPStore when there is one (a TCPStore client serialises its operations, and
+    pccheck.distributed's followers hold the shared one in 200 ms blocking waits), else ``shared``.
+    Collective only in that every rank must use the same prefix."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    inner = c10d._get_default_store()
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        own = dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return dist.PrefixStore(f"pccheck-tiers/{prefix}", own)
+    return dist.PrefixStore(f"tiers/{prefix}", shared)
+
+
+def poll_key(store: Any, key: str, stop: Any, interval_s: float = 0.01) -> str | None:
+    """The value of ``key`` once it is set (non-blocking checks ``interval_s`` apart, so the
+    connection is never held by a wait), or None once ``stop`` (a threading.Event) is set."""
+    while not stop.is_set():
+        try:
+            if store.check([key]):
+                return store.get(key).decode()
+        except Exception:  # noqa: BLE001 - a store that went away: keep looking until stopped
+            pass
+        stop.wait(interval_s)
+    return None
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:
