@@ -2,7 +2,7 @@
 
 Usage: torchrun ... _tier_train.py BASE STEPS [--resume] [--final] [--sleep S] [--disk-interval K]
 Node n (torchrun's GROUP_RANK) keeps its disk store under BASE/node-n/disk and its memory tier
-under BASE/node-n/mem. Prints "PID p", "START step tier" and "LOSS step value" lines, flushed.
+under BASE/node-n/mem. With --single (python, no torchrun): one process, BASE/node-0, no replicas. Prints "PID p", "START step tier" and "LOSS step value" lines, flushed.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ def main(argv: list[str]) -> None:
     base, steps = argv[0], int(argv[1])
     pause = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
     disk_interval = int(argv[argv.index("--disk-interval") + 1]) if "--disk-interval" in argv else 4
-    node = int(os.environ["GROUP_RANK"])
+    single = "--single" in argv
+    node = 0 if single else int(os.environ["GROUP_RANK"])
     disk, mem = f"{base}/node-{node}/disk", f"{base}/node-{node}/mem"
     print(f"PID {os.getpid()}", flush=True)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = dist.get_rank()
+    if not single:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = 0 if single else dist.get_rank()
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(128, 16))
@@ -50,9 +52,9 @@ def main(argv: list[str]) -> None:
             print(f"NOCHECKPOINT {exc}", flush=True)
     if start == 0:
         torch.manual_seed(1000 + rank)  # each rank's dropout stream; on resume it comes from the checkpoint
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = model if single else torch.nn.parallel.DistributedDataParallel(model)
     ck = pccheck.Checkpointer(model, optim, path=disk, interval=disk_interval, max_concurrent=2,
-                              chunk_size=64 << 10, memory_interval=1, memory_dir=mem, replicas=2)
+                              chunk_size=64 << 10, memory_interval=1, memory_dir=mem, replicas=1 if single else 2)
     print(f"START {start} {tier}", flush=True)
     for step in range(start + 1, steps + 1):
         g = torch.Generator().manual_seed(step * 100 + rank)
@@ -68,6 +70,9 @@ def main(argv: list[str]) -> None:
     print(f"TIERS {ck.stats().tiers}", flush=True)
     if "--final" in argv:
         torch.save(model.state_dict(), f"{base}/final-{rank}.pt")
+    if single:
+        sys.stdout.flush()
+        os._exit(0)
     leave()
 
 

@@ -181,6 +181,44 @@ def test_two_nodes_every_rank_killed_resumes_from_own_memory(tmp_path, reference
         assert _check(job, reference, {"memory"}) >= 2
 
 
+def _single(base: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, CHILD, str(base), str(STEPS), "--single", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _output(p: subprocess.Popen) -> str:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    return out
+
+
+def _tag(out: str, tag: str) -> list[list[str]]:
+    return [l.split()[1:] for l in out.splitlines() if l.startswith(tag + " ")]
+
+
+def test_single_process_sigkill_resumes_from_memory_bit_for_bit(tmp_path):
+    """One process, memory every step and disk every 4: SIGKILL right after step 6 printed (the
+    disk holds step 4 at most), resume from memory at step >= 5, bit for bit to the end."""
+    ref = _single(tmp_path / "ref", "--final")
+    want = {int(a): float(b) for a, b in _tag(_output(ref), "LOSS")}
+    p = _single(tmp_path / "run", "--sleep", "0.25")
+    seen = []
+    for line in p.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if line.startswith("LOSS 6 "):
+            os.kill(p.pid, signal.SIGKILL)
+            break
+    p.wait(30)
+    out = _output(_single(tmp_path / "run", "--resume", "--final"))
+    got = _tag(out, "LOSS")
+    (start, tier), = [(int(a), b) for a, b in _tag(out, "START")]
+    assert tier == "memory" and start >= 5, (start, tier)
+    assert {int(a): float(b) for a, b in got} == {s: v for s, v in want.items() if s > start}
+    a = torch.load(tmp_path / "ref" / "final-0.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "final-0.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_placement_groups_and_mixed():
     assert group_of(3, 4, 2) == [2, 3] and replica_nodes(0, 4, 2) == [1]
     # 5 nodes, m = 2: one group of 2, then a ring of 3
