@@ -6,7 +6,7 @@ lockstep like DDP). In one run, three configurations, each on a fresh job:
 
 - ``none``: no checkpointing;
 - ``local``: pccheck on every rank with its own store and no coordination (``distributed=False``);
-- ``global``: pccheck with the global protocol (``pccheck.distributed``): per-rank stores,
+- ``global``: pccheck with the global protocol (``pccheck.group.distributed``): per-rank stores,
   completion counting in the process group's store, GLOBAL recorded by rank 0, held slots.
 
 Reports iterations/s, the checkpointing slowdown of ``local`` and ``global`` vs ``none`` and the

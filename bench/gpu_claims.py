@@ -448,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=120.0, help="no claim starts after this many seconds")
     ap.add_argument("--small", action="store_true", help="small sizes (implied by --device cpu)")
     ap.add_argument("--dir", type=Path, default=_ROOT / "bench" / "_scratch", help="scratch dir (removed after)")
+    ap.add_argument("--claims", default="spread,lightning,hf,lazy",
+                    help="comma-separated subset of spread,lightning,hf,lazy (the others are recorded as not run)")
     a = ap.parse_args(argv)
+    chosen = a.claims.split(",")
+    if not set(chosen) <= {"spread", "lightning", "hf", "lazy"}:
+        ap.error(f"--claims: unknown claim in {a.claims!r} (spread, lightning, hf, lazy)")
     import torch
 
     dev, small, _deadline = a.device, a.small or a.device == "cpu", _T0 + a.budget_s
@@ -472,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     with scratch_dir(a.dir) as scratch:
         doc["host"] = host_info(scratch)
         for name, res, fn in claims:
-            if time.perf_counter() > _deadline:
+            if name not in chosen:
+                res["status"] = "not run: --claims"
+            elif time.perf_counter() > _deadline:
                 res["status"] = "skipped: budget"
                 _log(f"{name}: skipped (budget of {a.budget_s:.0f} s spent)")
             else:

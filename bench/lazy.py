@@ -118,7 +118,7 @@ def _save(torch: Any, path: Path, cfg: dict[str, Any]) -> tuple[int, Any]:
 
 def _param_regions(path: Path) -> list[tuple[int, int]]:
     """(file offset, bytes) of every model array of the latest slot."""
-    from pccheck.inventory import locate
+    from pccheck.ops.inventory import locate
     from pccheck.persist.recovery import slot_base
 
     found = locate(path)

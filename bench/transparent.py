@@ -164,7 +164,7 @@ def pccheck_dumps(script: Path, rss: int, work: Path, dumps: int = 3) -> dict[st
 def slowdown(script: Path, rss: int, work: Path, every: float | None, window: float) -> float:
     """Iterations per second of the workload over ``window`` s under `pccheck run --every`."""
     path = work / f"run-{every}"
-    cmd = [sys.executable, "-m", "pccheck.cli", "run", "--path", str(path)]
+    cmd = [sys.executable, "-m", "pccheck.commands.cli", "run", "--path", str(path)]
     if every is not None:
         cmd += ["--every", str(every)]
     sup = subprocess.Popen([*cmd, "--", sys.executable, str(script), str(rss)], stdout=subprocess.DEVNULL,

@@ -15,17 +15,17 @@ import logging
 import os
 import sys
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 
-from .distributed import GroupCoordinator, detect_group
+from .group.distributed import GroupCoordinator, detect_group
 from .errors import ConfigError, PCCheckError, StorageError
 from .lazy import restoring, wait_for_pending
 from .options import Options
+from .orchestrator.args import StartArgs
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.engine_choice import select_copy_engine
 from .orchestrator.options import AUTO, EngineOptions, check_int_or_auto
@@ -34,9 +34,10 @@ from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
 from .persist.layout import Layout, plan
 from .spread.mode import SpreadMode, budget_split, check_spread, substitute
-from .torch_state import Snapshot, TorchState
+from .state.torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
+from .tuner.policy import FixedInterval, OnlineTuned, SavePolicy
 from .tiers.memory.shm_store import build_memory_tier
 
 __all__ = ["Checkpointer", "OnError"]
@@ -150,7 +151,7 @@ class Checkpointer:
         self._history = None
         hist = self.options.history
         if hist.keep_every is not None and self._writes:
-            from .history import HistoryKeeper
+            from .ops.history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
         # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
@@ -182,20 +183,33 @@ class Checkpointer:
             state_bytes=None if self._source.may_grow() else layout.data_len,
             spread_steps=self.options.snapshot.spread_steps)
         engine = engine.with_values(self.settings)
-        self.interval: int = self.settings["interval"]
+        interval_now: int = self.settings["interval"]
         # Online mode: the tuner re-derives the interval from what it measures while training runs.
         # Ranks of a group must checkpoint the same steps, so they keep the tuned interval.
         self._tuner: OnlineTuner | None = None
-        self._last_taken: int | None = None  # step of the newest checkpoint maybe_checkpoint took
         if interval == AUTO:
             if group is not None:
                 log.info("pccheck: interval=\"auto\" in a group of %d ranks: the tuned interval %d is used "
                          "without online adaptation (every rank must checkpoint the same steps)",
-                         group.world_size, self.interval)
+                         group.world_size, interval_now)
             else:
-                self._tuner = OnlineTuner(self.interval, self.settings["max_overhead"], int(engine.max_concurrent),
+                self._tuner = OnlineTuner(interval_now, self.settings["max_overhead"], int(engine.max_concurrent),
                                           iter_time=self.settings["iter_time_s"], tw=self.settings["tw_s"])
+        # When maybe_checkpoint takes one (pccheck/tuner/policy.py).
+        self._policy: SavePolicy = (OnlineTuned(self._tuner, interval_now) if self._tuner is not None
+                                    else FixedInterval(interval_now))
         return engine
+
+    @property
+    def interval(self) -> int:
+        """Steps between the checkpoints :meth:`maybe_checkpoint` takes; with ``interval="auto"``
+        (one process) the online tuner's current choice. Setting it changes the interval from the
+        next call on (the online tuner overrides it at its next call)."""
+        return self._policy.interval
+
+    @interval.setter
+    def interval(self, value: int) -> None:
+        self._policy.interval = value
 
     def _open(self, engine: EngineOptions, layout: Layout, snap: Snapshot, group: Any) -> Orchestrator:
         """The orchestrator over this process's store (``path``, or ``path/rank-<r>`` in a group),
@@ -302,20 +316,10 @@ class Checkpointer:
             self._spread.poll(self._orch.stats)
             if self._spread.ready():  # k steps since it began: this call's step finishes it
                 self._finish_spread(step, metadata)
-        if self._tuner is None:
-            if step % self.interval != 0:
-                return False
-            return self.checkpoint(step, metadata)
-        self._tuner.on_iteration(time.perf_counter())  # the iteration ends here, before any blocking
-        self.interval = self._tuner.interval
-        last = self._last_taken
-        if last is None or step <= last:  # the first call, or the steps restarted (a new loop)
-            due = step % self.interval == 0
-        else:
-            due = step - last >= self.interval
-        if not due or not self.checkpoint(step, metadata):
+        # Whether this step is due is the policy's: every `interval` steps, or the online tuner's.
+        if not self._policy.due(step) or not self.checkpoint(step, metadata):
             return False
-        self._last_taken = step
+        self._policy.taken(step)
         return True
 
     def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
@@ -342,10 +346,10 @@ class Checkpointer:
         meta = {**self.metadata, **_check_metadata(metadata)}
         decision = self._spread.decision if self._spread is not None else None
         try:
-            return self._orch.start(int(step), snap.arrays, meta, tree=snap.tree, epoch=self._epoch(),
-                                    n_eager=snap.n_eager if self.soft_cow else None,
-                                    validate=snap.validate if self.soft_cow else None,
-                                    extra_stats={"spread_decision": decision} if decision is not None else None)
+            return self._orch.start(int(step), snap.arrays, meta, StartArgs(
+                tree=snap.tree, epoch=self._epoch(), n_eager=snap.n_eager if self.soft_cow else None,
+                validate=snap.validate if self.soft_cow else None,
+                extra_stats={"spread_decision": decision} if decision is not None else None))
         except StorageError as exc:
             # An I/O fault while preparing the slot or a new generation: the same policy as a
             # fault in the background part of the checkpoint.
@@ -363,9 +367,9 @@ class Checkpointer:
             snap = self._source.snapshot()
             arrays = substitute(snap.arrays, res)
             meta = {**self.metadata, **_check_metadata(metadata)}
-            started = self._orch.start(int(step), arrays, meta, tree=snap.tree, epoch=self._epoch(), n_eager=0,
-                                       validate=res.failed, hold=res.hold, copied=res.copied,
-                                       cow_wait=res.waited_s, extra_stats=res.stats)
+            started = self._orch.start(int(step), arrays, meta, StartArgs(
+                tree=snap.tree, epoch=self._epoch(), n_eager=0, validate=res.failed, hold=res.hold,
+                copied=res.copied, cow_wait=res.waited_s, extra_stats=res.stats))
             if not started:  # skipped (when_busy="skip"): the shadow is free once the replay ends
                 res.copied.set()
             return started

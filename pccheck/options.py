@@ -115,7 +115,7 @@ class GroupOptions:
     Attributes:
         distributed: in an initialised torch.distributed group of > 1 ranks (detected), each rank
             writes ``path/rank-<r>/`` and the ranks agree on globally committed steps
-            (pccheck.distributed). Every rank must construct its Checkpointer at the same point.
+            (pccheck.group.distributed). Every rank must construct its Checkpointer at the same point.
         replicated: "rank0" for data-parallel replicas: only rank 0 writes (to ``path``).
     """
 

@@ -13,16 +13,16 @@ from typing import Any, Mapping
 
 from pathlib import Path
 
-from .distributed import Group, agree_and_load, detect_group
+from .group.distributed import Group, agree_and_load, detect_group
 from .errors import ConfigError, PCCheckError
-from .inventory import locate
+from .ops.inventory import locate
 from .lazy import LazyRestore, restore_lazily
 from .persist import recovery
 from .persist.files import default_path, rank_dir
 from .persist.recovery import Restored
 from .sharded.dtensor import has_dtensors
 from .sharded.load import load_sharded, newest_is_sharded
-from .torch_state import TorchState, rebuild, state_tree, unwrap_extra
+from .state.torch_state import TorchState, nested_state
 
 __all__ = ["load_latest"]
 
@@ -37,7 +37,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     NoCheckpointError when there is none. See :func:`pccheck.persist.recovery.load_newest` for
     how the checkpoint is picked and validated. In a torch.distributed group (every rank calls
     this at the same point) the ranks agree on the newest step all of them hold valid and each
-    loads its own part (pccheck.distributed); every rank returns the same ``step``.
+    loads its own part (pccheck.group.distributed); every rank returns the same ``step``.
 
     With ``lazy=True`` (needs ``model``) it returns a :class:`pccheck.lazy.LazyRestore` once the
     metadata is read: the tensors load in the background, in first-use order, and each module's
@@ -64,7 +64,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
             raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
                               "load it without zero_copy= or verify=False")
         state = TorchState(model, optimizer, extra_state) if model is not None else None
-        return load_sharded(directory, group, state, map_location)
+        return load_sharded(directory, group, state, map_location, decode=nested_state)
     if memory_dir is not None and memory_dir is not False:
         from .tiers.memory import default_memory_dir, load_nearest
 
@@ -97,7 +97,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
                 t = t.view(torch_dtype(r.torch_dtypes[name]))
             return t.to(map_location) if map_location is not None else t
 
-        state = unwrap_extra(rebuild(state_tree(tree), r.state, as_tensor))
+        state = nested_state(tree, r.state, as_tensor)
     state["step"] = r.step
     return dataclasses.replace(r, state=state)
 

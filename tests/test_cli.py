@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 import pccheck
-from pccheck.cli import app
+from pccheck.commands.cli import app
 from pccheck.persist.recovery import read_manifest, read_store
 
 BLOCK = 4096
@@ -389,7 +389,7 @@ def test_installed_script_in_a_subprocess(store: Path, tmp_path: Path) -> None:
 
 
 def test_cli_does_not_import_torch_unless_exporting_torch(store: Path, tmp_path: Path) -> None:
-    code = ("import sys; from pccheck.cli import main; sys.argv = ['pccheck', 'verify', sys.argv[1]];\n"
+    code = ("import sys; from pccheck.commands.cli import main; sys.argv = ['pccheck', 'verify', sys.argv[1]];\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     p = subprocess.run([sys.executable, "-c", code, str(store)], capture_output=True, text=True, timeout=60,

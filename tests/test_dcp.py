@@ -114,7 +114,7 @@ def test_empty_state_dict_saves_and_loads(tmp_path):
     out = _empty()
     dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
     assert _same(out, _sd(1))
-    from pccheck.distributed import read_global
+    from pccheck.group.distributed import read_global
 
     assert read_global(tmp_path / "ck")["step"] == 2
 

@@ -88,13 +88,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _assert_same(got: Any, want: Any, path: str = "", device: str | None = None) -> None:
     """Same structure, plain values, tensor dtypes, shapes and bytes; with ``device``, every
-    tensor of ``got`` is on that device type."""
+    tensor of ``got`` is on that device type ("same": on ``want``'s tensor's device type)."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__}, not a tensor"
         assert got.dtype == want.dtype and got.shape == want.shape, \
             f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
         if device is not None:
-            assert got.device.type == device, f"{path} is on {got.device}, not {device}"
+            where = want.device.type if device == "same" else device
+            assert got.device.type == where, f"{path} is on {got.device}, not {where}"
         assert torch.equal(_bits(got), _bits(want)), f"{path} differs"
     elif isinstance(want, dict):
         assert isinstance(got, dict) and got.keys() == want.keys(), f"{path}: keys differ"
@@ -393,6 +394,34 @@ def test_load_latest_map_location_cuda_restores_device_tensors(store):
     _assert_same(m2.state_dict(), want["model"], "m2", device="cuda")
     _assert_same(o2.state_dict(), want["optimizer"], "o2", device="cuda")
     assert o2.state and all(p.is_cuda for p in m2.parameters())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_lazy_restore_into_a_device_model(store, fused):
+    """The optimizer's placeholders are made on the device (no host-to-device copy at load time),
+    the loader fills them, and the state after ``wait`` is the saved one, bit for bit."""
+    torch.manual_seed(4)
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True)
+
+    model, opt = make()
+    x = torch.randn(64, 256, device="cuda")
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    with pccheck.Checkpointer(model, opt, path=store, interval=10**6) as ck:
+        ck.checkpoint(3)
+        want = {"model": _clone(model.state_dict()), "optimizer": _clone(opt.state_dict())}
+    m2, o2 = make()
+    r = pccheck.load_latest(store, model=m2, optimizer=o2, lazy=True)
+    assert all(v.device == p.device for p in m2.parameters() for k, v in o2.state[p].items() if k != "step")
+    m2(x)  # waits for the model's own tensors only
+    r.wait()
+    _assert_same(m2.state_dict(), want["model"], "m2", device="cuda")
+    _assert_same(o2.state_dict(), want["optimizer"], "o2", device="same")  # foreach keeps "step" on the CPU
 
 
 # -- bitwise resume of a CUDA training run after SIGKILL -------------------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import pccheck
-from pccheck.history import HistoryKeeper, history_files
+from pccheck.ops.history import HistoryKeeper, history_files
 from pccheck.orchestrator.orchestrator import CommitInfo
 from pccheck.persist.recovery import read_manifest, read_store
 

@@ -363,3 +363,27 @@ def test_build_first_restarts_record_the_order_and_the_first_block_needs_only_it
     assert ck.copy_engine.native_engine is pool  # the first checkpoint did not remake it
     ck.close()
     r.wait()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_optimizer_placeholders_are_made_where_load_state_dict_puts_them(fused):
+    """On a device model, each placeholder is replaced by an empty tensor of the device and dtype
+    that Optimizer.load_state_dict casts to, so its cast copies nothing ("meta" stands in for a
+    device here); ``step`` moves only for fused or capturable optimizers, as torch's rule says."""
+    from pccheck.lazy.restore import _place_like_params
+
+    model = torch.nn.Linear(4, 3, device="meta", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), fused=fused) if fused else torch.optim.AdamW(model.parameters())
+    kept = torch.zeros(3)  # not a placeholder: left alone
+    saved = {"param_groups": [{**opt.param_groups[0], "params": [0, 1]}],
+             "state": {0: {"step": torch.empty(()), "exp_avg": torch.empty(3, 4), "exp_avg_sq": torch.empty(3, 4)},
+                       1: {"step": torch.empty(()), "exp_avg": kept, "exp_avg_sq": torch.empty(3)}}}
+    ph = {id(v) for st in saved["state"].values() for k, v in st.items() if v is not kept}
+    _place_like_params(torch, opt, saved, ph)
+    for st in saved["state"].values():
+        for k, v in st.items():
+            if k == "step":
+                assert v.device.type == ("meta" if fused else "cpu")
+            elif v is not kept:
+                assert v.device.type == "meta" and v.dtype == torch.bfloat16
+    assert saved["state"][1]["exp_avg"] is kept

@@ -1,7 +1,8 @@
 """The shape of the code (issue 12, docs/ARCHITECTURE.md): layers, import graph, sizes.
 
-Data flows one way: entry points → front-end → orchestrator → persist → native, with ``errors``,
-``arrays`` and ``version`` as leaves. Every import counts, at module level, inside a function or
+Data flows one way: entry points → integrations → front-end → its parts → state → store services →
+orchestrator → persist → native, with ``errors``, ``arrays`` and ``version`` as leaves; each folder
+of pccheck/ is one layer (LAYERS). Every import counts, at module level, inside a function or
 under ``TYPE_CHECKING``: a cycle through any of them is a cycle a reader has to untangle.
 """
 
@@ -21,20 +22,23 @@ from pccheck.version import __version__
 PKG = Path(pccheck.__file__).parent
 REPO = Path(__file__).resolve().parent.parent
 
-# Lowest first. A module may import its own layer and the ones below, never one above.
+# Lowest first, one layer per folder of pccheck/; the top-level files are the leaves and the public
+# faces (FACES), nothing else. A module may import its own layer and the ones below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("pccheck.errors", "pccheck.arrays", "pccheck.version")),
     ("native", ("pccheck.native",)),
     ("persist", ("pccheck.persist",)),
     ("orchestrator", ("pccheck.orchestrator",)),
-    ("front-end", ("pccheck.checkpointer", "pccheck.options", "pccheck.torch_state", "pccheck.restore",
-                   "pccheck.history", "pccheck.export", "pccheck.inventory", "pccheck.distributed",
-                   "pccheck.tuner.config", "pccheck.tuner.online", "pccheck.tuner.model", "pccheck.tuner.search",
-                   "pccheck.tuner.samples", "pccheck.lazy", "pccheck.sharded", "pccheck.integrations",
-                   "pccheck.spread", "pccheck.transparent", "pccheck.tiers")),
-    ("entry", ("pccheck", "pccheck.aio", "pccheck.dcp", "pccheck.cli", "pccheck.demo", "pccheck.tune", "pccheck.tuner",
-               "pccheck.tuner.cli", "pccheck.tuner.profile", "pccheck.tuner.workload", "pccheck.__main__")),
+    ("store services", ("pccheck.ops", "pccheck.group", "pccheck.sharded", "pccheck.transparent", "pccheck.tiers")),
+    ("state", ("pccheck.state",)),
+    ("front-end parts", ("pccheck.lazy", "pccheck.spread", "pccheck.tuner")),
+    ("front-end", ("pccheck.checkpointer", "pccheck.restore", "pccheck.options")),
+    ("integrations", ("pccheck.integrations",)),
+    ("entry", ("pccheck", "pccheck.aio", "pccheck.dcp", "pccheck.hf", "pccheck.lightning", "pccheck.tune",
+               "pccheck.demo", "pccheck.commands")),
 ]
+LEAVES = {"errors", "arrays", "version"}
+FACES = {"__init__", "checkpointer", "restore", "options", "aio", "dcp", "hf", "lightning", "tune", "demo"}
 
 
 def _modules() -> dict[str, Path]:
@@ -75,11 +79,22 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 def _layer_of(mod: str) -> int:
     best, found = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
+        for p in prefixes:  # "pccheck" is the package's __init__ only, not every module under it
+            if (mod == p or (p != "pccheck" and mod.startswith(p + "."))) and len(p) > best:
                 best, found = len(p), i
     assert found is not None, f"{mod} belongs to no layer: add it to LAYERS (and to docs/ARCHITECTURE.md)"
     return found
+
+
+def test_layers_are_folders_and_the_top_level_holds_only_faces_and_leaves():
+    top = {p.stem for p in PKG.glob("*.py")}
+    assert top <= FACES | LEAVES, f"implementation modules at the top level (move them into a folder): {top - FACES - LEAVES}"
+    folders = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    named = [p for _, prefixes in LAYERS for p in prefixes]
+    for p in named:
+        rel = p.split(".")[1:]
+        assert len(rel) <= 1 and (not rel or rel[0] in folders or rel[0] in top), f"{p}: a layer names folders or top-level files"
+    assert folders <= {p.split(".")[1] for p in named if "." in p}, "every folder has a layer"
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 import pccheck
-from pccheck.cli import app
-from pccheck.inventory import survey
+from pccheck.commands.cli import app
+from pccheck.ops.inventory import survey
 from pccheck.persist.recovery import read_manifest, read_store, store_files
 from pccheck.transparent import Criu, Supervisor
 from pccheck.transparent.openfiles import tree_pids
@@ -181,7 +181,7 @@ def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
 
     rng = random.Random(16)
     path, total, n = tmp_path / "ck", 500, 25_000_000
-    cmd = [sys.executable, "-m", "pccheck.cli"]
+    cmd = [sys.executable, "-m", "pccheck.commands.cli"]
     sup = subprocess.Popen([*cmd, "run", "--every", "1", "--path", str(path), "--", sys.executable,
                             str(_script(tmp_path)), str(total), str(n)], start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -270,12 +270,12 @@ def test_resume_refuses_while_the_dumped_pid_is_in_use(tmp_path):
 @needs_criu
 def test_cli_run_forwards_output_and_returns_the_exit_code(tmp_path):
     path = tmp_path / "ck"
-    p = subprocess.run([sys.executable, "-m", "pccheck.cli", "run", "--every", "0.3", "--path", str(path), "--",
+    p = subprocess.run([sys.executable, "-m", "pccheck.commands.cli", "run", "--every", "0.3", "--path", str(path), "--",
                         sys.executable, str(_script(tmp_path)), "60"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == "done" and p.stdout.splitlines()[0].startswith("0 ")
     assert "committed" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "pccheck.cli", "run", "--path", str(tmp_path / "e"), "--",
+    p = subprocess.run([sys.executable, "-m", "pccheck.commands.cli", "run", "--path", str(tmp_path / "e"), "--",
                         sys.executable, "-c", "raise SystemExit(7)"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 7, p.stderr
 

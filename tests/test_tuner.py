@@ -18,6 +18,7 @@ import pccheck
 from pccheck.orchestrator.orchestrator import CheckpointStats
 from pccheck.tuner import config, model
 from pccheck.tuner.online import OnlineTuner
+from pccheck.tuner.policy import FixedInterval, OnlineTuned
 from pccheck.tuner.profile import (
     BlockedSample,
     CopySample,
@@ -386,6 +387,22 @@ def test_online_tuner_rejects_bad_arguments():
     for args in ((0, 1.03, 1), (5, 0.9, 1), (5, 1.03, 0)):
         with pytest.raises(pccheck.ConfigError):
             OnlineTuner(*args)
+
+
+def test_save_policies_decide_the_due_steps():
+    fixed = FixedInterval(4)
+    assert [s for s in range(1, 13) if fixed.due(s)] == [4, 8, 12]
+    fixed.interval = 5  # Checkpointer.interval sets it: the next calls follow it
+    assert [s for s in range(13, 21) if fixed.due(s)] == [15, 20]
+    tuned = OnlineTuned(OnlineTuner(3, 1.03, 2), 3)  # the tuner cannot change it before 20 iterations
+    taken = []
+    for s in [1, 2, 4, 5, 6, 7, 8, 2, 3]:  # a skipped step 3, then the steps restart (a new loop)
+        if tuned.due(s):
+            tuned.taken(s)
+            taken.append(s)
+    # the first on step % 3 == 0, then 3 steps after the last one taken; after a restart, % 3 again
+    assert taken == [6, 3] and tuned.interval == 3
+    assert not tuned.due(4) and not tuned.due(5) and tuned.due(6)
 
 
 def test_online_tuner_with_a_real_checkpointer(tmp_path):

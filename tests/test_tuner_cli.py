@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import pccheck.tune
 from pccheck.tuner import config, online
-from pccheck.tuner.cli import app, parse_size
+from pccheck.commands.tune_cli import app, parse_size
 
 MiB = 1 << 20
 # small and quick: an 8 MiB state, 2 thread counts, chunk sizes no larger than the state
@@ -23,7 +23,7 @@ SMALL = ["--size", "8MiB", "--threads", "1,2", "--chunks", "4MiB,8MiB", "--max-n
 
 
 def _tune(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pccheck.tuner.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pccheck.commands.tune_cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, PCCheckError
+from ..orchestrator.args import StartArgs
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
 from ..persist.files import default_path
-from ..torch_state import Flattener, rebuild, tensor_from
+from ..state.torch_state import Flattener, rebuild, tensor_from
 from .named import Pointers, load_named, open_store, pointer_bytes, read_pointer
 
 __all__ = ["register_accelerate", "AccelerateHooks", "POINTER_NAME"]
@@ -101,7 +102,8 @@ class AccelerateHooks:
             with self._lock:
                 orch = self._orchestrator(fl.arrays)
                 # n_eager=None: every byte is copied before this returns (the optimizer may step next).
-                started = orch.start(step, fl.arrays, {KEY: {"name": name, "models": len(weights)}}, tree=tree)
+                started = orch.start(step, fl.arrays, {KEY: {"name": name, "models": len(weights)}},
+                                     StartArgs(tree=tree))
             if not started:
                 raise ConfigError(f"pccheck: max_concurrent checkpoints are in flight and when_busy='skip': the "
                                   f"weights of {output_dir} were not saved; use when_busy='block'")

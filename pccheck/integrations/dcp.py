@@ -35,7 +35,7 @@ from torch.futures import Future as TorchFuture
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..orchestrator.options import EngineOptions
 from ..sharded.index import CheckpointSet, find_sets
-from ..torch_state import load_serialized
+from ..state.torch_state import load_serialized
 from ..tuner.config import resolve_auto
 from .dcp_format import Located, Written, set_metadata, slot_contents
 from .dcp_stage import LEASE_KEY, ORDER_KEY, StagingPool, release_lease, staged_order

@@ -24,8 +24,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..distributed import read_global
+from ..group.distributed import read_global
 from ..errors import ConfigError, CorruptCheckpointError, PCCheckError
+from ..orchestrator.args import StartArgs
 from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import CommitInfo, Orchestrator
@@ -254,7 +255,7 @@ class RankStore:
             with self._pending_lock:
                 self._pending[step] = fut
             try:
-                self.orch.start(step, arrays, None, tree=tree, epoch=epoch)
+                self.orch.start(step, arrays, None, StartArgs(tree=tree, epoch=epoch))
             except BaseException:
                 with self._pending_lock:
                     self._pending.pop(step, None)

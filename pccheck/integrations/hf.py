@@ -48,7 +48,7 @@ from ..options import Options
 from ..orchestrator.stats import StatsReport
 from ..persist.files import default_path
 from ..restore import load_latest
-from ..torch_state import rng_state
+from ..state.torch_state import rng_state
 
 try:
     from transformers import TrainerCallback

@@ -23,7 +23,7 @@ not a pointer (a torch.save checkpoint from before) is loaded by Lightning's own
 ``weights_only=True``. ``remove_checkpoint`` removes the pointer; the store's slots are reused
 only by newer commits, so the newest valid checkpoint is never at risk.
 
-The dict becomes pccheck's JSON tree (``pccheck.torch_state``); values JSON cannot hold
+The dict becomes pccheck's JSON tree (``pccheck.state.torch_state``); values JSON cannot hold
 (``hyper_parameters`` objects and the like) are stored with torch's serializer and loaded only
 with ``torch.load(weights_only=True)``; one it refuses raises a ConfigError naming its key.
 """
@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, NoCheckpointError, PCCheckError
+from ..orchestrator.args import StartArgs
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import Orchestrator
 from ..orchestrator.stats import CheckpointStats
 from ..persist.recovery import load_newest
-from ..torch_state import Flattener, load_serialized, rebuild, tensor_from
+from ..state.torch_state import Flattener, load_serialized, rebuild, tensor_from
 from .named import Pointers, load_named, open_store, pointer_bytes, read_pointer
 
 try:
@@ -144,7 +145,8 @@ class CheckpointIO(_LightningCheckpointIO):
         with self._lock:
             orch = self._orchestrator(target, arrays)
             versions = [(k, t, t._version) for k, t in list(arrays.items())[n_eager:] if hasattr(t, "_version")]
-            started = orch.start(step, arrays, meta, tree=tree, n_eager=n_eager, validate=_unchanged(versions))
+            started = orch.start(step, arrays, meta,
+                                 StartArgs(tree=tree, n_eager=n_eager, validate=_unchanged(versions)))
         if not started:  # when_busy="skip": nothing was saved, so no name may point at it
             log.warning("pccheck: skipped the checkpoint %s (step %d): max_concurrent checkpoints are in flight",
                         target, step)

@@ -13,7 +13,7 @@ methods, and keeps everything in one :class:`pccheck.dcp.Writer` store (``store=
 slots and committed crash-safely, a save complete once every rank committed (FORMAT.md §9.1).
 
 - The rest of the checkpoint dict (loops, callbacks, epoch, hyper-parameters) goes into the same
-  save as tensors: its JSON tree (``pccheck.torch_state``) as bytes, its arrays, and values JSON
+  save as tensors: its JSON tree (``pccheck.state.torch_state``) as bytes, its arrays, and values JSON
   cannot hold as ``torch.save`` bytes that are loaded only with ``torch.load(weights_only=True)``.
   Nothing is pickled by the strategy itself.
 - At the name Lightning gives, rank 0 leaves a pointer (FORMAT.md §10) naming the save's step
@@ -45,7 +45,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _LightningMode
 
 from ..errors import ConfigError, NoCheckpointError
 from ..sharded.index import find_sets
-from ..torch_state import Flattener, load_serialized, rebuild
+from ..state.torch_state import Flattener, load_serialized, rebuild
 from .dcp import Reader, Writer
 from .lightning import FRAMEWORK as _FULL
 from .lightning import CheckpointIO

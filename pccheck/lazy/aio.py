@@ -1,11 +1,11 @@
-"""``pccheck.aio``: loading a checkpoint from an asyncio host (a serving cold start, a
-controller) without ever blocking its event loop.
+"""The lazy half of ``pccheck.aio``: loading a checkpoint from an asyncio host (a serving cold
+start, a controller) without ever blocking its event loop.
 
 The small metadata reads (each generation's header and meta records, the candidate slots'
 manifests) go through aiofiles; recovery's rule picks the slot from them (:mod:`pccheck.persist.
 recovery`, the same pure parsers the synchronous readers use). The bulk reads stay native and in
-threads: with ``lazy=True`` (default) the loader thread of :mod:`.restore`, otherwise the eager
-``load_latest`` run in a worker thread.
+the loader thread of :mod:`.restore`. The face, ``pccheck/aio.py``, runs the eager ``load_latest``
+in a worker thread instead when asked (``lazy=False``): that one lives in the layer above.
 
     r = await pccheck.aio.load_latest("ckpt", model=model, optimizer=optimizer)
     await r.wait_async()          # or let forward / optimizer.step wait for what they need
@@ -19,15 +19,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
-from ..inventory import Located
+from ..ops.inventory import Located
 from ..persist.files import default_path, store_generation
-from ..restore import load_latest as load_eagerly
-from ..persist.recovery import (BLOCK, Restored, candidate_order, image_from, manifest_from, manifest_region,
+from ..persist.recovery import (BLOCK, candidate_order, image_from, manifest_from, manifest_region,
                                 parse_header_block)
-from ..torch_state import TorchState
+from ..state.torch_state import TorchState
 from .restore import LazyRestore, restore_lazily
 
-__all__ = ["load_latest", "locate"]
+__all__ = ["load_lazily", "locate"]
 
 
 async def locate(path: str | os.PathLike[str] | None = None) -> Located:
@@ -63,15 +62,10 @@ async def locate(path: str | os.PathLike[str] | None = None) -> Located:
     raise NoCheckpointError(f"{directory}: no valid checkpoint{detail}")
 
 
-async def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
-                      extra_state: Mapping[str, Any] | None = None, lazy: bool = True) -> LazyRestore | Restored:
-    """``pccheck.load_latest`` for asyncio. With ``lazy=True`` (default; needs ``model``) it
-    returns once the metadata is read and the small parts are back: await ``r.wait_async()`` (or
-    train: forward and the optimizer step wait for what they need). With ``lazy=False`` the
-    eager, fully validated load runs in a worker thread."""
-    if not lazy:
-        return await asyncio.to_thread(load_eagerly, path, model=model, optimizer=optimizer,
-                                       extra_state=extra_state, distributed=False)
+async def load_lazily(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
+                      extra_state: Mapping[str, Any] | None = None) -> LazyRestore:
+    """``pccheck.aio.load_latest(..., lazy=True)``: returns once the metadata is read and the small
+    parts are back (needs ``model``)."""
     if model is None:
         raise ConfigError("lazy=True restores a model in place: pass model= (and optimizer=)")
     located = await locate(path)

@@ -33,9 +33,9 @@ import numpy as np
 
 from ..arrays import torch_dtype
 from ..errors import ConfigError, CorruptCheckpointError
-from ..inventory import Located
+from ..ops.inventory import Located
 from ..persist.recovery import mark_validated, slot_base
-from ..torch_state import TorchState, rebuild, unwrap_extra
+from ..state.torch_state import TorchState, rebuild, unwrap_extra
 from .loader import Loader, read_entry
 
 __all__ = ["LazyRestore", "restore_lazily", "restoring", "wait_for_pending"]
@@ -114,6 +114,8 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
     state = unwrap_extra(rebuild({"d": tree}, {**{n: None for n in entries}, **small}, as_tensor))
     _check_fits(source, state)
     dests = _model_destinations(source.model, tree.get("model"), state["model"])
+    if source.optimizer is not None and "optimizer" in state:
+        _place_like_params(torch, source.optimizer, state["optimizer"], {id(t) for t in placeholders.values()})
     _starting.add(source.model)
     try:
         source.apply_optimizer(state)  # structure and hyperparameters now; tensors hold placeholders
@@ -222,6 +224,28 @@ def _model_destinations(model: Any, model_tree: Any, saved: Mapping[str, Any]) -
     for k, name in _leaf_names(model_tree).items():
         dests.setdefault(name, []).append(live[k])
     return dests
+
+
+def _place_like_params(torch: Any, optimizer: Any, saved: Mapping[str, Any], placeholder_ids: set[int]) -> None:
+    """Replaces each placeholder of ``saved``'s per-parameter state by an empty tensor already
+    where (device) and as (dtype) ``optimizer.load_state_dict`` would cast it, so that cast is a
+    no-op. Else a device model's load copies every placeholder host-to-device before returning
+    (0.22 s for 1 GiB onto an H200), and the first forward waits for that."""
+    ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
+    groups = [(p, g) for g in optimizer.param_groups for p in g["params"]]
+    for idx, (param, group) in zip(ids, groups):
+        per_param = saved.get("state", {}).get(idx)
+        if param.device.type == "cpu" or not isinstance(per_param, dict):
+            continue  # on the CPU the cast is a no-op already (same device, placeholders are lazy)
+        for k, v in per_param.items():
+            if id(v) not in placeholder_ids:
+                continue
+            if k == "step":  # torch's rule: kept as is unless fused or capturable
+                if group.get("fused") or group.get("capturable"):
+                    per_param[k] = torch.empty(v.shape, dtype=torch.float32, device=param.device)
+                continue
+            dtype = param.dtype if param.is_floating_point() else v.dtype
+            per_param[k] = torch.empty(v.shape, dtype=dtype, device=param.device)
 
 
 def _optimizer_destinations(optimizer: Any, saved: Mapping[str, Any], opt_tree: Any,

@@ -2,7 +2,8 @@
 
 - ``orchestrator.py``: :class:`Orchestrator` owns the store (opens it, grows it into a new
   generation, retires old ones), hands out in-flight permits, counters and slots, and runs each
-  checkpoint's copy, write and commit on its commit threads (FORMAT.md §4 steps 1-5).
+  checkpoint's copy, write and commit on its commit threads (FORMAT.md §4 steps 1-5); ``args.py``
+  (:class:`StartArgs`: how one checkpoint is started).
 - ``copy_engine.py`` (CPU engines, the chunk protocol, ``filling()``), ``cuda_engine.py`` (torch CUDA
   and cupy: own stream, pinned pool, ``depth`` chunks queued), ``engine_choice.py`` (which engine a
   state needs), ``reserve.py`` (``device_reserve``), ``threads.py`` (pools started before the pool).

@@ -35,6 +35,7 @@ from ..errors import ConfigError, PCCheckError, SnapshotError, StorageError, sto
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
+from .args import StartArgs
 from .copy_engine import CopyEngine, Sources, abandon
 from .options import EngineOptions
 from .reserve import Reserve, resolve_reserve
@@ -42,7 +43,7 @@ from .threads import started_pool
 from .retention import Retention
 from .stats import CheckpointStats
 
-__all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "chunk_geometry"]
+__all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "StartArgs", "chunk_geometry"]
 
 log = logging.getLogger("pccheck")
 
@@ -70,6 +71,7 @@ class _Flight:
     stall: float
     blocked_copy: float = 0.0
     prepare: float = 0.0
+    slot_wait: float = 0.0  # part of prepare: waiting for a free slot
     cow_wait: float = 0.0
     reserve_bytes: int = 0
     copied: threading.Event = field(default_factory=threading.Event)  # every chunk is in host memory
@@ -294,26 +296,12 @@ class Orchestrator:
         """Gives a held slot of ``generation`` back for reuse (a no-op in another generation)."""
         self.store.release_slot(slot, generation)
 
-    def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
-              tree: Any = None, epoch: int | None = None, n_eager: int | None = None,
-              validate: Callable[[], str | None] | None = None, hold: threading.Event | None = None,
-              copied: threading.Event | None = None, cow_wait: float = 0.0,
-              extra_stats: Mapping[str, Any] | None = None) -> bool:
-        """Starts one checkpoint. Returns False if it was skipped (``when_busy="skip"``).
-        ``tree`` and ``epoch`` go to the manifest's own fields (FORMAT.md §5).
-
-        With ``n_eager=None`` it returns once every byte is in DRAM chunks. With ``n_eager=k`` it
-        returns once the first k arrays are copied; the rest is copied in the background, and
-        :meth:`ensure_copied` must run before anything mutates them (soft copy-on-write).
-        ``validate`` runs after the copy; a message it returns fails the checkpoint.
-
-        ``hold`` (with ``n_eager=0``): no array is live memory (a spread checkpoint's shadow and
-        clones, pccheck.spread), some are written until ``hold`` is set, and all are copied in the
-        background after that (invariant: a chunk holds bytes of several arrays, so none may be
-        copied early); :meth:`ensure_copied` never waits for them. ``copied`` is set once every
-        byte is in DRAM chunks (or it failed). ``cow_wait`` (seconds the caller already waited for
-        it) and ``extra_stats`` (fields of :class:`CheckpointStats`) go to its stats.
-        """
+    def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None,
+              args: StartArgs = StartArgs()) -> bool:
+        """Starts one checkpoint. Returns False if it was skipped (``when_busy="skip"``). ``args``
+        (:class:`StartArgs`) says when it returns (``n_eager``, ``hold``), how it is checked
+        (``validate``) and what goes to its manifest and stats."""
+        tree, epoch, n_eager, hold = args.tree, args.epoch, args.n_eager, args.hold
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         if hold is not None and n_eager != 0:
@@ -328,7 +316,9 @@ class Orchestrator:
             self._fit_pool(layout.data_len)
             native = self.store.native
             counter = native.next_counter()
+            t_slot = time.perf_counter()
             slot = self._acquire_slot(native)
+            slot_wait = time.perf_counter() - t_slot
         except BaseException:
             self._inflight.release()
             raise
@@ -339,10 +329,11 @@ class Orchestrator:
             native.release_slot(slot)
             self._inflight.release()
             raise
-        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, validate, t0, stall,
-                     cow_wait=cow_wait, hold=hold, extra_stats=extra_stats or {}, arrays=arrays)
-        if copied is not None:
-            fl.copied = copied
+        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
+                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays)
+        if args.copied is not None:
+            fl.copied = args.copied
+        fl.slot_wait = slot_wait
         t1 = time.perf_counter()
         try:
             if n_eager is None:
@@ -456,76 +447,99 @@ class Orchestrator:
             self._futures.discard(fut)
 
     def _finish(self, fl: _Flight) -> None:
-        job, native, step = fl.job, fl.native, fl.step
+        """The commit thread's part of one checkpoint: copy the rest, commit, record. A failure
+        reaches ``on_error``; the record (stats, hooks, the in-flight permit) happens either way."""
         outcome = "failed"
         try:
             if not fl.copied.is_set():
-                failure: Exception | None = None
-                try:
-                    if fl.hold is not None:
-                        fl.hold.wait()  # the shadow is final (its replay is done)
-                    self.copy_engine.copy(job, fl.src)  # the rest, beside training
-                except Exception as exc:
-                    abandon(job, errno.EIO)
-                    failure = exc
-                fl.live_done.set()  # every chunk is claimed; those this thread claimed are copied
-                failure = self._ship(fl, failure)
-                job.wait_copied()
-                problem = fl.check() if failure is None else None
-                with self._lock:
-                    if fl in self._copying:
-                        self._copying.remove(fl)
-                fl.copied_s = time.perf_counter() - fl.t0
-                fl.copied.set()
-                if failure is not None or problem:
-                    job.wait()
-                    native.release_slot(job.slot)
-                    if failure is not None:
-                        raise PCCheckError(f"copying checkpoint of step {step} failed: {failure}") from failure
-                    raise SnapshotError(f"checkpoint of step {step} discarded: {problem}")
-            job.wait()
-            if job.error:
-                native.release_slot(job.slot)
-                code = -job.error
-                raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
-            manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
-                                      epoch=fl.epoch)
-            try:
-                won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
-            except OSError as exc:
-                raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
+                self._copy_rest(fl)
+            won = self._commit(fl)
             outcome = "committed" if won else "superseded"
-            if won and self._on_commit is not None:
-                try:  # e.g. history retention: it must only enqueue, and never fail the checkpoint
-                    self._on_commit(CommitInfo(step, fl.counter, job.slot, self.store.file))
-                except Exception:
-                    log.exception("pccheck: the on_commit hook raised; the checkpoint itself is committed")
             if won:
-                with self._lock:
-                    if self._durable is None or fl.counter > self._durable[0]:
-                        self._durable = (fl.counter, step, time.time())
-                self.store.after_commit()  # a reopened store's protected fallback is not needed now
-                self.retire_if_allowed()
+                self._committed(fl)
         except PCCheckError as exc:
             self._on_error(exc)
         except Exception as exc:  # a bug or a device fault: still surface it through on_error
             log.exception("pccheck: unexpected error in a background checkpoint")
-            self._on_error(PCCheckError(f"checkpoint of step {step} failed: {exc!r}"))
+            self._on_error(PCCheckError(f"checkpoint of step {fl.step} failed: {exc!r}"))
         finally:
-            fl.live_done.set()
-            fl.copied.set()
-            st = CheckpointStats(
-                step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
-                job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
-                time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
-                **fl.extra_stats)
-            self.stats.append(st)
-            if self._on_finished is not None:
-                try:
-                    self._on_finished(st)
-                except Exception:
-                    log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
-            self._inflight.release()
+            self._record(fl, outcome)
+
+    def _copy_rest(self, fl: _Flight) -> None:
+        """Copies what ``start`` left (after ``hold``, if any), ships the staged chunks, and runs the
+        version check; raises (the slot given back) if the copy failed or the check did."""
+        job, native, step = fl.job, fl.native, fl.step
+        failure: Exception | None = None
+        try:
+            if fl.hold is not None:
+                fl.hold.wait()  # the shadow is final (its replay is done)
+            self.copy_engine.copy(job, fl.src)  # the rest, beside training
+        except Exception as exc:
+            abandon(job, errno.EIO)
+            failure = exc
+        fl.live_done.set()  # every chunk is claimed; those this thread claimed are copied
+        failure = self._ship(fl, failure)
+        job.wait_copied()
+        problem = fl.check() if failure is None else None
+        with self._lock:
+            if fl in self._copying:
+                self._copying.remove(fl)
+        fl.copied_s = time.perf_counter() - fl.t0
+        fl.copied.set()
+        if failure is not None or problem:
+            job.wait()
+            native.release_slot(job.slot)
+            if failure is not None:
+                raise PCCheckError(f"copying checkpoint of step {step} failed: {failure}") from failure
+            raise SnapshotError(f"checkpoint of step {step} discarded: {problem}")
+
+    def _commit(self, fl: _Flight) -> bool:
+        """Waits for every chunk to be written, then the native commit with the manifest (FORMAT.md
+        §4). True if this checkpoint became the latest, False if a newer one already had."""
+        job, native, step = fl.job, fl.native, fl.step
+        job.wait()
+        if job.error:
+            native.release_slot(job.slot)
+            code = -job.error
+            raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
+        manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
+                                  epoch=fl.epoch)
+        try:
+            return native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
+        except OSError as exc:
+            raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
+
+    def _committed(self, fl: _Flight) -> None:
+        """After a commit that won: the on_commit hook, the durable latest, older generations."""
+        if self._on_commit is not None:
+            try:  # e.g. history retention: it must only enqueue, and never fail the checkpoint
+                self._on_commit(CommitInfo(fl.step, fl.counter, fl.job.slot, self.store.file))
+            except Exception:
+                log.exception("pccheck: the on_commit hook raised; the checkpoint itself is committed")
+        with self._lock:
+            if self._durable is None or fl.counter > self._durable[0]:
+                self._durable = (fl.counter, fl.step, time.time())
+        self.store.after_commit()  # a reopened store's protected fallback is not needed now
+        self.retire_if_allowed()
+
+    def _record(self, fl: _Flight, outcome: str) -> None:
+        """The checkpoint's end, whatever its outcome: its events set, its stats recorded and
+        handed to on_finished, its in-flight permit given back."""
+        job = fl.job
+        fl.live_done.set()
+        fl.copied.set()
+        st = CheckpointStats(
+            fl.step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
+            job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
+            time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
+            slot_wait_s=fl.slot_wait, **fl.extra_stats)
+        self.stats.append(st)
+        if self._on_finished is not None:
+            try:
+                self._on_finished(st)
+            except Exception:
+                log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
+        self._inflight.release()
 
     def _ship(self, fl: _Flight, failure: Exception | None) -> Exception | None:
         """Copies the chunks ensure_copied staged into the reserve to host chunks, giving each

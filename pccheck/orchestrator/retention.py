@@ -19,7 +19,7 @@ class Retention:
     """One process's policy: the native commit frees the slot it replaces; older generations go
     once the newest has a durable commit (the orchestrator only asks after one).
 
-    A group coordinator (pccheck.distributed) overrides it: one more slot for the global
+    A group coordinator (pccheck.group.distributed) overrides it: one more slot for the global
     checkpoint, replaced slots held for it to release, some slots of the reopened generation
     protected, and retirement only once a globally committed step lives in the newest generation.
     """

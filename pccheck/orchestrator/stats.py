@@ -65,6 +65,9 @@ class CheckpointStats:
     # inside the call, before the copy: opening the store (the first checkpoint) or a new
     # generation, regrowing the chunk pool, waiting for a free slot, describing the arrays
     prepare_s: float = 0.0
+    # part of prepare_s spent waiting for a free slot (N+1 slots: when persisting one checkpoint
+    # takes longer than the interval, the disk is the bound and it shows here)
+    slot_wait_s: float = 0.0
     # from the start until every byte was in DRAM chunks (wall time: over a device link, the
     # link's pace; what spread_steps="auto" derives the link bandwidth from)
     copied_s: float = 0.0

@@ -57,7 +57,7 @@ class SlotStore:
         # Set when a new generation was created beside older ones: they are deleted after the
         # new generation's first durable commit (retire_older_generations), not before.
         self.retire_pending = False
-        # Distributed mode (pccheck.distributed): replaced slots are held for the coordinator,
+        # Distributed mode (pccheck.group.distributed): replaced slots are held for the coordinator,
         # not freed.
         self.hold_replaced = hold_replaced
         # Background validation of the slot a reopened store continues from (see _recover).

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +37,12 @@ from .dtensor import Destination, destination, is_dtensor
 from .geometry import Box, numel, overlap
 from .index import CheckpointSet, Chunk, Member, TensorInfo, check_visible, find_sets
 
-__all__ = ["load_sharded", "newest_is_sharded"]
+__all__ = ["Decode", "load_sharded", "newest_is_sharded"]
+
+# How a tree's top level becomes the nested state: ``decode(top, arrays, as_tensor, as_shard)``.
+# The tree encoding belongs to the layer above (pccheck.state.torch_state.nested_state), so the
+# caller hands it down.
+Decode = Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[str], Any], Callable[[str], Any]], dict[str, Any]]
 
 log = logging.getLogger("pccheck")
 
@@ -48,11 +53,12 @@ def newest_is_sharded(path: Path) -> bool:
     return bool(sets) and sets[0].sharded
 
 
-def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -> Restored:
+def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None, *, decode: Decode) -> Restored:
     """Loads the newest complete set that every loading rank can build; with ``state`` (a
-    :class:`pccheck.torch_state.TorchState`) puts it in place. ``group``: the loading job's
-    :class:`pccheck.distributed.Group`, or None for one process. Collective in a group: every
-    rank reaches each vote, whatever it met (a ConfigError on any rank is raised on all)."""
+    :class:`pccheck.state.torch_state.TorchState`) puts it in place. ``group``: the loading job's
+    :class:`pccheck.group.distributed.Group`, or None for one process. ``decode``: the tree's
+    decoding (:data:`Decode`). Collective in a group: every rank reaches each vote, whatever it met
+    (a ConfigError on any rank is raised on all)."""
     rank = group.rank if group is not None else 0
     problems: list[str] = []
     touched = False  # a failed set's chunks were read into the model's or optimizer's tensors
@@ -60,7 +66,7 @@ def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None) -
         built, why = None, None
         try:
             check_visible(path, cand.world_size)
-            built = _build(cand, rank, state, map_location)
+            built = _build(cand, rank, state, map_location, decode)
         except CorruptCheckpointError as exc:
             why = ("corrupt", str(exc))
         except ConfigError as exc:
@@ -122,12 +128,11 @@ def _failures(group: Any, why: tuple[str, str] | None) -> list[str]:
     return [f"rank {r}: {w[1]}" if group is not None else w[1] for r, w in enumerate(everyone) if w]
 
 
-def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tuple[dict[str, Any], Any]:
+def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any,
+           decode: Decode) -> tuple[dict[str, Any], Any]:
     """The nested state of ``cand`` as this rank needs it (tensors built, nothing applied), and
     the member whose tree it follows."""
     import torch
-
-    from ..torch_state import rebuild, state_tree, unwrap_extra
 
     member = cand.members[rank if rank < cand.world_size else 0]
     tree = member.manifest.tree
@@ -173,11 +178,11 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any) -> tup
                               "with torch.distributed.checkpoint.load(..., storage_reader=pccheck.dcp.Reader(path)), "
                               "or with pccheck.load_latest(path) without model=")
         return build(list(tensors)), member
-    wanted = state_tree(tree)
+    wanted = {k: v for k, v in tree.items() if k != "shards"}  # the shards section is not state
     if state is not None and state.optimizer is None:
-        wanted["d"].pop("optimizer", None)  # not read at all
+        wanted.pop("optimizer", None)  # not read at all
     built = build(sorted(_shard_leaves(wanted)))  # every tensor the tree refers to, before the rest
-    nested = unwrap_extra(rebuild(wanted, _MemberArrays(cand, member), as_tensor, built.__getitem__))
+    nested = decode(wanted, _MemberArrays(cand, member), as_tensor, built.__getitem__)
     return nested, member
 
 

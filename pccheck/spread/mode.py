@@ -26,7 +26,7 @@ LINK_SAMPLES = 5  # one-step checkpoints whose copy rates "auto" takes the media
 def check_spread(source: Any, optimizer: Any) -> None:
     """ConfigError unless ``spread_steps`` can work for this state: a model with an optimizer
     pccheck can replay exactly, not sharded (yet)."""
-    from ..torch_state import TorchState
+    from ..state.torch_state import TorchState
 
     if not isinstance(source, TorchState) or optimizer is None:
         raise ConfigError("spread_steps needs a torch.nn.Module with its optimizer (the later steps are replayed "

@@ -1,13 +1,14 @@
 """The profiling tuner of PCcheck §3.4: measure, then choose N, writer threads, chunk size, interval.
 
-    pccheck-tune --path CKPT --size 1.3GiB --iter-time 0.12 --write-config   # the command (cli.py)
+    pccheck-tune --path CKPT --size 1.3GiB --iter-time 0.12 --write-config   # commands/tune_cli.py
     Checkpointer(..., path=CKPT, interval="auto", max_concurrent="auto")     # reads the choice
 
 Modules, one job each: :mod:`.model` (the formulas), :mod:`.workload` (the emulated state the
 profilers checkpoint), :mod:`.samples` (what the profilers measure: plain data), :mod:`.profile`
 (the profilers), :mod:`.search` (the choice), :mod:`.config` (``pccheck-tune.json`` and
 ``resolve_auto``), :mod:`.online` (what runs during training: iteration reports, whose public face
-is :mod:`pccheck.tune`, and ``interval="auto"``), :mod:`.cli` (the command; imported only by it).
+is :mod:`pccheck.tune`, and ``interval="auto"``), :mod:`.policy` (when ``maybe_checkpoint`` takes a
+checkpoint: a fixed interval or the online tuner's). The command is :mod:`pccheck.commands.tune_cli`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The memory tier: checkpoints in RAM every k iterations, replicated to peer nodes (Gemini,
-SOSP'23), restored from the nearest tier. FORMAT.md §10 (the layout is §1-§5's, on tmpfs).
+SOSP'23), restored from the nearest tier. FORMAT.md §12 (the layout is §1-§5's, on tmpfs).
 
 Files and roles:
 
@@ -7,6 +7,7 @@ Files and roles:
   written in mmap mode, fed the disk tier's snapshots), ``MemoryCoordinator`` (the group's
   common-step protocol for the memory stores, holding the slot being sent), the room check
   (``memory_need``, ``check_room``) and ``build_memory_tier`` (the Checkpointer's entry).
+- ``paths.py``: the memory root (``/dev/shm/pccheck/<store>``), ``rank-<r>/``, ``replica-<src>/``.
 - ``placement.py``: the node of a process and Gemini's group / mixed placement (pure).
 - ``wire.py``: JSON gathers and chunked byte transfers on pccheck's own gloo group, bounded.
 - ``replicate.py``: ``ReplicaLinks`` (who sends to whom), ``Replicator`` (background sender and
@@ -23,7 +24,8 @@ the §4 protocol, so a peer holds only committed replicas (the newest two per so
 
 from .nearest import TIERS, load_nearest
 from .placement import group_of, node_of_this_process, replica_nodes, replica_ranks
-from .shm_store import MemoryTier, build_memory_tier, default_memory_dir
+from .paths import default_memory_dir
+from .shm_store import MemoryTier, build_memory_tier
 
 __all__ = ["TIERS", "load_nearest", "group_of", "node_of_this_process", "replica_nodes", "replica_ranks",
            "MemoryTier", "build_memory_tier", "default_memory_dir"]

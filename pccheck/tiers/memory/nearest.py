@@ -32,13 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from ...distributed import Group
+from ...group.distributed import Group
 from ...errors import CorruptCheckpointError, NoCheckpointError
 from ...persist.files import rank_dir
 from ...persist.layout import MAX_MANIFEST_BYTES, parse_manifest
 from ...persist.recovery import Restored, load_slot, read_manifest, read_store, scan, slot_base
 from .replicate import MAX_DATA, TIMEOUT_S, arrays_of, check_arrays, data_end, read_raw_manifest
-from .shm_store import memory_rank_dir, replica_dir
+from .paths import memory_rank_dir, replica_dir
 from .wire import ReplicationError, gather_json, recv_bytes, send_bytes
 
 __all__ = ["TIERS", "load_nearest", "MAX_ROUNDS"]

@@ -1,4 +1,4 @@
-"""Replication of memory checkpoints to peer nodes, in the background (FORMAT.md §10).
+"""Replication of memory checkpoints to peer nodes, in the background (FORMAT.md §12).
 
 Transport: a gloo group of pccheck's own (never the training collectives), every wait bounded
 (``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends
@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ...distributed import Group
+from ...group.distributed import Group
 from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
+from ...orchestrator.args import StartArgs
 from ...orchestrator.copy_engine import CpuCopyEngine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
@@ -276,10 +277,10 @@ class Replicator:
         arrays = arrays_of(man, view)
         orch = self._store(src, arrays)
         # Returns once every byte is in DRAM chunks: the buffer may be reused; commits behind.
-        orch.start(man.step, arrays, man.metadata, tree=man.tree, epoch=man.epoch)
+        orch.start(man.step, arrays, man.metadata, StartArgs(tree=man.tree, epoch=man.epoch))
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
-        from .shm_store import replica_dir
+        from .paths import replica_dir
 
         orch = self._stores.get(src)
         if orch is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -29,41 +28,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ...distributed import Group, GroupCoordinator
+from ...group.distributed import Group, GroupCoordinator
 from ...errors import ConfigError, NoSpaceError, PCCheckError, StorageError
+from ...orchestrator.args import StartArgs
 from ...orchestrator.engine_choice import select_copy_engine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
 from ...persist.layout import Layout
 from ...persist.recovery import store_files
+from .paths import MEMORY_ROOT, default_memory_dir, memory_rank_dir, replica_dir
 
 __all__ = ["MemoryTier", "MemoryCoordinator", "build_memory_tier", "default_memory_dir", "memory_rank_dir", "replica_dir",
            "memory_need", "check_room", "MEMORY_ROOT", "MEM_POOL"]
 
 log = logging.getLogger("pccheck")
 
-MEMORY_ROOT = Path("/dev/shm/pccheck")
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
 MEM_POOL = 4 * MEM_CHUNK
 REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
-
-
-def default_memory_dir(path: str | os.PathLike[str]) -> Path:
-    """``/dev/shm/pccheck/<store>``: the disk path's last component plus 8 hex digits of a hash of
-    its absolute form (two stores with one name never share a memory directory)."""
-    p = Path(path).resolve()
-    return MEMORY_ROOT / f"{p.name or 'store'}-{hashlib.sha1(str(p).encode()).hexdigest()[:8]}"
-
-
-def memory_rank_dir(root: Path, rank: int | None) -> Path:
-    """This rank's own memory store: ``root`` alone, ``root/rank-<r>`` in a group (FORMAT.md §8)."""
-    return root if rank is None else root / f"rank-{rank}"
-
-
-def replica_dir(root: Path, source: int) -> Path:
-    """Where a peer keeps the replicas of ``source``'s memory checkpoints (FORMAT.md §10)."""
-    return root / f"replica-{source}"
 
 
 def memory_need(slot_bytes: int, own_slots: int, sources: int) -> int:
@@ -201,9 +184,9 @@ class MemoryTier:
             self.replicator.throttle()  # replication at most QUEUE checkpoints behind
         snap = snapshot()
         try:
-            return self.orch.start(int(step), snap.arrays, metadata, tree=snap.tree, epoch=self.epoch,
-                                   n_eager=snap.n_eager if soft_cow else None,
-                                   validate=snap.validate if soft_cow else None)
+            return self.orch.start(int(step), snap.arrays, metadata, StartArgs(
+                tree=snap.tree, epoch=self.epoch, n_eager=snap.n_eager if soft_cow else None,
+                validate=snap.validate if soft_cow else None))
         except StorageError as exc:
             self._on_error(exc)
             return False

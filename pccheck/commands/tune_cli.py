@@ -40,11 +40,11 @@ from rich.table import Table
 from ..checkpointer import Checkpointer
 from ..errors import ConfigError, PathNotWritableError, PCCheckError
 from ..persist.files import default_path
-from .config import make_config, write_config
-from .online import ENV_VAR
-from .profile import run_profile
-from .samples import DEFAULT_N_CAP, Profile, ProfileSpec
-from .search import Choice, Constraints, choose
+from ..tuner.config import make_config, write_config
+from ..tuner.online import ENV_VAR
+from ..tuner.profile import run_profile
+from ..tuner.samples import DEFAULT_N_CAP, Profile, ProfileSpec
+from ..tuner.search import Choice, Constraints, choose
 
 __all__ = ["app", "main", "parse_size"]
 

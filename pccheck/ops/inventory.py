@@ -2,7 +2,7 @@
 
 Read-only. Everything is read with the recovery readers (:mod:`pccheck.persist.recovery`), so the
 file is treated as untrusted input exactly as ``load_latest`` treats it (FORMAT.md §7). This module
-returns plain frozen dataclasses; rendering them is the CLI's job (:mod:`pccheck.cli`).
+returns plain frozen dataclasses; rendering them is the CLI's job (:mod:`pccheck.commands.cli`).
 
 Slot statuses (:func:`survey`), from the meta records, without reading array data:
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PCCheckError
-from .persist.layout import Manifest
-from .persist.files import HISTORY_DIR, STORE_GLOB, default_path
-from .persist.recovery import (Restored, Scanned, StoreImage, candidate_order, confirmed_slot, first_valid,
+from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PCCheckError
+from ..persist.layout import Manifest
+from ..persist.files import HISTORY_DIR, STORE_GLOB, default_path
+from ..persist.recovery import (Restored, Scanned, StoreImage, candidate_order, confirmed_slot, first_valid,
                                load_slot, read_manifest, scan, slot_was_written)
 
 __all__ = [

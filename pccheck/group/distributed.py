@@ -40,10 +40,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptCheckpointError, NoCheckpointError
-from .orchestrator.retention import HeldSlots, Retention
-from .persist.files import GLOBAL, rank_dir, write_durably
-from .persist.recovery import Restored, load_slot, read_manifest, read_store, scan, store_files
+from ..errors import CorruptCheckpointError, NoCheckpointError
+from ..orchestrator.retention import HeldSlots, Retention
+from ..persist.files import GLOBAL, rank_dir, write_durably
+from ..persist.recovery import Restored, load_slot, read_manifest, read_store, scan, store_files
 
 __all__ = ["Group", "detect_group", "GroupCoordinator", "agree_and_load", "read_global"]
 

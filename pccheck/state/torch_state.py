@@ -39,10 +39,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .arrays import torch_dtype
-from .errors import ConfigError, CorruptCheckpointError
-from .sharded.dtensor import check_placements, global_rank, has_dtensors, is_dtensor, local_part
-from .sharded.geometry import full_box
+from ..arrays import torch_dtype
+from ..errors import ConfigError, CorruptCheckpointError
+from ..sharded.dtensor import check_placements, global_rank, has_dtensors, is_dtensor, local_part
+from ..sharded.geometry import full_box
 
 __all__ = ["Snapshot", "TorchState", "Flattener", "tensor_from", "rebuild", "unwrap_extra", "state_tree"]
 
@@ -416,6 +416,14 @@ def _keys_by_first_use(model: Any, forward_order: list[str]) -> tuple[list[str],
 def state_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     """The top level as an encoded dict; the shards section is not part of the state."""
     return {"d": {k: v for k, v in tree.items() if k != "shards"}}
+
+
+def nested_state(tree: Mapping[str, Any], arrays: Mapping[str, Any], as_tensor: Callable[[str], Any],
+                 as_shard: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """A checkpoint's nested state from its tree's top level (what ``load_latest`` returns):
+    :func:`rebuild` without the shards section, the ``extra`` entries unwrapped. Handed to
+    :func:`pccheck.sharded.load.load_sharded`, which sits below this layer."""
+    return unwrap_extra(rebuild(state_tree(tree), arrays, as_tensor, as_shard))
 
 
 def rng_state() -> dict[str, Any]:

@@ -13,7 +13,7 @@ out largest item size first, so every tensor is aligned to its item size.
 
 numpy dtypes without a safetensors or torch equivalent (strings, structured, void, datetime,
 complex128 in safetensors, ...) are an :class:`UnsupportedDtypeError` naming the array, unless the
-caller asks to skip them. ``import pccheck.export`` never imports torch.
+caller asks to skip them. ``import pccheck.ops.export`` never imports torch.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .errors import ConfigError, UnsupportedDtypeError
-from .persist.files import write_durably
-from .persist.recovery import Restored
+from ..errors import ConfigError, UnsupportedDtypeError
+from ..persist.files import write_durably
+from ..persist.recovery import Restored
 
 __all__ = ["FORMATS", "SafetensorsEntry", "safetensors_dtype", "safetensors_header", "export_checkpoint"]
 
@@ -148,7 +148,7 @@ def _export_torch(r: Restored, out: Path, skip_unsupported: bool) -> list[str]:
     except ImportError:
         raise ConfigError("--format torch needs PyTorch: pip install 'pccheck[torch]' "
                           "(or export --format safetensors)") from None
-    from .arrays import torch_dtype
+    from ..arrays import torch_dtype
 
     tdt = getattr(r, "torch_dtypes", {}) or {}
 

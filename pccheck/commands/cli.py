@@ -13,8 +13,8 @@ the latest checkpoint is invalid but an older one is valid, 2 when none is; any 
 2 on an error (the message says what to do). All commands only read the store, so they are safe
 to run while training writes to it (a slot being rewritten shows up as free or invalid).
 
-This module only parses arguments and renders; the work is in :mod:`pccheck.inventory`,
-:mod:`pccheck.export` and :mod:`pccheck.transparent` (``run`` and ``resume`` need root and CRIU).
+This module only parses arguments and renders; the work is in :mod:`pccheck.ops.inventory`,
+:mod:`pccheck.ops.export` and :mod:`pccheck.transparent` (``run`` and ``resume`` need root and CRIU).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .version import __version__
-from .errors import PCCheckError
-from .export import export_checkpoint
-from .inventory import (GenerationInfo, VerifyReport, find_stores, load, locate, resolve_directory, resolve_store,
+from ..version import __version__
+from ..errors import PCCheckError
+from ..ops.export import export_checkpoint
+from ..ops.inventory import (GenerationInfo, VerifyReport, find_stores, load, locate, resolve_directory, resolve_store,
                         survey, verify)
 
 __all__ = ["app", "main"]
@@ -382,8 +382,8 @@ def run_cmd(cmd: Annotated[Optional[list[str]], typer.Argument(help="after --: t
         _usage(f"--every must be a positive number of seconds, got {every}")
     if when_busy not in ("block", "skip"):
         _usage(f"--when-busy takes block or skip, got {when_busy!r}")
-    from .persist.files import default_path
-    from .transparent.supervisor import Supervisor
+    from ..persist.files import default_path
+    from ..transparent.supervisor import Supervisor
 
     _supervise(lambda: Supervisor.start(cmd, path or default_path(), every=every, max_concurrent=max_concurrent,
                                         when_busy=when_busy, forward=True))
@@ -398,8 +398,8 @@ def resume_cmd(path: StorePathOpt = None, every: EveryOpt = None, max_concurrent
         _usage(f"--every must be a positive number of seconds, got {every}")
     if when_busy not in ("block", "skip"):
         _usage(f"--when-busy takes block or skip, got {when_busy!r}")
-    from .persist.files import default_path
-    from .transparent.supervisor import Supervisor
+    from ..persist.files import default_path
+    from ..transparent.supervisor import Supervisor
 
     _supervise(lambda: Supervisor.resume(path or default_path(), every=every, max_concurrent=max_concurrent,
                                          when_busy=when_busy, forward=True))

@@ -47,11 +47,11 @@ from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError
 from .export import SafetensorsEntry, safetensors_dtype, safetensors_header
-from .persist.files import HISTORY_DIR, fsync_dir, write_durably
-from .persist.reader import crc32c
-from .persist.recovery import read_manifest, read_store
+from ..persist.files import HISTORY_DIR, fsync_dir, write_durably
+from ..persist.reader import crc32c
+from ..persist.recovery import read_manifest, read_store
 
 __all__ = ["HistoryKeeper", "HistoryCounts", "HISTORY_DIR", "history_files"]
 
