@@ -249,3 +249,43 @@ def test_memory_dir_too_small_is_a_clear_error(tmp_path):
                                  memory_dir=small)
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def _msg(own_mem=(), own_disk=(), rep=None, bad=()):
+    return {"own": {"memory": [list(k) for k in own_mem], "disk": [list(k) for k in own_disk]},
+            "rep": {str(s): [[*k, 4096, 100, 1] for k in ks] for s, ks in (rep or {}).items()},
+            "bad": [list(b) for b in bad]}
+
+
+def test_restore_plan_nearest_tier_fallbacks_and_missing_ranks():
+    from pccheck.errors import NoCheckpointError
+    from pccheck.tiers.memory.nearest import _plan
+
+    # rank 1's node is gone: its step 9 comes from rank 0's replica; rank 0 from its own memory
+    key, plan = _plan([_msg(own_mem=[(1, 8), (1, 9)], own_disk=[(1, 8)], rep={1: [(1, 8), (1, 9)]}), _msg()], 2)
+    assert key == (1, 9) and plan == [("memory", -1), ("peer", 0)]
+    # that replica failed its checksums on rank 1: the older replica
+    key, plan = _plan([_msg(own_mem=[(1, 8), (1, 9)], rep={1: [(1, 8), (1, 9)]}), _msg(bad=[("peer", 0, 1, 9)])], 2)
+    assert key == (1, 8) and plan == [("memory", -1), ("peer", 0)]
+    # both nodes' memory gone, disks kept
+    assert _plan([_msg(own_disk=[(1, 8)]), _msg(own_disk=[(1, 4), (1, 8)])], 2) == ((1, 8), [("disk", -1)] * 2)
+    # a whole group gone, no disk: the error names the ranks that cannot obtain the newest step
+    with pytest.raises(NoCheckpointError, match=r"ranks \[1\] cannot obtain step 9"):
+        _plan([_msg(own_mem=[(1, 9)]), _msg()], 2)
+
+
+@pytest.mark.parametrize("doc,why", [
+    ({}, "step"),
+    ({"step": 1, "counter": 0, "data": 0}, "counter"),
+    ({"step": 1, "counter": 1, "data": -4096}, "data"),
+    ({"step": 1, "counter": 1, "data": 1 << 50}, "data"),
+    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1, 2], "manifest": "{}"}, "checksum list"),
+    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1], "manifest": 5}, "manifest"),
+    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1], "manifest": "not json"}, "JSON"),
+])
+def test_replica_headers_are_untrusted(doc, why):
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.tiers.memory.replicate import _parse_header
+
+    with pytest.raises(CorruptCheckpointError, match=why):
+        _parse_header(doc)

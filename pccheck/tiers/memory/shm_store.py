@@ -11,10 +11,11 @@ Call order: ``MemoryTier(...)`` (collective in a group: before the disk coordina
 → :meth:`start` (once the job's epoch is known) → :meth:`maybe` per iteration →
 :meth:`ensure_copied` before each optimizer step → :meth:`close`.
 
-Memory, per rank, on tmpfs (``memory_need``): own store ``MEM_SLOTS`` slots (1 in flight, the
-latest, in a group also the group's newest common step and the slot being replicated) plus 2
-slots per source rank whose replica this rank holds (replicas - 1 of them); in process memory a
-chunk pool of ``MEM_POOL`` bytes per store and one receive buffer of the state per source.
+Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
+6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
+newest replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` per source rank whose
+replicas this rank holds (replicas - 1 of them); in process memory a chunk pool of ``MEM_POOL``
+bytes per store and one receive buffer of the state per source.
 """
 
 from __future__ import annotations
