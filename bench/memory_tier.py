@@ -91,10 +91,8 @@ def _pool_is_tier(arrays: dict[str, np.ndarray], repeats: int, shm: Path) -> lis
             mm.flush(0, 4096)
             if s > 2:
                 times.append(time.perf_counter() - t0)
-        del buf
     finally:
-        mm.close()
-        path.unlink()
+        path.unlink()  # the mapping goes with its last view
     return times
 
 

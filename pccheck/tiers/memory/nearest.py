@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
+import mmap
 import re
 import threading
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ from ...group.distributed import Group
 from ...errors import CorruptCheckpointError, NoCheckpointError
 from ...persist.files import rank_dir
 from ...persist.layout import MAX_MANIFEST_BYTES, parse_manifest
+from ...persist.reader import fresh_buffer
 from ...persist.recovery import Restored, load_slot, read_manifest, read_store, scan, slot_base
 from .replicate import MAX_DATA, TIMEOUT_S, arrays_of, check_arrays, data_end, read_raw_manifest
 from .paths import memory_rank_dir, replica_dir
@@ -178,12 +179,14 @@ class _Restore:
                 image = read_store(e.file)
                 with open(e.file, "rb", buffering=0) as f:
                     raw = read_raw_manifest(image, e.slot, f.fileno())
-                    data = np.empty(e.end, dtype=np.uint8)
-                    got = os.preadv(f.fileno(), [memoryview(data)], slot_base(image, e.slot)) if e.end else 0
-                if len(raw) != e.mlen or got != e.end:
-                    raise CorruptCheckpointError("the replica changed since it was scanned")
-                send_bytes(self.pg, r, np.frombuffer(bytearray(raw), dtype=np.uint8), rnd, TIMEOUT_S)
-                send_bytes(self.pg, r, data, rnd, TIMEOUT_S)
+                    if len(raw) != e.mlen:
+                        raise CorruptCheckpointError("the replica changed since it was scanned")
+                    send_bytes(self.pg, r, np.frombuffer(bytearray(raw), dtype=np.uint8), rnd, TIMEOUT_S)
+                    # straight from the tmpfs pages: no copy, no fresh memory to fault in
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+                        data = np.frombuffer(mm, dtype=np.uint8, count=e.end, offset=slot_base(image, e.slot))
+                        send_bytes(self.pg, r, data, rnd, TIMEOUT_S)
+                        del data
             except BaseException as exc:  # noqa: BLE001 - the receiver's checks catch what is missing
                 errors.append(exc)
 
@@ -193,7 +196,7 @@ class _Restore:
             raise CorruptCheckpointError(f"rank {peer} announced a replica of implausible size")
         raw = np.empty(mlen, dtype=np.uint8)
         recv_bytes(self.pg, peer, raw, rnd, TIMEOUT_S)
-        data = np.empty(end, dtype=np.uint8)
+        data = fresh_buffer(end)  # transparent huge pages: the first touch costs a fraction
         recv_bytes(self.pg, peer, data, rnd, TIMEOUT_S)
         man = parse_manifest(raw.tobytes(), step=key[1], counter=counter, data_len_limit=MAX_DATA)
         if (man.epoch or 0) != key[0] or data_end(man) != end:
