@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs: dict[str, list[list[dict]]] = {c: [] for c in CONFIGS}
     shm = Path(tempfile.mkdtemp(prefix="pcc-tiers-", dir=a.shm))
-    disk = Path(tempfile.mkdtemp(prefix="pcc-tiers-", dir=Path(__file__).resolve().parent))
+    disk = Path(tempfile.mkdtemp(prefix="pcc-tiers-"))  # the root file system, outside the repository
     try:
         for rep in range(a.repeats):  # round-robin: drift hits every configuration alike
             for config in CONFIGS:
