@@ -117,9 +117,6 @@ class _Restore:
     """One collective restore (see the module docstring)."""
 
     def __init__(self, path: Path, root: Path, group: Group, verify: bool) -> None:
-        import torch.distributed as dist
-        from datetime import timedelta
-
         self.group, self.verify, self.me, self.world = group, verify, group.rank, group.world_size
         self.own = {"memory": _scan(memory_rank_dir(root, self.me), self.world, self.me),
                     "disk": _scan(rank_dir(path, self.me), self.world, self.me)}
@@ -129,7 +126,9 @@ class _Restore:
             if m and int(m.group(1)) < self.world and int(m.group(1)) != self.me:
                 self.reps[int(m.group(1))] = _scan(d, self.world, int(m.group(1)))
         self.bad: set[tuple[str, int, int, int]] = set()  # (tier, peer or -1, epoch, step) this rank failed
-        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))  # collective
+        # pccheck's own gloo group (group.detect_group: made once per job, never the training
+        # collectives); every wait on it below is bounded.
+        self.pg = group.pg
 
     def _message(self) -> dict[str, Any]:
         own = {t: [list(k) for k in es if (t, -1, *k) not in self.bad] for t, es in self.own.items()}
