@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench docs gpu-check clean
+.PHONY: setup demo test test-slow bench docs gpu-check clean
 
 setup: $(VENV)/.deps
 	@# (Re)build and install the package with its native core; the CMake build dir is reused.
@@ -33,6 +33,10 @@ test: setup
 	@# CRIU for the transparent-mode tests: Debian trixie's, unpacked into a private prefix (the
 	@# system's apt state and packages are never changed); without it those tests skip.
 	cd tests && PCCHECK_CRIU="$$(sh ../scripts/get-criu.sh 2>/dev/null | tail -n 1)" ../$(PY) -m pytest -q -p no:cacheprovider
+
+test-slow: setup
+	@# The long rounds kept out of `make test` (marked `slow`): more processes, more cycles.
+	cd tests && PCCHECK_CRIU="$$(sh ../scripts/get-criu.sh 2>/dev/null | tail -n 1)" ../$(PY) -m pytest -q -p no:cacheprovider -m slow
 
 bench: setup
 	$(PY) -m bench.persist

@@ -1,4 +1,5 @@
 """``python -m bench all``: every benchmark, one CSV + PNG per figure, and ``summary.md`` with the targets.
+(``python -m bench NAME ARGS...`` runs one: the same as ``python -m bench.NAME ARGS...``.)
 
 Run::
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import sys
 import time
@@ -32,8 +34,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import fig8, fig11, fig12, goodput, recovery
-from bench._common import fmt, format_size, host_info, machine_label, write_csv, write_json
+from bench import RUNNABLE_FOLDERS
+from bench.paper import fig8
+from bench.paper import fig11
+from bench.paper import fig12
+from bench.paper import goodput
+from bench.micro import recovery
+from bench.harness.common import fmt, format_size, host_info, machine_label, write_csv, write_json
 
 _BENCH_DIR = Path(__file__).resolve().parent
 STEPS = ("recovery", "fig11", "fig8", "fig12", "fig9")
@@ -433,7 +440,21 @@ def _rec_ticks(quick: bool) -> int:
     return len(recovery.SYSTEMS) * (1 + (1 if quick else 3)) + 1
 
 
+def _bench_main(name: str) -> Callable[[list[str]], Any] | None:
+    """The ``main`` of ``python -m bench.NAME`` (bench/__init__.py: a module in one of the folders,
+    or gpu, a folder with a __main__), or None when NAME is no bench."""
+    if name == "gpu":
+        name = "gpu.gpu"
+    elif not any((_BENCH_DIR / folder / f"{name}.py").is_file() for folder in RUNNABLE_FOLDERS):
+        return None
+    return getattr(importlib.import_module(f"bench.{name}"), "main", None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    one = _bench_main(args[0]) if args and not args[0].startswith("-") else None
+    if one is not None:  # `python -m bench NAME ARGS...` = `python -m bench.NAME ARGS...`
+        return one(args[1:]) or 0
     a = _parse_args(argv)
     if a.command == "summary":
         return _resummarize(a)
@@ -451,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _progress(total) as tick:
         if "recovery" in a.only:
             s = time.perf_counter()
-            rc = recovery.run_benchmark(QUICK_STATE if a.quick else FULL_STATE, 1 if a.quick else 3, a.dir,
+            rc = recovery.run(QUICK_STATE if a.quick else FULL_STATE, 1 if a.quick else 3, a.dir,
                                         progress=tick)
             rc["date"] = run["date"]  # part of this run
             recovery.report(rc, out, f"recovery{sfx}")

@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # bench/ is not installed: import it from the che
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-from bench import goodput as gp
+from bench.paper import goodput as gp
 
 # -- the simulator against §5.2.3 ----------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ def test_invalid_models_are_rejected():
 
 def test_system_names_parse():
     """The names the result files carry: pccheck configurations, checkpoints in flight, O_DIRECT pieces."""
-    from bench import systems
+    from bench.harness import systems
 
     assert systems.parse_pccheck_name("pccheck_N2_p1_c16_b0.5m") == {"n": 2, "p": 1, "chunk": 16 << 20, "budget_x": 0.5}
     assert systems.parse_pccheck_name("pccheck_N3") == {"n": 3, "p": 2, "chunk": 64 << 20, "budget_x": None}
@@ -274,7 +274,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     """``python -m bench.restart --quick`` for pccheck and torch.load: every phase measured, the checkpoint
     the killed run made durable is the one loaded, JSON (with its command) and PNG written; a restart
     that raises (nothing to load) comes back as an error, not a crash."""
-    from bench import restart
+    from bench.training import restart
 
     out = tmp_path / "restart.json"
     systems = ["pccheck_eager", "torch_load", "pccheck_lazy_build_first"]  # the last: Checkpointer, then load
@@ -301,7 +301,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
 def test_lazy_bench_small(tmp_path, shape):
     """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written;
     also issue 31's client model, its store written and restarted with the Checkpointer built first."""
-    from bench import lazy
+    from bench.modes import lazy
 
     out = tmp_path / "lazy.json"
     assert lazy.main(["--size", "16MiB", "--repeats", "1", "--json", str(out), "--dir", str(tmp_path / "s"),
@@ -316,7 +316,7 @@ def test_lazy_bench_small(tmp_path, shape):
 
 
 def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
-    from bench.gockpt import summarize
+    from bench.modes.gockpt import summarize
 
     cfg = {"nbytes": 12 << 20, "grad_bytes": 4 << 20, "iter_time": 0.05, "link_bps": (12 << 20) / 0.2,
            "checkpoints": 2, "spread": 4, "ratio": 4.0}
@@ -349,7 +349,7 @@ def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
 
 
 def test_gockpt_summary_judges_autos_choice_and_the_model_at_the_measured_link():
-    from bench.gockpt import summarize
+    from bench.modes.gockpt import summarize
 
     s_bytes, t = 12 << 20, 0.05
     cfg = {"nbytes": s_bytes, "grad_bytes": 4 << 20, "iter_time": t, "link_bps": s_bytes / (4 * t),
@@ -374,7 +374,7 @@ def test_gockpt_summary_judges_autos_choice_and_the_model_at_the_measured_link()
 
 def test_overhead_spread_row_runs_every_system(tmp_path):
     """``python -m bench.overhead --spread k``: the GoCkpt row through bench.gockpt's harness."""
-    from bench import overhead
+    from bench.training import overhead
 
     out = tmp_path / "gockpt.json"
     assert overhead.main(["--spread", "2", "--quick", "--size", "16MiB", "--intervals", "6", "--quiet-wait", "0",

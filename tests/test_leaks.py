@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is not installed: import it from the checkout, after site-packages
     sys.path.append(str(ROOT))
 
-from bench.soak import resources  # noqa: E402  (RSS, fds, OS and Python threads of this process)
+from bench.training.soak import resources  # noqa: E402  (RSS, fds, OS and Python threads of this process)
 
 CYCLES = 200
 WARMUP = 5

@@ -150,7 +150,7 @@ def test_import_pccheck_loads_no_profiler_torch_or_cupy():
 def _python_files() -> list[Path]:
     files = sorted(PKG.rglob("*.py"))
     if (REPO / "bench").is_dir():  # the source tree's bench/ (not installed)
-        files += sorted((REPO / "bench").glob("*.py"))
+        files += sorted((REPO / "bench").rglob("*.py"))
     return files
 
 
@@ -171,3 +171,26 @@ def test_version_matches_pyproject():
     if not pyproject.is_file():
         pytest.skip("no source tree beside the tests")
     assert tomllib.loads(pyproject.read_text())["project"]["version"] == __version__ == pccheck.__version__
+
+
+# bench/__init__.py's contract: each role goes by one name (run, targets, report, plot, main).
+BENCH_ROLE_VARIANTS = {"run_benchmark", "run_cycles", "print_report", "_report", "_plot"}
+
+
+def test_bench_is_folders_by_job_and_names_its_roles_one_way(monkeypatch):
+    bench = REPO / "bench"
+    if not bench.is_dir():
+        pytest.skip("no source tree beside the tests")
+    assert {p.name for p in bench.glob("*.py")} == {"__init__.py", "__main__.py"}, "bench modules go in a folder"
+    # `python -m bench.X` finds X in the runnable folders (bench/__init__.py's __path__): one X per name
+    monkeypatch.setattr(sys, "path", [*sys.path, str(REPO)])  # bench/ is not installed: after site-packages
+    from bench import RUNNABLE_FOLDERS
+
+    names = [p.stem for f in RUNNABLE_FOLDERS for p in (bench / f).glob("*.py") if p.stem not in ("__init__", "__main__")]
+    shadowed = {n for n in names if (bench / n).is_dir() and not (bench / n / "__main__.py").is_file()}  # gpu runs it
+    dup = sorted({n for n in names if names.count(n) > 1} | shadowed)
+    assert not dup, f"bench.X would be ambiguous for {dup}"
+    bad = [f"{p.relative_to(REPO)}: {n.name}" for p in sorted(bench.glob("*/*.py"))
+           for n in ast.parse(p.read_text()).body
+           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in BENCH_ROLE_VARIANTS]
+    assert not bad, "name these roles run / targets / report / plot (bench/__init__.py):\n" + "\n".join(bad)

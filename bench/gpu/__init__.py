@@ -1,0 +1,12 @@
+"""The benches that need one CUDA GPU (exit 2, nothing written, without one).
+
+- ``gpu.py``: copy-engine and disk bandwidth, and the slowdown of training a GPT
+  (``python -m bench.gpu``, through ``__main__.py``; ``make gpu-check`` runs it).
+- ``gpu_train.py``: the GPT it trains and the systems in its loop; ``gpu_profile.py``: where a
+  window's time goes (``--profile``).
+- ``gpu_claims.py``: lazy restore onto the device, the CPU replay against a CUDA optimizer, the
+  integrations' extra device memory (``python -m bench.gpu_claims``).
+
+Invariants: every section, set-up and window is its own ``try`` (errors recorded, the rest runs);
+``gpu.json`` is rewritten after each phase.
+"""

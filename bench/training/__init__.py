@@ -1,0 +1,12 @@
+"""Training loops that checkpoint: what checkpointing costs a run, and what a preemption costs.
+
+- ``overhead.py``: throughput while checkpointing every k iterations (Figure 8's measurement);
+  ``overhead_report.py``: its targets, tables, CSV and plot.
+- ``restart.py`` (+ ``restart_child.py``, the processes it starts): process start to the first
+  step after a SIGKILL, per system.
+- ``soak.py``: memory, file descriptors and threads over a long run.
+- ``integrations.py``: Lightning and Hugging Face Trainer runs that checkpoint through pccheck.
+
+Invariants: cells of one run are interleaved and wait for a quiet machine (``--quiet-wait``); the
+JSON records each window's foreign CPU use, so a disturbed cell is visible.
+"""
