@@ -2,6 +2,9 @@
 
 - ``scale.py``: goodput of a 16,384-GPU job under Llama 3's interruption rate, per tier set (a
   model; its inputs, each with its source, are ``bench/results/scale-inputs.json``).
+- ``tiers.py``: the memory tier (issue 29) on 2 simulated nodes: loop overhead at interval 1 with
+  replicas=2 against the disk tier, DCP async_save and none; restore from memory, disk, a peer,
+  DCP; the raw gloo link (``bench/results/tiers.json``, whose ``ratios.peer_vs_raw_gloo`` scale reads).
 
 Invariants: the model is a pure function of its inputs file; ``--refresh`` takes the measured
 efficiencies only from result files of this repository, named in the inputs.

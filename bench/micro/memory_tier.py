@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench._common import host_info, print_table, write_json, parse_size, format_size
+from bench.harness.common import host_info, print_table, write_json, parse_size, format_size
 
 __all__ = ["main"]
 

@@ -37,9 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._common import host_info, parse_size, print_table, write_json
+from bench.harness.common import BENCH_DIR, host_info, parse_size, print_table, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = BENCH_DIR / "results"
 CONFIGS = ("none", "memory", "disk", "dcp")
 
 
@@ -184,7 +184,7 @@ def run_job(config: str, a: argparse.Namespace, scratch: Path, shm: Path) -> lis
     cmd = [sys.executable, "-m", "bench.tiers", "--worker", "--config", config, "--port", str(_port()),
            "--dir", str(scratch), "--size", str(a.size), "--iter-time", str(a.iter_time), "--iters", str(a.iters),
            "--warmup", str(a.warmup), "--shm", str(shm)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=BENCH_DIR.parent,
                               env={**os.environ, "RANK": str(r), "PCCHECK_NODE": str(r), "GLOO_SOCKET_IFNAME": "lo",
                                                    "TORCH_CPP_LOG_LEVEL": "ERROR"})
              for r in range(2)]
