@@ -168,7 +168,7 @@ def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, refe
     _compare_final(tmp_path, reference)
 
 
-@pytest.mark.skipif(not os.environ.get("PCCHECK_SLOW"), reason="a longer round: PCCHECK_SLOW=1")
+@pytest.mark.slow  # a longer round: `make test-slow`
 def test_two_nodes_every_rank_killed_resumes_from_own_memory(tmp_path, reference):
     """SIGKILL of every process twice: both ranks resume from their own memory, bit for bit,
     having lost at most the checkpoints in flight."""
