@@ -63,6 +63,8 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if zero_copy or not verify:
             raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
                               "load it without zero_copy= or verify=False")
+        if memory_dir is not None and memory_dir is not False:
+            raise ConfigError("the memory tier does not hold sharded (DTensor) state yet: load without memory_dir=")
         state = TorchState(model, optimizer, extra_state) if model is not None else None
         return load_sharded(directory, group, state, map_location, decode=nested_state)
     if memory_dir is not None and memory_dir is not False:
