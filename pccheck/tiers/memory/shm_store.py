@@ -122,6 +122,25 @@ def _prefixed(group: Group, prefix: str) -> Group:
     return dataclasses.replace(group, store=private_store(group.store, prefix, 120.0))
 
 
+def _room_everywhere(root: Path, need: int, group: Group | None) -> None:
+    """check_room on every rank; in a group every rank raises if any lacks room (collective: a
+    rank that raised alone would leave the others waiting in the next collective)."""
+    from .wire import gather_json
+
+    problem: StorageError | None = None
+    try:
+        check_room(root, need)
+    except StorageError as exc:
+        problem = exc
+    if group is not None:
+        oks = gather_json(group.pg, group.world_size, problem is None, 120.0)
+        if problem is None and not all(oks):
+            raise NoSpaceError(errno.ENOSPC, f"the memory tier has no room on ranks "
+                               f"{[r for r, ok in enumerate(oks) if not ok]} (see their errors)")
+    if problem is not None:
+        raise problem
+
+
 class MemoryTier:
     """Memory checkpoints of one rank every ``interval`` steps, replicated to ``replicas`` - 1
     peers (pccheck.tiers.memory.replicate). Built by the Checkpointer; see the module docstring."""
@@ -141,11 +160,14 @@ class MemoryTier:
         chunk = min(MEM_CHUNK, int(engine.chunk_size))
         self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=4 * chunk)
         self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
-        own = 2 + (MemoryCoordinator.extra_slots if group is not None else 0)
-        check_room(root, memory_need(slot_bytes, own, len(self.links.sources)))
+        # slots beyond 1 in flight + the latest: none alone; §8's global step in a group; with
+        # replication the steps back to the second newest replicated everywhere (MemoryCoordinator)
+        extra = 0 if group is None else MemoryCoordinator.extra_slots if self.links.peers else GroupCoordinator.extra_slots
+        _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
         self.coord: MemoryCoordinator | None = None
         if group is not None:
             self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"))
+            self.coord.extra_slots = extra
             self.coord.prepare(self.dir)  # collective: the memory stores' epochs and common step
         self.replicator: Any = None
         if self.coord is not None:
