@@ -215,10 +215,12 @@ class MemoryTier:
             return False
 
     def ensure_copied(self) -> None:
+        """Soft copy-on-write: returns once no memory checkpoint still reads live tensors."""
         if self.orch is not None:
             self.orch.ensure_copied()
 
     def wait(self) -> None:
+        """Returns once every memory checkpoint started has committed or failed."""
         if self.orch is not None:
             self.orch.wait()
 
