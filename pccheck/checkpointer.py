@@ -99,9 +99,12 @@ class Checkpointer:
             the tuned value, else 2, 2, 64 MiB), ``dram_budget``, ``storage``, ``when_busy``;
             snapshot ``soft_cow``, ``capture_rng``, ``eager``, ``device_reserve``,
             ``copy_engine``; history ``keep_every``, ``max_history``; group ``distributed``,
-            ``replicated`` (see :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
-            :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`). An unknown name
-            raises ConfigError.
+            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``: the object-storage
+            tier), ``remote_every``, ``remote_part_size``, ``remote_concurrency``,
+            ``remote_close_timeout``, ``remote_keep_last``, ``remote_keep_every`` (see
+            :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
+            :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`,
+            :class:`pccheck.RemoteOptions`). An unknown name raises ConfigError.
     """
 
     def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
@@ -154,6 +157,7 @@ class Checkpointer:
             from .ops.history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
+        self._remote = self._remote_tier(group)  # probes the object store (RemoteConfigError)
         # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
         self._memory = build_memory_tier(self, engine, layout, snap, group)
         if self._writes:
@@ -170,6 +174,20 @@ class Checkpointer:
                                       tuned=self.settings["spread_steps"])
         if not self._prepared:
             self._prep_hooks = self._prepare_hooks()
+
+    def _remote_tier(self, group: Any) -> Any:
+        """The remote tier's uploader (pccheck/tiers/remote), or None without ``remote=``."""
+        if self.options.remote.remote is None or not self._writes:
+            return None
+        if self._coord is not None:  # each rank uploads its part; rank 0 commits the step
+            from .tiers.remote.group import GroupUploader
+
+            up = GroupUploader(self.options.remote, on_error=self._background_error, group=group, coord=self._coord)
+            self._coord.remote, self._coord.extra_slots = up, 2  # one more slot: the one uploading
+            return up
+        from .tiers.remote.uploader import RemoteUploader
+
+        return RemoteUploader(self.options.remote, on_error=self._background_error)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -223,7 +241,9 @@ class Checkpointer:
         try:
             orch = Orchestrator(store_dir, layout, engine,
                                 copy_engine=snapshot.copy_engine or select_copy_engine(snap.arrays),
-                                on_error=self._background_error, retention=self._coord,
+                                on_error=self._background_error,
+                                retention=self._coord if self._coord is not None else
+                                (self._remote.retention if self._remote is not None else None),
                                 world_size=world_size, rank=rank, on_commit=self._on_commit,
                                 on_finished=self._tuner.on_checkpoint if self._tuner else None,
                                 device_reserve=snapshot.device_reserve, pool=self._prepared)
@@ -233,7 +253,11 @@ class Checkpointer:
             # final, instead of a generation and a pool replaced at the first checkpoint.
             if self._coord is not None:
                 self._coord.start(orch)
+            if self._remote is not None:
+                self._remote.attach(orch)
         except BaseException:
+            if self._remote is not None:
+                self._remote.close(0)
             if orch is not None:
                 orch.close()
             if self._history is not None:
@@ -409,17 +433,23 @@ class Checkpointer:
             self._coord.on_commit(info.step, info.slot)
         if self._history is not None:
             self._history(info)
+        if self._remote is not None:
+            self._remote.on_commit(info)  # only enqueues: the upload runs on its own thread
 
-    def wait(self) -> None:
+    def wait(self, remote: bool = False, timeout: float | None = None) -> bool:
         """Blocks until every checkpoint in flight has committed; raises a pending error. A spread
         checkpoint still gathering its parts is finished first, as the step of the last
-        ``maybe_checkpoint`` call (abandoned, with a warning, if the optimizer stepped since)."""
+        ``maybe_checkpoint`` call (abandoned, with a warning, if the optimizer stepped since).
+        With ``remote=True`` it then waits (up to ``timeout`` s) until every checkpoint taken so
+        far is committed remotely (or superseded there by a newer one); returns False on timeout."""
         self._settle_spread()
         if self._memory is not None:
             self._memory.wait()
         if self._orch is not None:
             self._orch.wait()
+        done = self._remote.wait(timeout) if remote and self._remote is not None else True
         self._raise_pending()
+        return done
 
     def _settle_spread(self) -> None:
         if self._spread is None or not self._spread.active():
@@ -449,7 +479,11 @@ class Checkpointer:
         if o is None:
             return StatsReport((), 0, None, None)
         tiers = {"disk": o.last_durable_step, **(self._memory.newest() if self._memory is not None else {})}
-        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time, tiers)
+        remote = self._remote.progress.as_dict() if self._remote is not None else None
+        if remote is not None:
+            tiers["remote"] = remote["remote_step"]
+        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time, remote=remote,
+                           tiers=tiers)
 
     @property
     def storage(self) -> str:
@@ -466,8 +500,12 @@ class Checkpointer:
         """The store generation being written (0 before the store opens)."""
         return self._orch.generation if self._orch is not None else 0
 
-    def close(self) -> None:
-        """Waits for checkpoints in flight, stops the writers and releases the store lock."""
+    def close(self, remote_timeout: float | None | str = "default") -> None:
+        """Waits for checkpoints in flight, stops the writers and releases the store lock. With a
+        remote tier it first waits for the newest checkpoint to be committed remotely, up to
+        ``remote_timeout`` s (default: the ``remote_close_timeout`` option; None: no limit)."""
+        self._remote_timeout = self.options.remote.remote_close_timeout if remote_timeout == "default" \
+            else remote_timeout
         try:
             if self._spread is not None:
                 try:
@@ -491,6 +529,11 @@ class Checkpointer:
         if self._orch is None:
             return
         try:
+            if self._remote is not None:  # local commits first (they queue uploads), then the remote
+                try:
+                    self._orch.wait()
+                finally:
+                    self._remote.close(getattr(self, "_remote_timeout", None))
             self._orch.close()
         finally:
             if self._coord is not None:

@@ -23,6 +23,9 @@ __all__ = [
     "NoSpaceError",
     "DeviceIOError",
     "CriuError",
+    "RemoteError",
+    "RemoteConfigError",
+    "RemoteConflictError",
     "storage_error_from_oserror",
 ]
 
@@ -79,6 +82,21 @@ class NoSpaceError(StorageError):
 
 class DeviceIOError(StorageError):
     """EIO: the device reported an I/O error."""
+
+
+class RemoteError(PCCheckError, OSError):
+    """The object store (the remote tier, pccheck.tiers.remote) failed a request. Training and
+    the local store are not affected; the last remotely committed step stays loadable."""
+
+
+class RemoteConfigError(RemoteError, ConfigError):
+    """The object store cannot serve as the remote tier: wrong credentials, a missing bucket, or
+    no conditional writes (If-None-Match / If-Match). Raised at construction."""
+
+
+class RemoteConflictError(RemoteError):
+    """Another writer committed this step (or a newer generation) under the same prefix first
+    (a 404, 409 or 412 on a conditional write: FORMAT.md §12). This job's upload is abandoned."""
 
 
 def storage_error_from_oserror(exc: OSError, doing: str) -> StorageError:

@@ -20,7 +20,8 @@ from .errors import ConfigError
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.options import AUTO, EngineOptions, check_int
 
-__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions", "TierOptions"]
+__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions", "RemoteOptions",
+           "MemoryOptions"]
 
 
 def _check_bool(name: str, value: Any, optional: bool = False) -> None:
@@ -129,7 +130,55 @@ class GroupOptions:
 
 
 @dataclass(frozen=True)
-class TierOptions:
+class RemoteOptions:
+    """The remote tier (pccheck.tiers.remote): committed checkpoints uploaded to object storage in
+    the background, committed there crash-safely (docs/FORMAT.md §12).
+
+    Attributes:
+        remote: ``"s3://bucket/prefix"``, or None (default: no remote tier). Endpoint, region and
+            credentials come from the standard AWS variables and files (``AWS_ENDPOINT_URL``,
+            ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_PROFILE``).
+            The store is probed when the Checkpointer is built: wrong credentials, a missing bucket
+            or a store without conditional writes raise RemoteConfigError then.
+        remote_every: upload every k-th durable checkpoint (default 1). A newer one supersedes an
+            upload still queued.
+        remote_part_size: bytes per multipart part (>= 8 MiB, a multiple of 4096; default 32 MiB,
+            chosen by bench/resilience/remote_clients.py). Memory: (remote_concurrency + 1) parts.
+        remote_concurrency: parts in flight at once (default 4).
+        remote_close_timeout: seconds ``close()`` waits for the newest checkpoint to be committed
+            remotely (default 600; None: no limit).
+        remote_keep_last: keep the newest k remotely committed steps of the prefix, delete older
+            ones after each remote commit (default None: keep all). Never the newest.
+        remote_keep_every: also keep every step divisible by this (like ``keep_every``).
+    """
+
+    remote: str | None = None
+    remote_every: int = 1
+    remote_part_size: int = 32 << 20
+    remote_concurrency: int = 4
+    remote_close_timeout: float | None = 600.0
+    remote_keep_last: int | None = None
+    remote_keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.remote is not None:
+            if not isinstance(self.remote, str) or not self.remote.startswith("s3://"):
+                raise ConfigError(f'remote must be an "s3://bucket/prefix" URL or None, got {self.remote!r}')
+        check_int("remote_every", self.remote_every, 1)
+        check_int("remote_part_size", self.remote_part_size, 8 << 20)
+        if self.remote_part_size % 4096:
+            raise ConfigError(f"remote_part_size must be a multiple of 4096, got {self.remote_part_size}")
+        check_int("remote_concurrency", self.remote_concurrency, 1, 64)
+        for name in ("remote_keep_last", "remote_keep_every"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        t = self.remote_close_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
+            raise ConfigError(f"remote_close_timeout must be a number of seconds >= 0 or None, got {t!r}")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
     """The memory tier (pccheck.tiers.memory).
 
     Attributes:
@@ -154,18 +203,19 @@ class TierOptions:
 
 
 _GROUPS: dict[str, type] = {"engine": EngineOptions, "snapshot": SnapshotOptions, "history": HistoryOptions,
-                            "group": GroupOptions, "tiers": TierOptions}
+                            "group": GroupOptions, "remote": RemoteOptions, "memory": MemoryOptions}
 
 
 @dataclass(frozen=True)
 class Options:
-    """All of a Checkpointer's settings, in five groups (see each group's attributes)."""
+    """All of a Checkpointer's settings, in six groups (see each group's attributes)."""
 
     engine: EngineOptions = field(default_factory=EngineOptions)
     snapshot: SnapshotOptions = field(default_factory=SnapshotOptions)
     history: HistoryOptions = field(default_factory=HistoryOptions)
     group: GroupOptions = field(default_factory=GroupOptions)
-    tiers: TierOptions = field(default_factory=TierOptions)
+    remote: RemoteOptions = field(default_factory=RemoteOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
     def __post_init__(self) -> None:
         for name, cls in _GROUPS.items():

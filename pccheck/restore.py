@@ -8,13 +8,14 @@ them in place, including the RNG states, so training resumes bit for bit at ``r.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Mapping
 
 from pathlib import Path
 
 from .group.distributed import Group, agree_and_load, detect_group
-from .errors import ConfigError, PCCheckError
+from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PCCheckError
 from .ops.inventory import locate
 from .lazy import LazyRestore, restore_lazily
 from .persist import recovery
@@ -23,14 +24,18 @@ from .persist.recovery import Restored
 from .sharded.dtensor import has_dtensors
 from .sharded.load import load_sharded, newest_is_sharded
 from .state.torch_state import TorchState, nested_state
+from .tiers.remote.objstore import is_remote
 
 __all__ = ["load_latest"]
+
+log = logging.getLogger("pccheck")
 
 
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
                 extra_state: Mapping[str, Any] | None = None, map_location: Any = None,
                 zero_copy: bool = False, verify: bool = True, distributed: bool = True,
-                lazy: bool = False, memory_dir: str | os.PathLike[str] | bool | None = None) -> Restored | LazyRestore:
+                lazy: bool = False, remote: str | None = None,
+                memory_dir: str | os.PathLike[str] | bool | None = None) -> Restored | LazyRestore:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
@@ -45,13 +50,26 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     (pccheck/lazy/restore.py says what it does not cover). The array checksums are checked as
     the tensors arrive; a mismatch raises at the next wait point.
 
+    The remote tier (pccheck/tiers/remote, FORMAT.md §12): ``path="s3://bucket/prefix"`` loads the
+    newest committed remote step whose every checksum holds (falling back to older ones);
+    ``remote="s3://..."`` beside a local ``path`` loads from the remote when the local store is
+    missing or holds nothing valid. ``r.tier`` says which: "disk" or "remote".
+
     With ``memory_dir`` (a path, or True for the default ``/dev/shm/pccheck/<store>``) the memory
     tier is searched too (pccheck.tiers.memory.nearest): the ranks agree on the newest step each
     can obtain from its own memory, a peer's replica or its own disk, and each loads from the
-    nearest; ``Restored.tier`` says which. Every rank must pass it.
+    nearest (with ``remote=`` too: the remote tier when none of those holds a valid step); ``Restored.tier`` says which. Every rank must pass it.
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
+    use_memory = memory_dir is not None and memory_dir is not False
+    if lazy and (is_remote(path) or (remote is not None and not use_memory)):
+        return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
+    if is_remote(path) or (remote is not None and not use_memory):
+        if zero_copy or not verify:
+            raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
+        group = detect_group() if distributed else None
+        return _as_loaded(_remote_or_local(path, remote, group), model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
     if lazy:
@@ -63,23 +81,56 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if zero_copy or not verify:
             raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
                               "load it without zero_copy= or verify=False")
-        if memory_dir is not None and memory_dir is not False:
+        if use_memory:
             raise ConfigError("the memory tier does not hold sharded (DTensor) state yet: load without memory_dir=")
         state = TorchState(model, optimizer, extra_state) if model is not None else None
         return load_sharded(directory, group, state, map_location, decode=nested_state)
-    if memory_dir is not None and memory_dir is not False:
+    if use_memory:
         from .tiers.memory import default_memory_dir, load_nearest
 
         if lazy or zero_copy:
             raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
         root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
-        r = load_nearest(directory, root, group, verify=verify)
+        try:
+            r = load_nearest(directory, root, group, verify=verify)
+        except (NoCheckpointError, CorruptCheckpointError) as exc:
+            if remote is None:
+                raise
+            from .tiers.remote.load import load_remote
+
+            log.warning("pccheck: no step every rank can obtain from memory, peers or disk (%s); loading "
+                        "from the remote tier %s", exc, remote)
+            r = load_remote(str(remote), group)
     elif group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
         r = recovery.load_newest(directory, zero_copy=zero_copy and model is None, verify=verify)
         if group is not None:  # replicated="rank0": everyone read rank 0's store; same step?
             _check_same_step(group, r.step)
+    return _as_loaded(r, model, optimizer, extra_state, map_location)
+
+
+def _remote_or_local(path: Any, remote: str | None, group: Group | None) -> Restored:
+    """``path`` itself when it is s3://, else the local store at ``path`` (a group: every rank's
+    store, agreed), falling back to ``remote`` when nothing there is valid."""
+    from .tiers.remote.load import load_remote
+
+    if is_remote(path):
+        return load_remote(path, group)
+    directory = Path(path) if path is not None else default_path()
+    try:
+        if group is not None and rank_dir(directory, group.rank).is_dir():  # collective, as load_latest's
+            return agree_and_load(directory, group)
+        return recovery.load_newest(directory)
+    except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+        log.warning("pccheck: no valid local checkpoint under %s (%s); loading from the remote tier %s",
+                    directory, exc, remote)
+        return load_remote(str(remote), group)
+
+
+def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None,
+               map_location: Any) -> Restored:
+    """Puts a loaded checkpoint's state back into the objects (or rebuilds the nested state)."""
     tree = r.tree
     if tree is None:
         if model is not None:
@@ -118,6 +169,28 @@ def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: An
     if isinstance(located.manifest.tree, dict) and "shards" in located.manifest.tree or has_dtensors(model):
         raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
     return restore_lazily(located, TorchState(model, optimizer, extra_state))
+
+
+def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
+                   extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
+                   map_location: Any) -> LazyRestore:
+    """lazy=True from the remote tier: ``path`` itself when s3://, else the local store, falling
+    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs)."""
+    from .tiers.remote.load import locate_remote
+
+    if not is_remote(path):
+        try:
+            return _load_lazily(Path(path) if path is not None else default_path(), None, model, optimizer,
+                                extra_state, zero_copy, verify, map_location)
+        except NoCheckpointError as exc:
+            log.warning("pccheck: no local checkpoint to restore lazily (%s); from the remote tier %s", exc, remote)
+            path = remote
+    if zero_copy or not verify or map_location is not None:
+        raise ConfigError("lazy=True takes no zero_copy=, verify=False or map_location=")
+    if model is None or has_dtensors(model):
+        raise ConfigError("lazy=True restores a model (without DTensors) in place: pass model=")
+    located = locate_remote(str(path))
+    return restore_lazily(located, TorchState(model, optimizer, extra_state), read=located.read)
 
 
 def _check_same_step(group: Group, step: int) -> None:

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from ..version import __version__
 from ..errors import PCCheckError
+from ..tiers.remote.inventory import remote_url
 from ..ops.export import export_checkpoint
 from ..ops.inventory import (GenerationInfo, VerifyReport, find_stores, load, locate, resolve_directory, resolve_store,
                         survey, verify)
@@ -43,7 +44,7 @@ __all__ = ["app", "main"]
 app = typer.Typer(name="pccheck", add_completion=False, no_args_is_help=True,
                   help="Inspect, verify and export pccheck checkpoint stores.")
 
-PathArg = Annotated[Optional[Path], typer.Argument(help="store directory, or one above it (a Lightning dirpath, a distributed job's root; default: $PCCHECK_DIR or ./checkpoints)",
+PathArg = Annotated[Optional[Path], typer.Argument(help="store directory, or one above it (a Lightning dirpath, a distributed job's root; default: $PCCHECK_DIR or ./checkpoints), or s3://bucket/prefix (the remote tier)",
                                                    show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="this step instead of the latest checkpoint")]
@@ -109,6 +110,29 @@ def _text(x: Any) -> str:
 
 # -- ls -------------------------------------------------------------------------------------------
 
+def _remote_ls(url: str, as_json: bool, check: bool) -> int:
+    """``ls`` / ``verify`` of an s3:// prefix: its committed steps, newest first (verify: each
+    fully checked; exit 0 / 1 / 2 as for a store)."""
+    import time
+
+    from ..tiers.remote import inventory as remote
+
+    steps, code = remote.verify(url) if check else (remote.survey(url), 0)
+    if as_json:
+        _emit_json({"url": url, "steps": [s.as_dict() for s in steps], **({"exit_code": code} if check else {})})
+        return code
+    table = Table(title=url)
+    for col in ("generation", "step", "ranks", "size", "age", "", "status"):
+        table.add_column(col)
+    for s in steps:
+        age = time.time() - s.unix_time if s.unix_time else None
+        status = s.problem if s.problem else ("valid" if check else "committed")
+        table.add_row(str(s.generation), str(s.step), str(s.world_size), _bytes(s.nbytes), _age(age),
+                      "latest" if s.pointer else "", status)
+    _out().print(table)
+    return code
+
+
 
 def _stores(path: Path | None) -> list[Path]:
     """The stores at or below PATH; with none, resolve_store's NoCheckpointError says so."""
@@ -122,7 +146,9 @@ def ls_cmd(path: PathArg = None, as_json: JsonOpt = False) -> None:
     PATH may be the directory a framework was given: the stores below it are listed (a Lightning
     dirpath's .pccheck/, each rank-r/ of a distributed job).
     """
-    def run() -> None:
+    def run() -> int | None:
+        if remote_url(path) is not None:  # the remote tier: FORMAT.md §12
+            return _remote_ls(remote_url(path), as_json, check=False)
         found = [(d, survey(d)) for d in _stores(path)]
         if as_json:
             docs = [{"directory": str(d), "generations": [_gen_doc(g) for g in gens]} for d, gens in found]
@@ -196,6 +222,8 @@ def verify_cmd(path: PathArg = None, as_json: JsonOpt = False) -> None:
     With several stores below PATH (a distributed job's ranks), each is checked and the worst counts.
     """
     def run() -> int:
+        if remote_url(path) is not None:
+            return _remote_ls(remote_url(path), as_json, check=True)
         reports = [verify(d) for d in _stores(path)]
         if as_json:
             docs = [_verify_doc(r) for r in reports]
@@ -250,18 +278,24 @@ def inspect_cmd(path: PathArg = None, step: StepOpt = None, as_json: JsonOpt = F
     Reads only the manifest (checked against its crc32c); `pccheck verify` checks the array data.
     """
     def run() -> None:
-        loc = locate(path, step)
-        man = loc.manifest
+        url = remote_url(path)
+        if url is not None:  # the remote tier: rank 0's manifest of the step (FORMAT.md §12.2)
+            from ..tiers.remote.inventory import manifest_of
+
+            generation, _, man = manifest_of(url, step)
+            slot, where = 0, url
+        else:
+            loc = locate(path, step)
+            man, generation, slot, where = loc.manifest, loc.generation, loc.slot, str(loc.image.path)
         arrays = [{"name": e.name, "dtype": _descr(e.dtype), "torch_dtype": getattr(e, "torch_dtype", None),
                    "shape": list(e.shape), "nbytes": e.nbytes, "offset": e.offset, "crc32c": f"{crc:08x}"}
                   for e, crc in zip(man.arrays, man.crcs)]
         if as_json:
-            _emit_json({"step": man.step, "counter": man.counter, "generation": loc.generation, "slot": loc.slot,
-                        "path": str(loc.image.path), "data_bytes": man.data_len, "metadata": man.metadata,
-                        "arrays": arrays})
+            _emit_json({"step": man.step, "counter": man.counter, "generation": generation, "slot": slot,
+                        "path": where, "data_bytes": man.data_len, "metadata": man.metadata, "arrays": arrays})
             return
         con = _out()
-        con.print(f"step {man.step}  counter {man.counter}  generation {loc.generation}  slot {loc.slot}  "
+        con.print(f"step {man.step}  counter {man.counter}  generation {generation}  slot {slot}  "
                   f"{len(arrays)} arrays  {_bytes(sum(a['nbytes'] for a in arrays))}")
         if man.metadata:
             meta = json.dumps(man.metadata, separators=(",", ":"))
@@ -293,7 +327,13 @@ def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (r
     The checkpoint is fully verified first. A torch file loads with torch.load(weights_only=True).
     """
     def run() -> None:
-        r = load(path, step)
+        url = remote_url(path)
+        if url is not None:
+            from ..tiers.remote.inventory import load_step
+
+            r = load_step(url, step)
+        else:
+            r = load(path, step)
         skipped = export_checkpoint(r, out, fmt.value, skip_unsupported=skip_unsupported)
         written = [n for n in r.state if n not in skipped]
         nbytes = sum(int(r.state[n].nbytes) for n in written)

@@ -191,6 +191,10 @@ class GroupCoordinator(Retention):
         self._threads: list[threading.Thread] = []
         self._protect: tuple[int, ...] = ()   # slots of the newest generation holding the global step
         self.orch: Any = None  # the Orchestrator owning this rank's store
+        # The remote tier's GroupUploader (pccheck/tiers/remote/group.py), if any: it pins the
+        # slots of announced steps and, on rank 0, announces steps as they are published.
+        self.remote: Any = None
+        self._publish_lock = threading.Lock()  # rank 0: record + announce + publish, as one
 
     def prepare(self, directory: Path) -> None:
         """Agrees on this incarnation's epoch and the global step to keep, and finds the slots of
@@ -247,9 +251,28 @@ class GroupCoordinator(Retention):
             st.set(f"e{self.epoch}/c/{i}", str(step))
 
     def _settle_locked(self) -> None:
-        """Frees held slots that can no longer be the global latest (older than it)."""
+        """Frees held slots that can no longer be the global latest (older than it), except the
+        ones the remote tier still uploads from."""
         if self.orch is not None:
-            self._slots.settle(self.orch, self.global_step)
+            self._slots.settle(self.orch, self.global_step, self.remote.pinned if self.remote is not None else None)
+
+    # -- the remote tier's side (pccheck/tiers/remote/group.py) ----------------------------------
+
+    def slot_of(self, step: int) -> int | None:
+        """The slot of the open generation holding ``step`` (this incarnation's commits)."""
+        with self._lock:
+            slots = [s for s, st in self._slots.step_of.items() if st == step]
+        return max(slots) if slots else None
+
+    def release_unpinned(self) -> None:
+        with self._lock:
+            self._settle_locked()
+
+    def announce_newest(self) -> None:
+        """Rank 0: lets the remote tier announce the newest published global step."""
+        with self._publish_lock:
+            if self.remote is not None:
+                self.remote.announce_newest(self._recorded)
 
     # -- the logs -------------------------------------------------------------------------------
 
@@ -269,11 +292,14 @@ class GroupCoordinator(Retention):
         while (v := self._wait_key(f"e{self.epoch}/c/{i}")) is not None:
             i += 1
             step = int(v)
-            if self._recorded is None or step > self._recorded:
-                self._write_global(step)
-                self._recorded = step
-                j = self.group.store.add(f"e{self.epoch}/g", 1)
-                self.group.store.set(f"e{self.epoch}/g/{j}", str(step))
+            with self._publish_lock:
+                if self._recorded is None or step > self._recorded:
+                    self._write_global(step)
+                    self._recorded = step
+                    if self.remote is not None:  # before the step is published (group.py, step 1)
+                        self.remote.on_global_published(step)
+                    j = self.group.store.add(f"e{self.epoch}/g", 1)
+                    self.group.store.set(f"e{self.epoch}/g/{j}", str(step))
 
     def _follow_globals(self) -> None:
         j = 1

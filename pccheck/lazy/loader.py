@@ -29,13 +29,17 @@ class Loader:
     def __init__(self, path: Path, base: int, entries: Mapping[str, tuple[ArrayEntry, int]],
                  order: Iterable[str], deliver: Callable[[str, np.ndarray, bool], None], what: str,
                  target: Callable[[str], np.ndarray | None] = lambda name: None,
-                 on_success: Callable[[], None] = lambda: None) -> None:
+                 on_success: Callable[[], None] = lambda: None,
+                 read: Callable[[ArrayEntry, int, np.ndarray | None], np.ndarray] | None = None) -> None:
         self.path, self.base, self.entries = path, base, entries
         self.order = list(order)
         self.deliver = deliver  # (name, array, read straight into the target?)
         self.target = target    # where to read an array directly (its destination's bytes), or None
         self.on_success = on_success  # every array read and checked (before waiters are woken)
         self.what = what  # names the checkpoint in error messages
+        # reads one array, checked (entry, crc32c, into); None: from ``path`` at ``base`` (the
+        # remote tier gives its ranged GETs, pccheck/tiers/remote/load.py)
+        self.read = read
         self.events = {name: threading.Event() for name in self.order}
         self.error: PCCheckError | None = None
         self.finished = threading.Event()
@@ -46,12 +50,18 @@ class Loader:
 
     def _run(self) -> None:
         try:
-            with open(self.path, "rb", buffering=0) as f:
+            if self.read is not None:
                 for name in self.order:
                     into = self.target(name)
-                    self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name], into=into),
-                                 into is not None)
+                    self.deliver(name, self.read(*self.entries[name], into), into is not None)
                     self.events[name].set()
+            else:
+                with open(self.path, "rb", buffering=0) as f:
+                    for name in self.order:
+                        into = self.target(name)
+                        self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name], into=into),
+                                     into is not None)
+                        self.events[name].set()
             self.on_success()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the waiters
             self.error = self._explain(exc)

@@ -84,9 +84,11 @@ class LazyRestore:
             h.remove()
 
 
-def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
+def restore_lazily(located: Located, source: TorchState, read: Any = None) -> LazyRestore:
     """Starts a lazy restore of ``located`` into ``source``'s model, optimizer and extra state.
-    Everything that can fail is checked before the model, optimizer or extra objects change."""
+    Everything that can fail is checked before the model, optimizer or extra objects change.
+    ``read(entry, crc32c, into)`` reads one array, checked (the remote tier's ranged GETs);
+    None: from the slot ``located`` names."""
     import torch
 
     man = located.manifest
@@ -94,11 +96,13 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
         raise ConfigError(f"the checkpoint at step {man.step} holds arrays, not a PyTorch model; "
                           "load it without model=")
     entries = {e.name: (e, crc) for e, crc in zip(man.arrays, man.crcs)}
-    path, base = located.image.path, slot_base(located.image, located.slot)
+    path = located.image.path
+    base = slot_base(located.image, located.slot) if read is None else 0
     tree = {k: v for k, v in man.tree.items() if k not in ("order", "order_forward")}
     lazy = _lazy_names(tree) & set(entries)
     try:  # everything else (extra state, RNG, tensors in param_groups, nested state) now
-        small = _read_now(path, base, entries, [n for n in entries if n not in lazy])
+        now = [n for n in entries if n not in lazy]
+        small = _read_now(path, base, entries, now) if read is None else {n: read(*entries[n], None) for n in now}
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{path} slot {located.slot} (step {man.step}): {exc}; load with "
                                      "lazy=False to fall back to the previous valid checkpoint") from None
@@ -128,7 +132,8 @@ def restore_lazily(located: Located, source: TorchState) -> LazyRestore:
     complete = set(order) | set(small) == set(entries)  # then a clean load validated every array
     loader = Loader(path, base, entries, order, _deliverer(torch, dests, entries),
                     f"{path} slot {located.slot} (step {man.step})", _targeter(torch, dests, entries),
-                    lambda: mark_validated(located.image, located.slot, man.counter) if complete else None)
+                    lambda: mark_validated(located.image, located.slot, man.counter) if complete and read is None
+                    else None, read=read)
     handles = _hooks(source, loader, tree.get("model"), _unrun_model_names(man.tree, order))
     _pending[source.model] = loader
     loader.start()

@@ -61,13 +61,16 @@ class HeldSlots:
         """True if ``step`` lives in a slot of ``generation`` (it may then be retired behind)."""
         return generation == self.generation and step is not None and step in self.step_of.values()
 
-    def settle(self, orch: Any, keep: int | None) -> None:
-        """Takes the slots the store replaced and gives back those older than ``keep``."""
+    def settle(self, orch: Any, keep: int | None, pinned: Any = None) -> None:
+        """Takes the slots the store replaced and gives back those older than ``keep``, except
+        the steps ``pinned(step)`` says another user still reads (the remote tier's upload)."""
         self._sync(orch)
         gen = self.generation
         self.held.update(orch.take_held(gen))
         for s in sorted(self.held):
             step = self.step_of.get(s)
+            if step is not None and pinned is not None and pinned(step):
+                continue
             if step is None or (keep is not None and step < keep):
                 self.held.discard(s)
                 self.step_of.pop(s, None)

@@ -98,6 +98,18 @@ class StatsReport:
     skipped: int
     last_durable_step: int | None
     last_durable_time: float | None  # time.time() of that commit, in this process
+    # The remote tier (remote="s3://..."): remote_step (newest step committed remotely by this
+    # job), remote_lag_s (age of the oldest local commit not remote yet; 0 when caught up), and
+    # the upload counters (pccheck/tiers/remote/uploader.py, RemoteProgress). None without one.
+    remote: dict[str, Any] | None = None
+
+    @property
+    def remote_step(self) -> int | None:
+        return self.remote["remote_step"] if self.remote else None
+
+    @property
+    def remote_lag_s(self) -> float | None:
+        return self.remote["remote_lag_s"] if self.remote else None
     tiers: dict[str, Any] = field(default_factory=dict)  # newest step per tier (pccheck.tiers)
 
     @property
@@ -124,6 +136,7 @@ class StatsReport:
                 "reserve_bytes": sum(c.reserve_bytes for c in done),
                 "last_durable_step": self.last_durable_step,
                 "last_durable_age_s": self.last_durable_age_s,
+                **(self.remote or {}),
             },
             "tiers": self.tiers,
         }

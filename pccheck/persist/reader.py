@@ -29,7 +29,7 @@ from ..errors import CorruptCheckpointError
 from ..native import _native
 from .layout import ArrayEntry
 
-__all__ = ["read_region", "read_array", "read_entry", "crc32c", "prefault", "fresh_buffer"]
+__all__ = ["read_region", "read_array", "read_entry", "crc32c", "crc32c_combine", "prefault", "fresh_buffer"]
 
 PIECE = 32 << 20
 
@@ -82,6 +82,11 @@ def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int, into: np.ndarray
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
     """The crc32c (Castagnoli) of ``data``, continuing from ``crc`` (for readers above persist)."""
     return _native.crc32c(data, crc)
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The crc32c of A+B from those of A and of B (``len_b`` bytes): pieces checked in parallel."""
+    return _native.crc32c_combine(crc_a, crc_b, len_b)
 
 THREADS = 2
 

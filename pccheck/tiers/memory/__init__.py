@@ -1,5 +1,5 @@
 """The memory tier: checkpoints in RAM every k iterations, replicated to peer nodes (Gemini,
-SOSP'23), restored from the nearest tier. FORMAT.md §12 (the layout is §1-§5's, on tmpfs).
+SOSP'23), restored from the nearest tier. FORMAT.md §13 (the layout is §1-§5's, on tmpfs).
 
 Files and roles:
 

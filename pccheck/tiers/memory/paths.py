@@ -1,4 +1,4 @@
-"""Where the memory tier lives (FORMAT.md §12): the root, each rank's own store, the replicas."""
+"""Where the memory tier lives (FORMAT.md §13): the root, each rank's own store, the replicas."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ def memory_rank_dir(root: Path, rank: int | None) -> Path:
 
 
 def replica_dir(root: Path, source: int) -> Path:
-    """Where a peer keeps the replicas of ``source``'s memory checkpoints (FORMAT.md §12)."""
+    """Where a peer keeps the replicas of ``source``'s memory checkpoints (FORMAT.md §13)."""
     return root / f"replica-{source}"

@@ -1,4 +1,4 @@
-"""Replication of memory checkpoints to peer nodes, in the background (FORMAT.md §12).
+"""Replication of memory checkpoints to peer nodes, in the background (FORMAT.md §13).
 
 Transport: a gloo group of pccheck's own (never the training collectives), every wait bounded
 (``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends

@@ -253,7 +253,7 @@ def build_memory_tier(ck: Any, engine: EngineOptions, layout: Layout, snap: Any,
     memory directory's file system is too small for ``memory_need`` bytes."""
     from ...persist.layout import manifest_upper_bound
 
-    t = ck.options.tiers
+    t = ck.options.memory
     if t.memory_interval is None:
         return None
     if ck.options.group.replicated is not None:

@@ -1,0 +1,285 @@
+"""The remote tier in a torch.distributed group: each rank uploads its part, rank 0 commits the step.
+
+It rides on the group's global-step agreement (pccheck/distributed.py) and its key-value store,
+never on the training collectives. Keys, under ``remote/i<n>/`` (n: the how-many-th remote
+Checkpointer of this process group, the same on every rank since all construct together):
+
+    gen          the remote generation (rank 0 takes it when the Checkpointer is built)
+    a/<S>        step S is announced: every rank uploads its part of S
+    up, up/<i>   the announcement log (its i-th step)
+    done/<S>     how many ranks uploaded their part of S;  fail/<S>: how many could not
+
+Protocol (FORMAT.md §12.2 with world_size W > 1):
+
+1. Rank 0 announces a globally committed step S only while S is the newest global step it has
+   published: at publication, in the coordinator's publishing thread before S enters the global
+   log, or later under the coordinator's publish lock if S is still the newest. So ``a/<S>``
+   exists before any rank can learn of a global step newer than S.
+2. A rank gives a held slot back only if its step is not announced-and-not-yet-uploaded here
+   (:meth:`GroupUploader.pinned`, asked by the coordinator): by 1, the slot of an announced step
+   is still held on every rank when it is announced. Each rank uploads its data object from that
+   slot, PUTs its part ``parts/g<G>/s<S>/rank-<r>.json`` create-only, and adds 1 to ``done/<S>``
+   (or to ``fail/<S>``).
+3. Rank 0 waits for W parts (or a failure), reads them, writes the step manifest (create-only:
+   the commit), then moves the pointer. One announced step is in progress at a time; selected
+   global steps published meanwhile are superseded by the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from ...errors import CorruptCheckpointError, PCCheckError, RemoteError
+from ...persist.recovery import read_store
+from .commit import advance_pointer, commit_step, next_generation
+from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, rank_part_from_json
+from .objstore import NotFound
+from .upload import BufferPool, SlotRef, upload_slot
+from .uploader import RemoteUploader, _background_priority
+
+__all__ = ["GroupUploader", "part_key"]
+
+log = logging.getLogger("pccheck")
+
+_POLL = timedelta(milliseconds=200)
+_BACKOFF_MAX_S = 30.0
+
+
+def part_key(generation: int, step: int, rank: int) -> str:
+    return f"parts/g{generation:08d}/s{step}/rank-{rank}.json"
+
+
+class GroupUploader(RemoteUploader):
+    """One rank's uploader in a group. Its coordinator (``GroupCoordinator.remote``) calls
+    :meth:`on_global_published` (rank 0, before publishing a global step), :meth:`pinned`
+    (before giving a held slot back); the uploader calls the coordinator's
+    ``announce_if_newest`` (rank 0) once an upload ends."""
+
+    def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], group: Any, coord: Any) -> None:
+        self.group, self._kv, self._coord = group, group.store, coord
+        # the same n on every rank: each counts its own constructions (all construct together)
+        self._ns = f"remote/i{group.store.add(f'remote/instances/{group.rank}', 1)}/"
+        self._globals = 0                 # rank 0: global steps published so far
+        self._wanted: int | None = None   # rank 0: the newest selected global step not announced
+        self._busy = False                # rank 0: an announced step is in progress
+        self._done_steps: set[int] = set()
+        self._seen = 0                    # announcements this rank has taken
+        super().__init__(options, on_error=on_error, rank=group.rank)
+
+    def _take_generation(self) -> int:
+        key = self._ns + "gen"
+        if self.group.rank == 0:
+            gen = next_generation(self.store)
+            self._kv.set(key, str(gen))
+            return gen
+        self._kv.wait([key], timedelta(seconds=600))
+        return int(self._kv.get(key).decode())
+
+    # -- the coordinator's side (rank 0 announces; every rank pins) ------------------------------
+
+    def on_global_published(self, step: int) -> None:
+        """Rank 0, in the publishing thread before ``step`` enters the global log."""
+        self._globals += 1
+        log.debug("pccheck: global step %d published (busy %s)", step, self._busy)
+        if self._globals % self.options.remote_every == 0:
+            self._wanted = step
+            if not self._busy:
+                self._announce(step)
+        self._mark_idle(step)
+
+    def announce_newest(self, newest: int | None) -> None:
+        """Rank 0, under the coordinator's publish lock: announces the wanted step if it is
+        still the newest published global step (else some rank may have given its slot back)."""
+        if self._wanted is not None and not self._busy:
+            if self._wanted == newest:
+                self._announce(self._wanted)
+            else:  # a newer (unselected) global step was published: its slot may be gone
+                self._wanted = None
+        self._mark_idle(newest)
+
+    def _mark_idle(self, newest: int | None) -> None:
+        """Rank 0: with nothing announced in progress, publishes that every global step up to
+        ``newest`` is handled (uploaded or passed over), so the other ranks' waits may end."""
+        if not self._busy and self._wanted is None and newest is not None:
+            self._kv.set(self._ns + "idle", str(newest))
+
+    def _announce(self, step: int) -> None:
+        if self._stopped or self._closing:
+            return
+        self._busy, self._wanted = True, None
+        log.debug("pccheck: announcing step %d", step)
+        self._kv.set(self._ns + f"a/{step}", "1")
+        i = self._kv.add(self._ns + "up", 1)
+        self._kv.set(self._ns + f"up/{i}", str(step))
+        with self._cv:
+            if self.progress.behind_since is None:
+                self.progress.behind_since = time.time()
+
+    def pinned(self, step: int) -> bool:
+        """Whether this rank must keep the slot of ``step``: announced, its part not uploaded."""
+        return step not in self._done_steps and self._kv.check([self._ns + f"a/{step}"])
+
+    def on_commit(self, info: Any) -> None:
+        """Local commits queue nothing here: the announcements say what to upload."""
+
+    def _settle(self) -> None:
+        """The coordinator owns the held slots in a group (its _settle_locked asks pinned)."""
+
+    # -- waiting ---------------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every announcement so far is handled here (rank 0: and committed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cv:
+                idle = self._stopped or (self._running is None and self._seen >= self._kv.add(self._ns + "up", 0)
+                                         and (self.group.rank != 0 or not (self._busy or self._wanted is not None))
+                                         and self._globally_published())
+            if idle and self.group.rank != 0:
+                self._learn_committed()
+            if idle or self._closing:
+                log.debug("pccheck: remote wait: idle %s (seen %d, busy %s, wanted %s, global %s, closing %s)", idle,
+                          self._seen, self._busy, self._wanted, self._coord.global_step, self._closing)
+                return idle
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def _learn_committed(self) -> None:
+        """A rank other than 0: the newest step rank 0 committed remotely, for stats()."""
+        key = self._ns + "committed"
+        if self._kv.check([key]):
+            step = int(self._kv.get(key).decode())
+            with self._cv:
+                if self.progress.step is None or step > self.progress.step:
+                    self.progress.step, self.progress.time, self.progress.behind_since = step, time.time(), None
+
+    def _globally_published(self) -> bool:
+        """Whether this rank's newest local commit is known globally committed, and rank 0 has
+        finished with every global step up to it (announced and handled, or passed over)."""
+        mine = self._orch.last_durable_step if self._orch is not None else None
+        if mine is None:
+            return True
+        known = self._coord.global_step
+        if known is None or known < mine:
+            return False
+        key = self._ns + "idle"
+        return self._kv.check([key]) and int(self._kv.get(key).decode()) >= mine
+
+    # -- the upload thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        _background_priority()
+        while not self._closing:
+            key = self._ns + f"up/{self._seen + 1}"
+            try:
+                self._kv.wait([key], _POLL)
+            except Exception:  # the store raises on its timeout: look again (or stop)
+                continue
+            step = int(self._kv.get(key).decode())
+            with self._cv:
+                self._seen += 1
+                self._running = SlotRef(self._orch.store.file, 0, 0, step)
+            ok = self._upload_part(step)
+            self._kv.add(self._ns + (f"done/{step}" if ok else f"fail/{step}"), 1)
+            with self._cv:
+                self._done_steps.add(step)
+            self._coord.release_unpinned()  # this rank's slot of the step may go now
+            if self.group.rank == 0:
+                self._commit_group(step, ok)
+            if self.group.rank != 0:
+                self._learn_committed()
+            with self._cv:
+                self._running = None
+                self._cv.notify_all()
+
+    def _slot_of(self, step: int) -> SlotRef | None:
+        """This rank's committed slot holding ``step`` (the coordinator's record), with its counter."""
+        slot = self._coord.slot_of(step)
+        if slot is None:
+            return None
+        file = self._orch.store.file
+        meta = read_store(file).slots[slot].meta
+        if meta is None or meta["step"] != step:
+            return None
+        return SlotRef(file, slot, meta["counter"], step)
+
+    def _upload_part(self, step: int) -> bool:
+        ref = self._slot_of(step)
+        if ref is None:
+            log.warning("pccheck: rank %d holds no slot of step %d; its remote upload is abandoned", self.rank, step)
+            return False
+        backoff = 0.5
+        while not self._closing:
+            try:
+                if self._pool is None:
+                    self._pool = BufferPool(self.options.remote_concurrency + 1, self.options.remote_part_size)
+                t0 = time.perf_counter()
+                part = upload_slot(self.store, ref, self.generation, self.rank, self.options.remote_part_size,
+                                   self._pool, self._senders, lambda: self._closing)
+                self.store.put_new(part_key(self.generation, step, self.rank),
+                                   json.dumps(part.as_json()).encode("utf-8"))
+                with self._cv:
+                    self.progress.bytes += part.size
+                    self.progress.upload_s += time.perf_counter() - t0
+                return True
+            except CorruptCheckpointError as exc:
+                log.warning("pccheck: rank %d: not uploading step %d: %s", self.rank, step, exc)
+                return False
+            except (RemoteError, OSError) as exc:
+                self.progress.retries += 1
+                log.warning("pccheck: rank %d: uploading step %d failed (%s); retrying in %.1f s",
+                            self.rank, step, exc, backoff)
+                with self._cv:
+                    self._cv.wait_for(lambda: self._closing, backoff)
+                backoff = min(_BACKOFF_MAX_S, backoff * 2)
+            except Exception:  # a bug: the step is abandoned, training goes on
+                log.exception("pccheck: rank %d: the upload of step %d failed", self.rank, step)
+                return False
+        return False
+
+    def _commit_group(self, step: int, mine_ok: bool) -> None:
+        """Rank 0: waits for every rank's part, then writes the step manifest and the pointer."""
+        w, ok = self.group.world_size, mine_ok
+        while ok and not self._closing:
+            if self._kv.add(self._ns + f"fail/{step}", 0):
+                ok = False
+            elif self._kv.add(self._ns + f"done/{step}", 0) >= w:
+                break
+            else:
+                time.sleep(0.05)
+        try:
+            if ok and not self._closing:
+                parts = tuple(self._read_part(step, r) for r in range(w))
+                commit_step(self.store, StepManifest(self.generation, step, w, time.time(), parts))
+                advance_pointer(self.store, self.generation, step)
+                self._kv.set(self._ns + "committed", str(step))  # the other ranks' stats()
+                with self._cv:
+                    p = self.progress
+                    p.step, p.time, p.uploads, p.error = step, time.time(), p.uploads + 1, None
+                    p.behind_since = None
+                log.info("pccheck: step %d committed remotely by %d ranks (generation %d)", step, w, self.generation)
+            else:
+                self.progress.abandoned += 1
+                log.warning("pccheck: the remote upload of step %d is abandoned (a rank could not upload its part)",
+                            step)
+        except PCCheckError as exc:
+            log.error("pccheck: %s", exc)
+            with self._cv:
+                self._stopped, self.progress.error = True, str(exc)
+            self._on_error(exc)
+        finally:
+            self._busy = False
+            self._coord.announce_newest()  # a selected global step published meanwhile goes next
+
+    def _read_part(self, step: int, rank: int) -> RankPart:
+        try:
+            raw, _ = self.store.get(part_key(self.generation, step, rank), MAX_MANIFEST_BYTES)
+            return rank_part_from_json(raw, f"rank {rank}'s part of step {step}")
+        except NotFound:
+            raise RemoteError(f"rank {rank}'s part of step {step} is missing") from None

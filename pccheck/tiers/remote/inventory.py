@@ -1,0 +1,109 @@
+"""What a remote prefix holds, for ``pccheck ls s3://...`` and ``pccheck verify s3://...``.
+
+:func:`survey` reads the pointer and the step manifests (no data); :func:`verify` also fetches
+every data object and checks every part's and every array's crc32c, as a load would
+(load.py), and says which step a load would return: exit status 0 (the newest committed step
+loads), 1 (an older one does), 2 (none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import CorruptCheckpointError, NoCheckpointError, RemoteError
+from .commit import committed, read_pointer
+from .layout import MAX_MANIFEST_BYTES, decode_manifest, manifest_key
+from .load import _load_step, _local_manifest, load_remote
+from .objstore import NotFound, ObjectStore
+
+__all__ = ["RemoteStep", "survey", "verify", "remote_url", "manifest_of", "load_step"]
+
+
+@dataclass(frozen=True)
+class RemoteStep:
+    """One committed step: its manifest's facts, and (verify) whether it loads."""
+
+    generation: int
+    step: int
+    world_size: int
+    nbytes: int
+    unix_time: float | None
+    pointer: bool         # the step the ``latest`` pointer names
+    problem: str | None   # why it does not load (verify), or its manifest is unreadable
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation, "step": self.step, "world_size": self.world_size,
+                "bytes": self.nbytes, "unix_time": self.unix_time, "pointer": self.pointer, "problem": self.problem}
+
+
+def remote_url(path: Any) -> str | None:
+    """``s3://...`` from a CLI argument (typer turns ``s3://b/p`` into the Path ``s3:/b/p``)."""
+    text = str(path) if path is not None else ""
+    if text.startswith("s3://"):
+        return text
+    if text.startswith("s3:/"):
+        return "s3://" + text[len("s3:/"):]
+    return None
+
+
+def survey(url: str) -> list[RemoteStep]:
+    """Every committed step, newest first, from the manifests alone."""
+    store = ObjectStore(url)
+    ptr, _ = read_pointer(store)
+    out = []
+    for g, s in committed(store):
+        try:
+            raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+            m = decode_manifest(raw, g, s)
+            out.append(RemoteStep(g, s, m.world_size, sum(r.size for r in m.ranks), m.unix_time,
+                                  ptr is not None and ptr.order == (g, s), None))
+        except (NotFound, CorruptCheckpointError, RemoteError) as exc:
+            out.append(RemoteStep(g, s, 0, 0, None, ptr is not None and ptr.order == (g, s), str(exc)))
+    return out
+
+
+def verify(url: str) -> tuple[list[RemoteStep], int]:
+    """Every committed step fully checked (every rank's part), newest first, and the exit status."""
+    store = ObjectStore(url)
+    steps = []
+    for st in survey(url):
+        problem = st.problem
+        if problem is None:
+            try:
+                for rank in range(st.world_size):
+                    _load_step(store, st.generation, st.step, rank, st.world_size)
+            except (CorruptCheckpointError, RemoteError) as exc:
+                problem = str(exc)
+        steps.append(RemoteStep(st.generation, st.step, st.world_size, st.nbytes, st.unix_time, st.pointer, problem))
+    ok = [i for i, s in enumerate(steps) if s.problem is None]
+    return steps, (0 if ok and ok[0] == 0 else 1 if ok else 2)
+
+
+def _find(store: ObjectStore, url: str, step: int | None) -> tuple[int, int]:
+    steps = committed(store)
+    found = [gs for gs in steps if step is None or gs[1] == step]
+    if not found:
+        raise NoCheckpointError(f"{url} holds no committed step" + (f" {step}" if step is not None else ""))
+    return found[0]
+
+
+def manifest_of(url: str, step: int | None = None) -> tuple[int, int, Any]:
+    """(generation, world size, rank 0's local manifest) of the newest committed step (or of
+    ``step``): for ``pccheck inspect s3://...``; the manifest is checked, the data is not read."""
+    store = ObjectStore(url)
+    g, s = _find(store, url, step)
+    raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+    m = decode_manifest(raw, g, s)
+    return g, m.world_size, _local_manifest(m.ranks[0], s)
+
+
+def load_step(url: str, step: int | None = None) -> Any:
+    """Rank 0's arrays of the newest committed step that loads (or of ``step``, no fallback),
+    every checksum checked: for ``pccheck export s3://...``."""
+    if step is None:
+        return load_remote(url)
+    store = ObjectStore(url)
+    g, s = _find(store, url, step)
+    raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+    return _load_step(store, g, s, 0, decode_manifest(raw, g, s).world_size)

@@ -1,0 +1,90 @@
+"""Retention on the remote tier (FORMAT.md §12.6): keep-last / keep-every, like the local history.
+
+:func:`prune` runs on the uploader's thread after a remote commit. It deletes a step by deleting
+its manifest first (the step is no longer committed: readers never pick it again), then the
+data objects only that manifest named. It never deletes the newest committed step nor the one the
+pointer names. Besides, it deletes data objects no committed manifest names and aborts multipart
+uploads, but only those of older generations (their jobs are gone or superseded: nobody can still
+be about to commit them); this job's own leftovers are the next job's to collect.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ...errors import CorruptCheckpointError, RemoteError
+from .commit import committed, read_pointer
+from .layout import DATA, MAX_MANIFEST_BYTES, decode_manifest, manifest_key
+from .objstore import NotFound, ObjectStore
+
+__all__ = ["prune", "PruneCounts"]
+
+log = logging.getLogger("pccheck")
+
+
+class PruneCounts:
+    def __init__(self) -> None:
+        self.steps = self.orphans = self.aborted = 0
+
+
+def _keep(steps: list[tuple[int, int]], keep_last: int | None, keep_every: int | None,
+          pinned: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Which committed (generation, step)s stay: the newest ``keep_last``, every step divisible
+    by ``keep_every``, and the pinned ones (newest and pointer)."""
+    keep = set(pinned)
+    keep.update(steps[:keep_last] if keep_last is not None else steps)
+    if keep_every is not None:
+        keep.update(gs for gs in steps if gs[1] % keep_every == 0)
+    return keep
+
+
+def _generation_of(key: str) -> int | None:
+    """G of a ``data/g<G>/...`` key."""
+    parts = key.split("/")
+    if len(parts) < 2 or not parts[1].startswith("g") or not parts[1][1:].isdigit():
+        return None
+    return int(parts[1][1:])
+
+
+def prune(store: ObjectStore, own_generation: int, keep_last: int | None, keep_every: int | None) -> PruneCounts:
+    """One retention pass. Errors are the caller's to log; a half-done pass is harmless (a
+    manifest deleted before its data leaves orphans, collected by a later pass of a later job)."""
+    counts = PruneCounts()
+    steps = committed(store)
+    if not steps:
+        return counts
+    ptr, _ = read_pointer(store)
+    pinned = {steps[0]} | ({ptr.order} if ptr is not None else set())
+    keep = _keep(steps, keep_last, keep_every, pinned)
+    named: set[str] = set()
+    for g, s in steps:
+        try:
+            raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+            data = [r.data for r in decode_manifest(raw, g, s).ranks]
+        except (NotFound, CorruptCheckpointError) as exc:
+            log.warning("pccheck: remote retention: skipping step %d (generation %d): %s", s, g, exc)
+            continue
+        if (g, s) in keep:
+            named.update(data)
+            continue
+        store.delete(manifest_key(g, s))  # first: the step is no longer committed
+        for key in data:
+            store.delete(key)
+        counts.steps += 1
+    for o in store.list(DATA):  # data no committed manifest names, of older generations only
+        g = _generation_of(o.key)
+        if g is not None and g < own_generation and o.key not in named:
+            store.delete(o.key)
+            counts.orphans += 1
+    try:
+        for key, upload_id, _ in store.stale_uploads(DATA):
+            g = _generation_of(key)
+            if g is not None and g < own_generation:
+                store.abort_multipart(key, upload_id)
+                counts.aborted += 1
+    except RemoteError as exc:  # some stores do not list uploads: nothing else depends on it
+        log.info("pccheck: remote retention: cannot list multipart uploads (%s)", exc)
+    if counts.steps or counts.orphans or counts.aborted:
+        log.info("pccheck: remote retention under %s: %d steps, %d orphaned objects deleted, %d uploads aborted",
+                 store.url, counts.steps, counts.orphans, counts.aborted)
+    return counts

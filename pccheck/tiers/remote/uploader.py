@@ -1,0 +1,282 @@
+"""The background uploader: every ``remote_every``-th local commit, uploaded and committed remotely.
+
+Call protocol (the Checkpointer follows it)::
+
+    up = RemoteUploader(options.remote, on_error=...)   # probes the store (RemoteConfigError)
+    Orchestrator(..., retention=up.retention, on_commit=...)
+    up.attach(orchestrator)
+    up.on_commit(info)      # on the commit thread, after each local commit; only enqueues
+    up.wait(timeout)        # True once every checkpoint queued so far is committed remotely
+    up.close(timeout)       # waits (up to timeout), then stops; before the orchestrator closes
+
+Invariants:
+
+* Training never waits for the object store: ``on_commit`` does no I/O beyond giving held slots
+  back (an in-memory call into the store), and the upload runs on this module's threads.
+* A slot being uploaded, or queued for upload, is held from reuse (:class:`UploadRetention`:
+  replaced slots are held, and given back by :meth:`RemoteUploader._settle` unless an upload
+  still needs them); its store generation is not retired while it is held. One queued upload at
+  most: a newer commit supersedes the queued one, whose slot is then given back.
+* A failed request (server down, timeouts) keeps the checkpoint queued and retries with backoff
+  unless a newer one supersedes it; a lost race (RemoteConflictError) stops the uploads for good
+  and is reported through ``on_error``; a damaged slot is abandoned with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from ...errors import CorruptCheckpointError, PCCheckError, RemoteConflictError, RemoteError
+from ...orchestrator.retention import Retention
+from ...persist.files import store_generation
+from .commit import advance_pointer, commit_step, next_generation
+from .layout import StepManifest
+from .objstore import ObjectStore
+from .retention import prune
+from .upload import BufferPool, Cancelled, SlotRef, upload_slot
+
+__all__ = ["RemoteUploader", "UploadRetention", "RemoteProgress"]
+
+log = logging.getLogger("pccheck")
+
+_BACKOFF_MAX_S = 30.0
+
+
+_NICE = 10  # the upload threads yield the CPUs to training (the slot read, crc32c, HTTP, hashing)
+
+
+def _background_priority() -> None:
+    """Lowers this thread's scheduling priority (Linux: a thread is a task with its own nice)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+    except (OSError, AttributeError):  # not Linux, or not permitted: upload at normal priority
+        pass
+
+
+class UploadRetention(Retention):
+    """The orchestrator's policy while a remote tier uploads: replaced slots are held (the
+    uploader gives back those it does not need), one more slot per held upload (the running
+    one; and the queued one when ``remote_every`` > 1, since a commit not uploaded can replace
+    it), and no generation retired while an upload reads an older one."""
+
+    hold_replaced = True
+
+    def __init__(self, uploader: "RemoteUploader", every: int) -> None:
+        self._up = uploader
+        self.extra_slots = 1 if every == 1 else 2
+
+    def may_free_slots(self) -> bool:
+        return True  # the uploader gives its slots back when their upload ends
+
+    def may_retire(self, generation: int) -> bool:
+        return self._up.oldest_held_generation() >= generation
+
+
+class RemoteProgress:
+    """What the remote tier reached (``Checkpointer.stats()`` reports it)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None       # newest step committed remotely by this job
+        self.time: float | None = None     # time.time() of that remote commit
+        self.behind_since: float | None = None  # time of the oldest local commit not remote yet
+        self.uploads = self.superseded = self.abandoned = self.retries = 0
+        self.bytes = 0
+        self.upload_s = 0.0
+        self.error: str | None = None
+        # (step, local commit time, remote commit time, bytes, upload seconds) of the last 1000
+        # remote commits, time.time() clocks (bench/resilience/remote.py reads it)
+        self.history: deque[tuple[int, float, float, int, float]] = deque(maxlen=1000)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"remote_step": self.step, "remote_lag_s": (time.time() - self.behind_since)
+                if self.behind_since is not None else 0.0, "remote_uploads": self.uploads,
+                "remote_superseded": self.superseded, "remote_abandoned": self.abandoned,
+                "remote_retries": self.retries, "remote_bytes": self.bytes,
+                "remote_gbps": self.bytes / self.upload_s / 1e9 if self.upload_s else None,
+                "remote_error": self.error}
+
+
+class RemoteUploader:
+    """Uploads committed local checkpoints to ``options.remote`` (a RemoteOptions)."""
+
+    def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], rank: int = 0) -> None:
+        self.options = options
+        self.store = ObjectStore(options.remote, connections=options.remote_concurrency + 4)
+        self.store.probe()  # RemoteConfigError: wrong credentials, no bucket, no conditional writes
+        self.generation = self._take_generation()
+        self.rank = rank
+        self.retention = UploadRetention(self, options.remote_every)
+        self.progress = RemoteProgress()
+        self._on_error = on_error
+        self._orch: Any = None
+        self._cv = threading.Condition()
+        self._pending: tuple[SlotRef, float] | None = None
+        self._running: SlotRef | None = None
+        self._held: set[int] = set()  # replaced slots of generation _held_gen, held for us
+        self._held_gen = 0
+        self._commits = 0
+        self._newest_counter = 0  # the highest local commit counter seen by on_commit
+        self._stopped = False   # a lost race: nothing more is uploaded
+        self._closing = False
+        self._kick = False      # retry now instead of waiting out the backoff
+        self._pool: BufferPool | None = None
+        self._senders = ThreadPoolExecutor(options.remote_concurrency, thread_name_prefix="pccheck-remote-part",
+                                           initializer=_background_priority)
+        self._thread = threading.Thread(target=self._run, name="pccheck-remote", daemon=True)
+        self._thread.start()
+        log.info("pccheck: remote tier %s (generation %d)", options.remote, self.generation)
+
+    def _take_generation(self) -> int:
+        return next_generation(self.store)
+
+    def attach(self, orch: Any) -> None:
+        self._orch = orch
+
+    # -- the commit thread's side ------------------------------------------------------------------
+
+    def on_commit(self, info: Any) -> None:
+        """A local commit (CommitInfo) became the durable latest: queue every k-th. No I/O."""
+        with self._cv:
+            self._commits += 1
+            # Two commit threads may call in either order after their CASes: a commit older than
+            # one already seen (by counter) is no longer the durable latest and must not
+            # supersede the newer one queued (its slot is already replaced).
+            newer = info.counter > self._newest_counter
+            self._newest_counter = max(self._newest_counter, info.counter)
+            if newer and not self._stopped and not self._closing and self._commits % self.options.remote_every == 0:
+                if self._pending is not None:
+                    self.progress.superseded += 1
+                    log.info("pccheck: remote upload of step %d superseded by step %d", self._pending[0].step, info.step)
+                self._pending = (SlotRef(info.store_file, info.slot, info.counter, info.step), time.time())
+                self._kick = True
+                if self.progress.behind_since is None:
+                    self.progress.behind_since = self._pending[1]
+                self._cv.notify_all()
+            self._settle()
+
+    def _settle(self) -> None:
+        """Gives back the held slots no upload needs (called with the lock held)."""
+        orch = self._orch
+        if orch is None:
+            return
+        gen = orch.generation
+        if gen != self._held_gen:  # a new generation: slot numbers start over
+            self._held, self._held_gen = set(), gen
+        self._held.update(orch.take_held(gen))
+        keep = {r.slot for r in (self._running, self._pending[0] if self._pending else None)
+                if r is not None and store_generation(r.store_file.name) == gen}
+        for s in sorted(self._held - keep):
+            self._held.discard(s)
+            orch.release_slot(s, gen)
+
+    def oldest_held_generation(self) -> int:
+        refs = [r for r in (self._running, self._pending[0] if self._pending else None) if r is not None]
+        gens = [store_generation(r.store_file.name) or 0 for r in refs]
+        return min(gens, default=1 << 62)
+
+    # -- waiting -----------------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once nothing is queued or uploading (or the uploads stopped on a lost race). A
+        failed upload waiting out its backoff is retried at once."""
+        with self._cv:
+            self._kick = True
+            self._cv.notify_all()
+            return self._cv.wait_for(lambda: self._stopped or (self._pending is None and self._running is None),
+                                     timeout)
+
+    def close(self, timeout: float | None) -> bool:
+        """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether
+        everything queued was committed remotely. Idempotent."""
+        caught_up = self.wait(timeout)
+        if not caught_up:
+            log.error("pccheck: the remote upload did not finish within %s s; the newest remotely committed step "
+                      "is %s", timeout, self.progress.step)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+        self._senders.shutdown(wait=True)
+        with self._cv:
+            self._pending = None
+            self._settle()
+        self._pool = None
+        return caught_up
+
+    # -- the upload thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        _background_priority()
+        backoff = 0.0
+        while True:
+            with self._cv:
+                if backoff:  # cut short by a newer checkpoint, a waiter, or close
+                    self._kick = False
+                    self._cv.wait_for(lambda: self._closing or self._kick, backoff)
+                self._cv.wait_for(lambda: self._closing or (self._pending is not None and not self._stopped))
+                if self._closing or self._pending is None:
+                    return
+                ref, t_commit = self._pending
+                self._pending, self._running = None, ref
+            retry = False
+            try:
+                self._upload(ref, t_commit)
+                backoff = 0.0
+            except Cancelled:
+                pass
+            except RemoteConflictError as exc:
+                log.error("pccheck: %s", exc)
+                with self._cv:
+                    self._stopped, self.progress.error = True, str(exc)
+                self._on_error(exc)
+            except CorruptCheckpointError as exc:
+                log.warning("pccheck: not uploading step %d: %s", ref.step, exc)
+                self.progress.abandoned += 1
+            except (RemoteError, OSError) as exc:
+                self.progress.retries += 1
+                self.progress.error = str(exc)
+                backoff = min(_BACKOFF_MAX_S, max(0.5, backoff * 2))
+                log.warning("pccheck: uploading step %d failed (%s); retrying in %.1f s unless a newer checkpoint "
+                            "supersedes it", ref.step, exc, backoff)
+                retry = True
+            except Exception as exc:  # a bug: report it, training goes on
+                log.exception("pccheck: the remote upload of step %d failed", ref.step)
+                self._on_error(PCCheckError(f"remote upload of step {ref.step} failed: {exc!r}"))
+            with self._cv:
+                self._running = None
+                if retry and self._pending is None and not self._closing:
+                    self._pending = (ref, t_commit)  # still the newest: try it again
+                elif not retry:
+                    self.progress.behind_since = self._pending[1] if self._pending is not None else None
+                self._settle()
+                self._cv.notify_all()
+            if self._orch is not None:
+                self._orch.retire_if_allowed()
+
+    def _upload(self, ref: SlotRef, t_commit: float) -> None:
+        opts = self.options
+        if self._pool is None:  # allocated at the first upload, reused: bounded memory
+            self._pool = BufferPool(opts.remote_concurrency + 1, opts.remote_part_size)
+        t0 = time.perf_counter()
+        part = upload_slot(self.store, ref, self.generation, self.rank, opts.remote_part_size, self._pool,
+                           self._senders, lambda: self._closing)
+        commit_step(self.store, StepManifest(self.generation, ref.step, 1, time.time(), (part,)))
+        advance_pointer(self.store, self.generation, ref.step)
+        with self._cv:
+            p = self.progress
+            p.step, p.time, p.uploads, p.error = ref.step, time.time(), p.uploads + 1, None
+            p.bytes += part.size
+            p.upload_s += time.perf_counter() - t0
+            p.history.append((ref.step, t_commit, p.time, part.size, time.perf_counter() - t0))
+        log.info("pccheck: step %d committed remotely (%s, generation %d)", ref.step, self.store.url, self.generation)
+        if opts.remote_keep_last is not None or opts.remote_keep_every is not None:
+            try:
+                prune(self.store, self.generation, opts.remote_keep_last, opts.remote_keep_every)
+            except (RemoteError, OSError) as exc:  # the next pass tries again; the commit stands
+                log.warning("pccheck: remote retention failed (%s); it runs again after the next commit", exc)
