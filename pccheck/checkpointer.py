@@ -39,6 +39,7 @@ from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
 from .tuner.policy import FixedInterval, OnlineTuned, SavePolicy
 from .tiers.memory.shm_store import build_memory_tier
+from .tiers.remote.group import build_remote_tier
 
 __all__ = ["Checkpointer", "OnError"]
 
@@ -157,8 +158,10 @@ class Checkpointer:
             from .ops.history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
-        self._remote = self._remote_tier(group)  # probes the object store (RemoteConfigError)
-        self._memory = build_memory_tier(self, engine, layout, snap, group)  # collective; before the disk's
+        # The remote tier (pccheck.tiers.remote): probes the object store (RemoteConfigError).
+        self._remote = build_remote_tier(self.options.remote, self._writes, self._coord, group, self._background_error)
+        # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
+        self._memory = build_memory_tier(self, engine, layout, snap, group)
         if self._writes:
             self._prepared = not self._defer_prepare()
             self._orch = self._open(engine, layout, snap, group)
@@ -172,20 +175,6 @@ class Checkpointer:
                                       tuned=self.settings["spread_steps"])
         if not self._prepared:
             self._prep_hooks = self._prepare_hooks()
-
-    def _remote_tier(self, group: Any) -> Any:
-        """The remote tier's uploader (pccheck/tiers/remote), or None without ``remote=``."""
-        if self.options.remote.remote is None or not self._writes:
-            return None
-        if self._coord is not None:  # each rank uploads its part; rank 0 commits the step
-            from .tiers.remote.group import GroupUploader
-
-            up = GroupUploader(self.options.remote, on_error=self._background_error, group=group, coord=self._coord)
-            self._coord.remote, self._coord.extra_slots = up, 2  # one more slot: the one uploading
-            return up
-        from .tiers.remote.uploader import RemoteUploader
-
-        return RemoteUploader(self.options.remote, on_error=self._background_error)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online

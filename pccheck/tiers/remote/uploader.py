@@ -280,3 +280,4 @@ class RemoteUploader:
                 prune(self.store, self.generation, opts.remote_keep_last, opts.remote_keep_every)
             except (RemoteError, OSError) as exc:  # the next pass tries again; the commit stands
                 log.warning("pccheck: remote retention failed (%s); it runs again after the next commit", exc)
+
