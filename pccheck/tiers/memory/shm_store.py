@@ -223,10 +223,12 @@ class MemoryTier:
             return False
 
     def ensure_copied(self) -> None:
+        """Soft copy-on-write: returns once no memory checkpoint still reads live tensors."""
         if self.orch is not None:
             self.orch.ensure_copied()
 
     def wait(self) -> None:
+        """Returns once every memory checkpoint started has committed or failed."""
         if self.orch is not None:
             self.orch.wait()
 
@@ -238,30 +240,58 @@ class MemoryTier:
             out.update(self.replicator.newest())
         return out
 
-    def close(self) -> None:
+    def close(self, then: Callable[[], None] | None = None) -> None:
         """Waits for the memory checkpoints in flight, sends the newest to the peers, waits for
-        theirs (bounded), then closes the stores."""
+        theirs (bounded), then closes the stores; ``then`` runs last, whatever happened."""
         try:
-            if self.orch is not None:
-                self.orch.wait()
-            if self.replicator is not None:
-                self.replicator.close()
+            try:
+                if self.orch is not None:
+                    self.orch.wait()
+                if self.replicator is not None:
+                    self.replicator.close()
+            finally:
+                if self.orch is not None:
+                    self.orch.close()
+                if self.coord is not None:
+                    self.coord.close()
         finally:
-            if self.orch is not None:
-                self.orch.close()
-            if self.coord is not None:
-                self.coord.close()
+            if then is not None:
+                then()
 
 
-def build_memory_tier(ck: Any, engine: EngineOptions, layout: Layout, snap: Any, group: Group | None) -> MemoryTier | None:
-    """The Checkpointer's memory tier, or None when ``memory_interval`` is not set. Collective in a
+class NoMemoryTier:
+    """The Checkpointer's memory tier when ``memory_interval`` is not set: does nothing."""
+
+    def start(self, *args: Any) -> None:
+        pass
+
+    def maybe(self, *args: Any) -> bool:
+        return False
+
+    def ensure_copied(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def newest(self) -> dict[str, Any]:
+        return {}
+
+    def close(self, then: Callable[[], None] | None = None) -> None:
+        if then is not None:
+            then()
+
+
+def build_memory_tier(ck: Any, engine: EngineOptions, layout: Layout, snap: Any,
+                      group: Group | None) -> MemoryTier | NoMemoryTier:
+    """The Checkpointer's memory tier (a NoMemoryTier when ``memory_interval`` is not set). Collective in a
     group; raises ConfigError for a combination it does not support, NoSpaceError when the
     memory directory's file system is too small for ``memory_need`` bytes."""
     from ...persist.layout import manifest_upper_bound
 
     t = ck.options.memory
     if t.memory_interval is None:
-        return None
+        return NoMemoryTier()
     if ck.options.group.replicated is not None:
         raise ConfigError("the memory tier needs every rank to write its own state: drop replicated='rank0'")
     if ck.options.snapshot.spread_steps != 1:
