@@ -30,6 +30,7 @@ __all__ = [
     "Restored", "SlotState", "StoreImage", "Scanned", "read_store", "scan", "confirmed_slot", "candidate_order",
     "first_valid", "read_manifest", "load_slot", "load_newest", "store_files", "slot_was_written",
     "was_validated", "mark_validated", "parse_header_block", "image_from", "manifest_region", "manifest_from", "slot_base",
+    "slot_manifests",
 ]
 
 log = logging.getLogger("pccheck")
@@ -254,6 +255,21 @@ def read_manifest(image: StoreImage, slot: int, fd: int) -> Manifest:
     """Reads and validates one slot's manifest against its meta record (not the array data)."""
     off, n = manifest_region(image, slot)
     return manifest_from(image, slot, _pread_exact(fd, n, off))
+
+
+def slot_manifests(path: Path, image: StoreImage) -> Iterator[tuple[Any, Manifest]]:
+    """(slot state, manifest) of every slot of ``image`` (read from ``path``) whose meta record and
+    manifest check out, data not read; a slot that does not is logged and skipped."""
+    with open(path, "rb", buffering=0) as f:
+        for st in image.slots:
+            if st.meta is None:
+                continue
+            try:
+                man = read_manifest(image, st.slot, f.fileno())
+            except CorruptCheckpointError as exc:
+                log.warning("pccheck: %s slot %d: %s", path, st.slot, exc)
+                continue
+            yield st, man
 
 
 def slot_base(image: StoreImage, slot: int) -> int:

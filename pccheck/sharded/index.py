@@ -29,7 +29,7 @@ from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..persist.files import rank_dir
 from ..persist.layout import ArrayEntry, Manifest
 from ..persist.reader import read_entry
-from ..persist.recovery import StoreImage, read_manifest, scan, slot_base
+from ..persist.recovery import StoreImage, scan, slot_base, slot_manifests
 from .geometry import Box
 
 __all__ = ["Member", "Chunk", "TensorInfo", "CheckpointSet", "find_sets", "newest_set", "rank_dirs"]
@@ -163,16 +163,8 @@ def _slots(directory: Path, rank: int) -> Iterator[tuple[int, int, int, Member]]
             log.warning("pccheck: %s says rank %d of %d, but it is in the directory of rank %d: ignored",
                         gen.path, h["rank"], h["world_size"], rank)
             continue
-        with open(gen.path, "rb", buffering=0) as f:
-            for st in image.slots:
-                if st.meta is None:
-                    continue
-                try:
-                    man = read_manifest(image, st.slot, f.fileno())
-                except CorruptCheckpointError as exc:
-                    log.warning("pccheck: %s slot %d: %s", gen.path, st.slot, exc)
-                    continue
-                yield man.epoch or 0, man.step, h["world_size"], Member(rank, image, st.slot, man)
+        for st, man in slot_manifests(gen.path, image):
+            yield man.epoch or 0, man.step, h["world_size"], Member(rank, image, st.slot, man)
 
 
 def find_sets(path: str | os.PathLike[str]) -> list[CheckpointSet]:

@@ -37,7 +37,7 @@ from ...errors import CorruptCheckpointError, NoCheckpointError
 from ...persist.files import rank_dir
 from ...persist.layout import MAX_MANIFEST_BYTES, parse_manifest
 from ...persist.reader import fresh_buffer
-from ...persist.recovery import Restored, load_slot, read_manifest, read_store, scan, slot_base
+from ...persist.recovery import Restored, load_slot, read_store, scan, slot_base, slot_manifests
 from .replicate import MAX_DATA, TIMEOUT_S, arrays_of, check_arrays, data_end, read_raw_manifest
 from .paths import memory_rank_dir, replica_dir
 from .wire import ReplicationError, gather_json, recv_bytes, send_bytes
@@ -70,18 +70,10 @@ def _scan(directory: Path, world: int, rank: int) -> dict[Key, _Entry]:
         image = gen.image
         if image is None or (image.header["world_size"], image.header["rank"]) != (world, rank):
             continue
-        with open(gen.path, "rb", buffering=0) as f:
-            for st in image.slots:
-                if st.meta is None:
-                    continue
-                try:
-                    man = read_manifest(image, st.slot, f.fileno())
-                except CorruptCheckpointError as exc:
-                    log.warning("pccheck: %s slot %d: %s", gen.path, st.slot, exc)
-                    continue
-                key = (man.epoch or 0, man.step)
-                if key not in found:
-                    found[key] = _Entry(gen.path, st.slot, man.counter, data_end(man), st.meta["manifest_len"])
+        for st, man in slot_manifests(gen.path, image):
+            key = (man.epoch or 0, man.step)
+            if key not in found:
+                found[key] = _Entry(gen.path, st.slot, man.counter, data_end(man), st.meta["manifest_len"])
     return found
 
 
