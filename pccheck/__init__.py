@@ -17,7 +17,7 @@ from .errors import (ConfigError, CorruptCheckpointError, CriuError, DeviceIOErr
                      RemoteConflictError, RemoteError, SnapshotError,
                      StorageError, StoreLockedError, UnsupportedDtypeError)
 from .checkpointer import Checkpointer  # loads the native core: fails early, with build instructions
-from .options import EngineOptions, GroupOptions, HistoryOptions, Options, RemoteOptions, SnapshotOptions
+from .options import EngineOptions, GroupOptions, HistoryOptions, MemoryOptions, Options, RemoteOptions, SnapshotOptions
 from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
 from .lazy import LazyRestore
@@ -26,7 +26,7 @@ from .version import __version__
 
 __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions",
-    "RemoteOptions",
+    "RemoteOptions", "MemoryOptions",
     "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",

@@ -38,6 +38,7 @@ from .state.torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
 from .tuner.policy import FixedInterval, OnlineTuned, SavePolicy
+from .tiers.memory.shm_store import build_memory_tier
 
 __all__ = ["Checkpointer", "OnError"]
 
@@ -157,9 +158,13 @@ class Checkpointer:
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
         self._remote = self._remote_tier(group)  # probes the object store (RemoteConfigError)
+        # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
+        self._memory = build_memory_tier(self, engine, layout, snap, group)
         if self._writes:
             self._prepared = not self._defer_prepare()
             self._orch = self._open(engine, layout, snap, group)
+            if self._memory is not None:
+                self._memory.start(self._epoch(), layout, snap.arrays, *((group.world_size, group.rank) if group else (1, 0)))
             if self.soft_cow:
                 self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
@@ -328,6 +333,8 @@ class Checkpointer:
         # `pccheck-tune -- python train.py` times the iterations here when the script does not
         # report them itself (a no-op otherwise: one environment lookup).
         report_from_checkpointer(self._state_bytes)
+        if self._memory is not None:  # its own interval, from the same state at the same call
+            self._memory.maybe(step, self._source.snapshot, {**self.metadata, **_check_metadata(metadata)}, self.soft_cow)
         if self._spread is not None:
             self._spread.on_call(step)
             self._spread.poll(self._orch.stats)
@@ -407,11 +414,15 @@ class Checkpointer:
         Call it before mutating parameters or optimizer state outside ``optimizer.step()``."""
         if self._orch is not None:
             self._orch.ensure_copied()
+        if self._memory is not None:
+            self._memory.ensure_copied()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._spread is not None:
             self._spread.step_begins()  # the step's window ends here, before this wait
         self._orch.ensure_copied()
+        if self._memory is not None:
+            self._memory.ensure_copied()
 
     def _epoch(self) -> int | None:
         """The job incarnation recorded in each manifest (a group), else None."""
@@ -432,6 +443,8 @@ class Checkpointer:
         With ``remote=True`` it then waits (up to ``timeout`` s) until every checkpoint taken so
         far is committed remotely (or superseded there by a newer one); returns False on timeout."""
         self._settle_spread()
+        if self._memory is not None:
+            self._memory.wait()
         if self._orch is not None:
             self._orch.wait()
         done = self._remote.wait(timeout) if remote and self._remote is not None else True
@@ -465,8 +478,12 @@ class Checkpointer:
         o = self._orch
         if o is None:
             return StatsReport((), 0, None, None)
-        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time,
-                           self._remote.progress.as_dict() if self._remote is not None else None)
+        tiers = {"disk": o.last_durable_step, **(self._memory.newest() if self._memory is not None else {})}
+        remote = self._remote.progress.as_dict() if self._remote is not None else None
+        if remote is not None:
+            tiers["remote"] = remote["remote_step"]
+        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time, remote=remote,
+                           tiers=tiers)
 
     @property
     def storage(self) -> str:
@@ -497,7 +514,11 @@ class Checkpointer:
                     self._spread.close()
                     self._spread = None
         finally:
-            self._close_engine()
+            try:
+                if self._memory is not None:
+                    self._memory.close()
+            finally:
+                self._close_engine()
 
     def _close_engine(self) -> None:
         self._prepared = True

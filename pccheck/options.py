@@ -20,7 +20,8 @@ from .errors import ConfigError
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.options import AUTO, EngineOptions, check_int
 
-__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions", "RemoteOptions"]
+__all__ = ["Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions", "RemoteOptions",
+           "MemoryOptions"]
 
 
 def _check_bool(name: str, value: Any, optional: bool = False) -> None:
@@ -176,19 +177,45 @@ class RemoteOptions:
             raise ConfigError(f"remote_close_timeout must be a number of seconds >= 0 or None, got {t!r}")
 
 
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The memory tier (pccheck.tiers.memory).
+
+    Attributes:
+        memory_interval: also checkpoint into RAM (a tmpfs store that survives the process) every
+            k steps (1: every iteration), beside the disk tier's ``interval``. None: off.
+        memory_dir: the memory tier's directory (default ``/dev/shm/pccheck/<store>``).
+        replicas: copies of each rank's memory checkpoint, its own included: m - 1 go to ranks on
+            other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
+            ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Needs at least m nodes.
+    """
+
+    memory_interval: int | None = None
+    memory_dir: Any = None
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.memory_interval is not None:
+            check_int("memory_interval", self.memory_interval, 1)
+        check_int("replicas", self.replicas, 1)
+        if self.replicas > 1 and self.memory_interval is None:
+            raise ConfigError("replicas copies memory checkpoints: set memory_interval too")
+
+
 _GROUPS: dict[str, type] = {"engine": EngineOptions, "snapshot": SnapshotOptions, "history": HistoryOptions,
-                            "group": GroupOptions, "remote": RemoteOptions}
+                            "group": GroupOptions, "remote": RemoteOptions, "memory": MemoryOptions}
 
 
 @dataclass(frozen=True)
 class Options:
-    """All of a Checkpointer's settings, in five groups (see each group's attributes)."""
+    """All of a Checkpointer's settings, in six groups (see each group's attributes)."""
 
     engine: EngineOptions = field(default_factory=EngineOptions)
     snapshot: SnapshotOptions = field(default_factory=SnapshotOptions)
     history: HistoryOptions = field(default_factory=HistoryOptions)
     group: GroupOptions = field(default_factory=GroupOptions)
     remote: RemoteOptions = field(default_factory=RemoteOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
     def __post_init__(self) -> None:
         for name, cls in _GROUPS.items():

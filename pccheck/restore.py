@@ -34,7 +34,8 @@ log = logging.getLogger("pccheck")
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
                 extra_state: Mapping[str, Any] | None = None, map_location: Any = None,
                 zero_copy: bool = False, verify: bool = True, distributed: bool = True,
-                lazy: bool = False, remote: str | None = None) -> Restored | LazyRestore:
+                lazy: bool = False, remote: str | None = None,
+                memory_dir: str | os.PathLike[str] | bool | None = None) -> Restored | LazyRestore:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
     Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
@@ -53,12 +54,18 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     newest committed remote step whose every checksum holds (falling back to older ones);
     ``remote="s3://..."`` beside a local ``path`` loads from the remote when the local store is
     missing or holds nothing valid. ``r.tier`` says which: "disk" or "remote".
+
+    With ``memory_dir`` (a path, or True for the default ``/dev/shm/pccheck/<store>``) the memory
+    tier is searched too (pccheck.tiers.memory.nearest): the ranks agree on the newest step each
+    can obtain from its own memory, a peer's replica or its own disk, and each loads from the
+    nearest (with ``remote=`` too: the remote tier when none of those holds a valid step); ``Restored.tier`` says which. Every rank must pass it.
     """
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
-    if lazy and (is_remote(path) or remote is not None):
+    use_memory = memory_dir is not None and memory_dir is not False
+    if lazy and (is_remote(path) or (remote is not None and not use_memory)):
         return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
-    if is_remote(path) or remote is not None:
+    if is_remote(path) or (remote is not None and not use_memory):
         if zero_copy or not verify:
             raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
         group = detect_group() if distributed else None
@@ -74,9 +81,27 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if zero_copy or not verify:
             raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
                               "load it without zero_copy= or verify=False")
+        if use_memory:
+            raise ConfigError("the memory tier does not hold sharded (DTensor) state yet: load without memory_dir=")
         state = TorchState(model, optimizer, extra_state) if model is not None else None
         return load_sharded(directory, group, state, map_location, decode=nested_state)
-    if group is not None and rank_dir(directory, group.rank).is_dir():
+    if use_memory:
+        from .tiers.memory import default_memory_dir, load_nearest
+
+        if lazy or zero_copy:
+            raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
+        root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
+        try:
+            r = load_nearest(directory, root, group, verify=verify)
+        except (NoCheckpointError, CorruptCheckpointError) as exc:
+            if remote is None:
+                raise
+            from .tiers.remote.load import load_remote
+
+            log.warning("pccheck: no step every rank can obtain from memory, peers or disk (%s); loading "
+                        "from the remote tier %s", exc, remote)
+            r = load_remote(str(remote), group)
+    elif group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
         r = recovery.load_newest(directory, zero_copy=zero_copy and model is None, verify=verify)

@@ -6,6 +6,9 @@
   tier (S3) against ``torch.save`` + upload and DCP ``async_save`` + ``FsspecWriter`` on a local
   SeaweedFS (issue 28's benchmark).
 - ``remote_clients.py``: boto3 against obstore, 1 GiB up and down, per part size (the client choice).
+- ``tiers.py``: the memory tier (issue 29) on 2 simulated nodes: loop overhead at interval 1 with
+  replicas=2 against the disk tier, DCP async_save and none; restore from memory, disk, a peer,
+  DCP; the raw gloo link (``bench/results/tiers.json``, whose ``ratios.peer_vs_raw_gloo`` scale reads).
 
 Invariants: the model is a pure function of its inputs file; ``--refresh`` takes the measured
 efficiencies only from result files of this repository, named in the inputs.

@@ -182,6 +182,7 @@ class GroupCoordinator(Retention):
         self.path = path
         self.group = group
         self.epoch = 0
+        self.seen_epoch = 0  # an epoch found elsewhere (the memory tier's stores): ours is newer
         self.global_step: int | None = None
         self._slots = HeldSlots()             # what each slot holds; replaced slots kept (the invariant)
         self._recorded: int | None = None     # rank 0: the newest step written to GLOBAL
@@ -200,7 +201,7 @@ class GroupCoordinator(Retention):
         this rank's newest store file that hold it (:meth:`protected_slots`). Collective."""
         mine, seen = _valid_checkpoints(directory, full=False, world_size=self.group.world_size) \
             if directory.is_dir() else ({}, 0)
-        best, top_epoch = _agree(self.group, mine, seen)
+        best, top_epoch = _agree(self.group, mine, max(seen, self.seen_epoch))
         self.epoch = top_epoch + 1
         files = store_files(directory)
         self._slots.generation = files[0][0] if files else 1  # the generation the store will open (or create)

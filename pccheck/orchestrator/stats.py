@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["CheckpointStats", "SpreadDecision", "StatsReport"]
@@ -110,6 +110,7 @@ class StatsReport:
     @property
     def remote_lag_s(self) -> float | None:
         return self.remote["remote_lag_s"] if self.remote else None
+    tiers: dict[str, Any] = field(default_factory=dict)  # newest step per tier (pccheck.tiers)
 
     @property
     def last_durable_age_s(self) -> float | None:
@@ -137,6 +138,7 @@ class StatsReport:
                 "last_durable_age_s": self.last_durable_age_s,
                 **(self.remote or {}),
             },
+            "tiers": self.tiers,
         }
 
     def to_json(self, **kw: Any) -> str:

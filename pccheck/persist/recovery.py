@@ -93,7 +93,7 @@ class Restored:
     tree: Any = field(default=None, repr=False)  # a PyTorch checkpoint's state tree (manifest "tree")
     epoch: int | None = None  # the job incarnation that wrote it (distributed runs)
     bytes_read: int | None = None  # a resharded load: array bytes this rank read (pccheck.sharded)
-    tier: str = "disk"  # where it was loaded from: "disk", or "remote" (pccheck.tiers.remote)
+    tier: str = "disk"  # where this rank's state came from: "memory", "peer", "disk" or "remote" (pccheck.tiers)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,267 @@
+"""The memory tier against disk and DCP (issue 29's Benchmark): ``python -m bench.tiers``.
+
+2 simulated nodes x 1 rank on this machine (``PCCHECK_NODE`` = the rank; gloo, TCPStore
+rendezvous on 127.0.0.1), 256 MiB of state per rank (a model and its AdamW state), the emulated
+loop (the host waits ``t``, then an AdamW step updates all of the state; the GPU is emulated).
+Each configuration is a fresh job, checkpointing every iteration:
+
+- ``none``: no checkpoint;
+- ``memory``: pccheck's memory tier, ``memory_interval=1, replicas=2`` (disk tier off);
+- ``disk``: pccheck's disk tier, ``interval=1``;
+- ``dcp``: ``torch.distributed.checkpoint.async_save`` every iteration, one in flight (the next
+  save waits for the previous one, as users write it).
+
+Restore times, after the loop (``max`` over the ranks; each load a collective of both ranks):
+
+- after a process crash: ``load_latest(memory_dir=...)`` (own memory) vs ``load_latest`` from the
+  disk tier (O_DIRECT reads: the page cache is not used);
+- after a node loss: rank 1's memory store deleted, ``load_latest(memory_dir=...)`` pulls its part
+  from node 0's replica (time on rank 1) vs DCP ``load`` of the last ``async_save``; the remote
+  tier (issue 28) is not measured here;
+- the raw link: one gloo ``send``/``recv`` of the same bytes between the two ranks.
+
+Writes ``bench/results/tiers.json`` (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness.common import BENCH_DIR, host_info, parse_size, print_table, write_json
+
+RESULTS = BENCH_DIR / "results"
+CONFIGS = ("none", "memory", "disk", "dcp")
+
+
+def _model(size: int):  # noqa: ANN202
+    import torch
+
+    n = size // 12 // 4  # AdamW: the parameter plus two moments, 4 bytes each
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for _ in range(4)])
+    for p in model:
+        p.grad = torch.full_like(p, 1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _timed_load(fn) -> float:  # noqa: ANN001
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _restores(a: argparse.Namespace, rank: int, model, opt) -> dict:  # noqa: ANN001
+    import pccheck
+
+    out = {}
+    base = Path(a.dir)
+    if a.config == "memory":
+        mem, disk = Path(a.shm) / f"mem-node{rank}", base / "disk"
+        r = [None]
+        out["crash_memory_s"] = _timed_load(lambda: r.__setitem__(0, pccheck.load_latest(
+            disk, model=model, optimizer=opt, memory_dir=mem)))
+        out["crash_memory_tier"] = r[0].tier
+        if rank == 1:
+            shutil.rmtree(mem / "rank-1")
+        out["node_loss_peer_s"] = _timed_load(lambda: r.__setitem__(0, pccheck.load_latest(
+            disk, model=model, optimizer=opt, memory_dir=mem)))
+        out["node_loss_tier"] = r[0].tier
+        out["raw_link_s"] = _raw_link(rank, a.size)
+    elif a.config == "disk":
+        out["crash_disk_s"] = _timed_load(lambda: pccheck.load_latest(base / "disk", model=model, optimizer=opt))
+    elif a.config == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        out["node_loss_dcp_s"] = _timed_load(lambda: dcp.load(sd, checkpoint_id=str(base / f"dcp{a.last % 2}"),
+                                                              process_group=a.dcp_pg))
+    return out
+
+
+def _raw_link(rank: int, size: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(size // 4) if rank == 0 else torch.empty(size // 4)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One rank: the loop, then the restores; prints one JSON line."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    import pccheck
+
+    rank = int(os.environ["RANK"])
+    if os.environ.get("TIERS_DEBUG"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["TIERS_DEBUG"]), exit=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=600))
+    model, opt = _model(a.size)
+    opt.step()  # AdamW's state exists from here on
+    base = Path(a.dir)
+    ck, future = None, None
+    if a.config == "memory":
+        ck = pccheck.Checkpointer(model, opt, path=base / "disk", interval=10**9, memory_interval=1, replicas=2,
+                                  memory_dir=Path(a.shm) / f"mem-node{rank}")
+    elif a.config == "disk":
+        ck = pccheck.Checkpointer(model, opt, path=base / "disk", interval=1)
+    token = torch.zeros(1)
+    # DCP's background save runs collectives: on a group of their own, never beside the loop's
+    dcp_pg = dist.new_group(backend="gloo") if a.config == "dcp" else None
+
+    def iteration(step: int) -> None:
+        nonlocal future
+        time.sleep(a.iter_time)  # the emulated GPU computes
+        opt.step()               # the update mutates all of the state
+        dist.all_reduce(token)   # lockstep, like DDP's gradient allreduce
+        if ck is not None:
+            ck.maybe_checkpoint(step)
+        elif a.config == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            if future is not None:
+                future.result()  # one in flight
+            future = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                    checkpoint_id=str(base / f"dcp{step % 2}"), process_group=dcp_pg)
+
+    for step in range(1, a.warmup + 1):
+        iteration(step)
+    dist.barrier()
+    t0 = time.perf_counter()
+    last = a.warmup + a.iters
+    for step in range(a.warmup + 1, last + 1):
+        iteration(step)
+    elapsed = time.perf_counter() - t0  # the loop's own time: what training sees
+    if future is not None:
+        future.result()
+    out = {"rank": rank, "iter_s": elapsed / a.iters}
+    if ck is not None:
+        out["tiers"] = ck.stats().tiers
+        ck.close()
+    a.last, a.dcp_pg = last, dcp_pg
+    out.update(_restores(a, rank, model, opt))
+    dist.barrier()
+    print(json.dumps(out, default=str), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(config: str, a: argparse.Namespace, scratch: Path, shm: Path) -> list[dict]:
+    for d in (scratch, shm):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "bench.tiers", "--worker", "--config", config, "--port", str(_port()),
+           "--dir", str(scratch), "--size", str(a.size), "--iter-time", str(a.iter_time), "--iters", str(a.iters),
+           "--warmup", str(a.warmup), "--shm", str(shm)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=BENCH_DIR.parent,
+                              env={**os.environ, "RANK": str(r), "PCCHECK_NODE": str(r), "GLOO_SOCKET_IFNAME": "lo",
+                                                   "TORCH_CPP_LOG_LEVEL": "ERROR"})
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"{config} rank failed with {p.returncode}")
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+    return outs
+
+
+def _median(runs: list[list[dict]], key: str, rank: int | None = None) -> float | None:
+    vals = [max(o[key] for o in outs) if rank is None else outs[rank][key] for outs in runs if key in outs[0]]
+    return statistics.median(vals) if vals else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="state per rank")
+    p.add_argument("--iter-time", type=float, default=0.2)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", type=Path, default=RESULTS / "tiers.json")
+    p.add_argument("--shm", default="/dev/shm", help="where the memory tier's stores go")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    runs: dict[str, list[list[dict]]] = {c: [] for c in CONFIGS}
+    shm = Path(tempfile.mkdtemp(prefix="pcc-tiers-", dir=a.shm))
+    disk = Path(tempfile.mkdtemp(prefix="pcc-tiers-"))  # the root file system, outside the repository
+    try:
+        for rep in range(a.repeats):  # round-robin: drift hits every configuration alike
+            for config in CONFIGS:
+                runs[config].append(run_job(config, a, disk / config, shm / config))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    it = {c: statistics.median(max(o["iter_s"] for o in outs) for outs in runs[c]) for c in CONFIGS}
+    slow = {c: it[c] / it["none"] for c in CONFIGS}
+    rest = {
+        "crash_memory_s": _median(runs["memory"], "crash_memory_s"),
+        "crash_disk_s": _median(runs["disk"], "crash_disk_s"),
+        "node_loss_peer_s": _median(runs["memory"], "node_loss_peer_s", rank=1),
+        "node_loss_dcp_s": _median(runs["dcp"], "node_loss_dcp_s"),
+        "raw_link_s": _median(runs["memory"], "raw_link_s", rank=1),
+    }
+    ratios = {
+        "loop_slowdown_memory_replicas2": slow["memory"],
+        "crash_restore_memory_over_disk": rest["crash_memory_s"] / rest["crash_disk_s"],
+        "peer_vs_raw_gloo": rest["raw_link_s"] / rest["node_loss_peer_s"],
+        "node_loss_peer_over_dcp_load": rest["node_loss_peer_s"] / rest["node_loss_dcp_s"],
+    }
+    res = {"benchmark": "tiers", "gpu": "emulated (host waits iter_time, then an AdamW step updates all state)",
+           "nodes": 2, "ranks_per_node": 1, "size_bytes_per_rank": a.size, "iter_time_s": a.iter_time,
+           "iters": a.iters, "warmup": a.warmup, "repeats": a.repeats, "iter_s": it, "slowdown": slow,
+           "restore_s": rest, "ratios": ratios,
+           "targets": {"loop_slowdown_memory_replicas2": "<= 1.05", "crash_restore_memory_over_disk": "<= 0.2",
+                       "peer_vs_raw_gloo": ">= 0.8",
+                       "node_loss_peer_over_remote": "<= 0.1 (remote tier not measured here)"},
+           "runs": runs, "host": host_info(RESULTS)}
+    write_json(a.json, res)
+    print_table(f"2 nodes x 1 rank, {a.size / 2**20:.0f} MiB/rank, t={a.iter_time}s, every iteration (GPU emulated)",
+                ["config", "s/iter", "slowdown"], [[c, f"{it[c]:.4f}", f"{slow[c]:.3f}x"] for c in CONFIGS])
+    print_table("restore (s)", ["what", "seconds"], [[k, f"{v:.3f}" if v is not None else "-"] for k, v in rest.items()])
+    print_table("ratios", ["ratio", "value"], [[k, f"{v:.3f}"] for k, v in ratios.items()])
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Replication of memory checkpoints to peer nodes, in the background (FORMAT.md §13).
+
+Transport: a gloo group of pccheck's own (never the training collectives), every wait bounded
+(``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends
+the same steps, so replicas pair across ranks by (epoch, step) at a restore); at most ``QUEUE``
+wait, beyond that the next memory checkpoint waits (``throttle``). The sender thread puts a
+JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch, counter, the
+manifest, the crc32c of every wire chunk), then sends the slot's data region chunk by chunk.
+Invariant (wire.py): the receiver posts a receive only after it read the header. The receiver
+thread of each source checks each chunk's crc32c as it arrives, then every array's crc32c
+against the manifest, and only then writes the replica into ``replica-<src>/``, a store of two
+slots committed with the protocol of §4 (so a peer holds only committed replicas, the newest two).
+Each replica commit adds 1 to ``rc/<step>``; the commit that brings it to world × (replicas - 1)
+appends the step to ``rlog``: the newest step *replicated everywhere*, which every rank follows
+and its memory coordinator keeps (with every newer step: queued, being sent, or needed to pair
+with a lost peer's replica; shm_store.MemoryCoordinator).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...group.distributed import Group
+from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
+from ...orchestrator.args import StartArgs
+from ...orchestrator.copy_engine import CpuCopyEngine
+from ...orchestrator.options import EngineOptions
+from ...orchestrator.orchestrator import CommitInfo, Orchestrator
+from ...orchestrator.retention import Retention
+from ...persist.layout import Manifest, parse_manifest, plan
+from ...persist.reader import crc32c
+from ...persist.recovery import read_manifest, read_store, slot_base
+from .placement import node_of_this_process, replica_ranks
+from .wire import WIRE_CHUNK, ReplicationError, gather_json, poll_key, private_store, recv_bytes, send_bytes
+
+__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "check_arrays", "arrays_of"]
+
+log = logging.getLogger("pccheck")
+
+TIMEOUT_S = 120.0        # one wire chunk, or one collective, at most
+MAX_DATA = 1 << 46       # bytes of one replica a receiver accepts
+QUEUE = 2                # committed memory checkpoints waiting to be sent, at most
+
+
+@dataclass(frozen=True)
+class ReplicaLinks:
+    """Who sends to whom: ``peers`` hold this rank's replicas, this rank holds ``sources``'."""
+
+    rank: int
+    world: int
+    peers: tuple[int, ...]
+    sources: tuple[int, ...]
+    nodes: tuple[int, ...]
+    pg: Any = None
+    group: Group | None = None
+
+    @classmethod
+    def single(cls, replicas: int) -> "ReplicaLinks":
+        if replicas > 1:
+            raise _too_few_nodes(replicas)
+        return cls(0, 1, (), (), (0,))
+
+    @classmethod
+    def connect(cls, group: Group, replicas: int) -> "ReplicaLinks":
+        """Gathers every rank's node, places the replicas (Gemini's groups) and, with replicas >
+        1, makes the gloo group they travel on. Collective."""
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        nodes = tuple(int(n) for n in gather_json(group.pg, group.world_size, node_of_this_process(), TIMEOUT_S))
+        n_nodes = len(set(nodes))
+        if replicas > n_nodes:
+            raise _too_few_nodes(replicas, n_nodes)
+        if replicas == 1:
+            return cls(group.rank, group.world_size, (), (), nodes)
+        holders = [replica_ranks(r, nodes, replicas) for r in range(group.world_size)]
+        pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))  # collective
+        sources = tuple(r for r in range(group.world_size) if group.rank in holders[r])
+        return cls(group.rank, group.world_size, tuple(holders[group.rank]), sources, nodes, pg, group)
+
+
+def _too_few_nodes(replicas: int, nodes: int = 1) -> ConfigError:
+    return ConfigError(f"replicas={replicas} needs at least {replicas} nodes (each copy on another node); this "
+                       f"job has {nodes} node(s): lower replicas, or set PCCHECK_NODE / GROUP_RANK per node")
+
+
+def data_end(man: Manifest) -> int:
+    """Bytes of a slot's data region that hold arrays (rounded up to a block, within data_len)."""
+    end = max((e.offset + e.nbytes for e in man.arrays), default=0)
+    return min(man.data_len, (end + 4095) // 4096 * 4096)
+
+
+def check_arrays(man: Manifest, buf: np.ndarray) -> None:
+    """CorruptCheckpointError unless every array lies in ``buf`` and matches its crc32c."""
+    for e, want in zip(man.arrays, man.crcs):
+        if e.offset + e.nbytes > buf.nbytes:
+            raise CorruptCheckpointError(f"array {e.name!r} lies beyond the {buf.nbytes} bytes received")
+        if e.nbytes and crc32c(memoryview(buf[e.offset:e.offset + e.nbytes])) != want:
+            raise CorruptCheckpointError(f"array {e.name!r} checksum mismatch")
+
+
+def arrays_of(man: Manifest, buf: np.ndarray, torch_views: bool = True) -> dict[str, Any]:
+    """The arrays of a checked buffer as views (with ``torch_views``, torch views where numpy
+    lacks the dtype; else numpy carriers of the raw bits)."""
+    out: dict[str, Any] = {}
+    for e in man.arrays:
+        a = buf[e.offset:e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+        if e.torch_dtype and torch_views:
+            import torch
+
+            from ...arrays import torch_dtype
+
+            a = torch.from_numpy(a).view(torch_dtype(e.torch_dtype))
+        out[e.name] = a
+    return out
+
+
+def _chunk_crcs(view: np.ndarray) -> list[int]:
+    return [crc32c(memoryview(view[o:o + WIRE_CHUNK])) for o in range(0, view.nbytes, WIRE_CHUNK)]
+
+
+class Replicator:
+    """The sender thread and one receiver thread per source rank (see the module docstring)."""
+
+    def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
+        self.links, self.root, self.coord = links, root, coord
+        self._engine = replace(engine, max_concurrent=1, writer_threads=1)
+        self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
+        self._cv = threading.Condition()
+        self._queue: deque[CommitInfo] = deque()
+        self._sending = False
+        self._stopping = False
+        self.throttled_s = 0.0                # time memory checkpoints waited for the queue
+        self._dead: set[int] = set()          # peers a send to failed: no more sends to them
+        self.sent_step: int | None = None     # newest step every live peer received
+        self.held: dict[int, int] = {}        # source rank -> newest replica step committed here
+        self.replicated: int | None = None    # newest step replicated everywhere (rlog)
+        self._stores: dict[int, Orchestrator] = {}
+        self._bufs: dict[int, np.ndarray] = {}
+        self._recv_stop = threading.Event()
+        self._threads = [threading.Thread(target=self._send_loop, name="pccheck-replica-send", daemon=True)]
+        self._threads += [threading.Thread(target=self._follow_replicated, name="pccheck-replica-log", daemon=True)]
+        self._threads += [threading.Thread(target=self._recv_loop, args=(s,), name=f"pccheck-replica-recv-{s}",
+                                           daemon=True) for s in links.sources]
+        for t in self._threads:
+            t.start()
+
+    # -- sending ----------------------------------------------------------------------------------
+
+    def offer(self, info: CommitInfo) -> None:
+        """A memory checkpoint committed (commit thread): queue it for sending."""
+        with self._cv:
+            self._queue.append(info)
+            self._cv.notify_all()
+
+    def throttle(self) -> None:
+        """Waits (training thread, before a memory checkpoint) while ``QUEUE`` checkpoints wait
+        to be sent, so replication never falls further behind (bounded: a peer that stopped
+        receiving is dropped by the sender after TIMEOUT_S)."""
+        t0 = time.perf_counter()
+        with self._cv:
+            while len(self._queue) + self._sending > QUEUE and not self._stopping:
+                self._cv.wait(1.0)
+        self.throttled_s += time.perf_counter() - t0
+
+    def _send_loop(self) -> None:
+        seq = 0
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    break
+                info = self._queue.popleft()
+                self._sending = True
+            try:
+                log.debug("pccheck: sending step %d", info.step)
+                if self._send(info, seq):
+                    seq += 1
+                log.debug("pccheck: sent step %d", info.step)
+            except Exception:
+                log.exception("pccheck: replicating the memory checkpoint of step %d failed", info.step)
+            finally:
+                with self._cv:
+                    self._sending = False
+                    self._cv.notify_all()
+        for dst in self.links.peers:  # tells each receiver that nothing more comes
+            if dst not in self._dead:
+                try:
+                    self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps({"end": True}))
+                except Exception:
+                    log.warning("pccheck: could not tell rank %d that replication ended", dst)
+
+    def _send(self, info: CommitInfo, seq: int) -> bool:
+        image = read_store(info.store_file)
+        with open(info.store_file, "rb", buffering=0) as f:
+            try:
+                man = read_manifest(image, info.slot, f.fileno())
+            except CorruptCheckpointError as exc:
+                log.warning("pccheck: memory slot %d of step %d not sent: %s", info.slot, info.step, exc)
+                return False
+            if man.counter != info.counter:
+                return False  # superseded and reused already (cannot happen while held; defence)
+            raw = read_raw_manifest(image, info.slot, f.fileno())
+            end = data_end(man)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+                view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
+                doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
+                       "manifest": raw.decode(), "crcs": _chunk_crcs(view)}
+                for dst in self.links.peers:
+                    if dst in self._dead:
+                        continue
+                    try:
+                        self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
+                        send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                    except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
+                        log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
+                                  "to it", man.step, dst, exc)
+                        self._dead.add(dst)
+                        if self.coord is not None:
+                            self.coord.degrade()
+                del view
+        self.sent_step = info.step
+        return True
+
+    # -- receiving --------------------------------------------------------------------------------
+
+    def _wait_key(self, key: str, delete: bool = True) -> str | None:
+        v = poll_key(self._kv, key, self._recv_stop)
+        if v is not None and delete:
+            try:
+                self._kv.delete_key(key)
+            except Exception:  # noqa: BLE001 - only a little memory in the store
+                pass
+        return v
+
+    def _recv_loop(self, src: int) -> None:
+        seq = 0
+        while (v := self._wait_key(f"{src}>{self.links.rank}/{seq}")) is not None:
+            seq += 1
+            try:
+                doc = json.loads(v)
+            except ValueError:
+                log.error("pccheck: a malformed replica header from rank %d; replication from it stops", src)
+                return
+            if not isinstance(doc, dict) or doc.get("end") is True:
+                return
+            try:
+                self._receive(src, doc)
+            except CorruptCheckpointError as exc:  # every byte arrived: the link is still in step
+                log.error("pccheck: replica from rank %d discarded: %s", src, exc)
+            except Exception as exc:  # noqa: BLE001 - a timeout or a dead peer: the pair is gone
+                log.error("pccheck: receiving a replica from rank %d failed (%s); replication from it stops",
+                          src, exc)
+                return
+
+    def _receive(self, src: int, doc: dict) -> None:
+        man, end, crcs = _parse_header(doc)
+        buf = self._bufs.get(src)
+        if buf is None or buf.nbytes < end:
+            buf = self._bufs[src] = np.empty(end, dtype=np.uint8)
+        view = buf[:end]
+        recv_bytes(self.links.pg, src, view, src, TIMEOUT_S)
+        if _chunk_crcs(view) != crcs:
+            raise CorruptCheckpointError(f"step {man.step}: a chunk arrived damaged (crc32c)")
+        check_arrays(man, view)
+        arrays = arrays_of(man, view)
+        orch = self._store(src, arrays)
+        # Returns once every byte is in DRAM chunks: the buffer may be reused; commits behind.
+        orch.start(man.step, arrays, man.metadata, StartArgs(tree=man.tree, epoch=man.epoch))
+
+    def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
+        from .paths import replica_dir
+
+        orch = self._stores.get(src)
+        if orch is None:
+            def committed(info: CommitInfo, src: int = src) -> None:
+                self.held[src] = info.step
+                log.debug("pccheck: replica of step %d from rank %d committed", info.step, src)
+                self._count_replica(info.step)
+
+            orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
+                                copy_engine=CpuCopyEngine(threads=1), on_error=_log_error, retention=_KeepTwo(),
+                                world_size=self.links.world, rank=src, on_commit=committed)
+            self._stores[src] = orch
+        return orch
+
+    def _count_replica(self, step: int) -> None:
+        """A replica of ``step`` committed here; the last of all world × (m - 1) logs the step."""
+        try:
+            pairs = self.links.world * len(self.links.peers)
+            if self._kv.add(f"rc/{step}", 1) == pairs:
+                i = self._kv.add("rlog", 1)
+                self._kv.set(f"rlog/{i}", str(step))
+        except Exception as exc:  # noqa: BLE001 - the store went away: nothing more is counted
+            log.warning("pccheck: counting the replica of step %d failed: %s", step, exc)
+
+    def _follow_replicated(self) -> None:
+        i = 1
+        while (v := self._wait_key(f"rlog/{i}", delete=False)) is not None:
+            i += 1
+            step = int(v)
+            if self.replicated is None or step > self.replicated:
+                self.replicated = step
+                if self.coord is not None:
+                    self.coord.set_replicated(step)
+
+    def newest(self) -> dict[str, Any]:
+        """The newest step this rank sent to every live peer, the newest replicated everywhere,
+        and per source rank the newest replica committed here."""
+        return {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
+                "replication_wait_s": self.throttled_s}
+
+    def close(self, deadline_s: float = TIMEOUT_S) -> None:
+        """Sends what is pending, ends the sender, waits (bounded) for every source's end."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._threads[0].join(deadline_s)
+        for t in self._threads[2:]:  # the receivers end at their source's end marker
+            t.join(deadline_s)
+        self._recv_stop.set()
+        for t in self._threads[1:]:
+            t.join(5)
+        for orch in self._stores.values():
+            orch.close()
+
+
+class _KeepTwo(Retention):
+    """A replica store: one slot in flight and the two newest committed replicas. The native free
+    queue hands out the slot freed longest ago, so while one is written the two newest stay valid."""
+
+    extra_slots = 1
+
+
+def _log_error(exc: PCCheckError) -> None:
+    log.error("pccheck: writing a replica failed: %s", exc)
+
+
+def read_raw_manifest(image: Any, slot: int, fd: int) -> bytes:
+    """A slot's manifest bytes as stored (read_manifest has checked them already)."""
+    import os
+
+    from ...persist.recovery import manifest_region
+
+    off, n = manifest_region(image, slot)
+    return os.pread(fd, n, off)
+
+
+def _int(doc: dict, key: str, lo: int, hi: int) -> int:
+    v = doc.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise CorruptCheckpointError(f"replica header field {key!r} is missing or out of range")
+    return v
+
+
+def _parse_header(doc: dict) -> tuple[Manifest, int, list[int]]:
+    """Checks a replica header (untrusted: bounds on every field) and parses its manifest."""
+    step = _int(doc, "step", -(2**63), 2**63 - 1)
+    counter = _int(doc, "counter", 1, 2**56 - 1)
+    end = _int(doc, "data", 0, MAX_DATA)
+    crcs, raw = doc.get("crcs"), doc.get("manifest")
+    n_chunks = (end + WIRE_CHUNK - 1) // WIRE_CHUNK
+    if not isinstance(crcs, list) or len(crcs) != n_chunks or not all(type(c) is int for c in crcs):
+        raise CorruptCheckpointError("replica header has a bad chunk checksum list")
+    if not isinstance(raw, str):
+        raise CorruptCheckpointError("replica header lacks the manifest")
+    man = parse_manifest(raw.encode(), step=step, counter=counter, data_len_limit=MAX_DATA)
+    if data_end(man) != end:
+        raise CorruptCheckpointError("replica header's data length disagrees with its manifest")
+    return man, end, crcs

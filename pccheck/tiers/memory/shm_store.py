@@ -1,0 +1,272 @@
+"""The memory tier: a store (FORMAT.md §1-§5, unchanged) on tmpfs, written every k iterations.
+
+``MemoryTier`` owns a second :class:`~pccheck.orchestrator.Orchestrator`, over
+``/dev/shm/pccheck/<store>`` (``memory_dir=``), that writes in ``mmap`` mode (tmpfs refuses
+O_DIRECT; a barrier there is an ``msync`` of tmpfs pages, so a memory checkpoint survives the
+process, not the machine). It is fed the same snapshots as the disk tier: the same
+``TorchState``, at the same ``maybe_checkpoint`` call, with the same soft copy-on-write guard
+(the optimizer step pre-hook waits for both tiers' copies).
+
+Call order: ``MemoryTier(...)`` (collective in a group: before the disk coordinator prepares)
+→ :meth:`start` (once the job's epoch is known) → :meth:`maybe` per iteration →
+:meth:`ensure_copied` before each optimizer step → :meth:`close`.
+
+Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
+6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
+newest replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` per source rank whose
+replicas this rank holds (replicas - 1 of them); in process memory a chunk pool of ``MEM_POOL``
+bytes per store and one receive buffer of the state per source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ...group.distributed import Group, GroupCoordinator
+from ...errors import ConfigError, NoSpaceError, PCCheckError, StorageError
+from ...orchestrator.args import StartArgs
+from ...orchestrator.engine_choice import select_copy_engine
+from ...orchestrator.options import EngineOptions
+from ...orchestrator.orchestrator import CommitInfo, Orchestrator
+from ...persist.layout import Layout
+from ...persist.recovery import store_files
+from .paths import MEMORY_ROOT, default_memory_dir, memory_rank_dir, replica_dir
+
+__all__ = ["MemoryTier", "MemoryCoordinator", "build_memory_tier", "default_memory_dir", "memory_rank_dir", "replica_dir",
+           "memory_need", "check_room", "MEMORY_ROOT", "MEM_POOL"]
+
+log = logging.getLogger("pccheck")
+
+BLOCK = 4096
+MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
+MEM_POOL = 4 * MEM_CHUNK
+REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
+
+
+def memory_need(slot_bytes: int, own_slots: int, sources: int) -> int:
+    """tmpfs bytes: own store (header, meta records, slots) plus REPLICA_SLOTS per source."""
+    own = (1 + own_slots) * BLOCK + own_slots * slot_bytes
+    return own + sources * ((1 + REPLICA_SLOTS) * BLOCK + REPLICA_SLOTS * slot_bytes)
+
+
+def check_room(root: Path, need: int) -> None:
+    """NoSpaceError unless the file system of ``root`` has ``need`` bytes (counting the store
+    files already there, which a reopen reuses)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(root).free
+    except OSError as exc:
+        raise StorageError(exc.errno or errno.EIO, f"cannot use the memory tier directory {root}: "
+                           f"{exc.strerror or exc}; pass memory_dir= on a tmpfs with room") from None
+    have = sum(f.stat().st_size for d in [root, *root.glob("*")] if d.is_dir() for _, f in store_files(d))
+    if free + have < need:
+        raise NoSpaceError(errno.ENOSPC, f"the memory tier needs {need / 2**20:.1f} MiB on {root} (own slots and "
+                           f"replicas of the state) but only {(free + have) / 2**20:.1f} MiB are free there: "
+                           f"enlarge /dev/shm (docker --shm-size), pass memory_dir= elsewhere, or lower replicas")
+
+
+class MemoryCoordinator(GroupCoordinator):
+    """The group protocol of pccheck.distributed for the memory stores (its own key prefix and
+    GLOBAL under the memory root), keeping more: with replication, every committed step from the
+    second newest one *replicated everywhere* (every rank's replica committed on each of its
+    peers: replicate.Replicator follows that log) up to the latest. Invariant: a held slot is
+    given back only once its step is older than both the group's newest common step and the
+    second newest step replicated everywhere, so a slot is never rewritten while it is queued or
+    being sent, and every rank still holds the steps its lost peers' two replicas pair with (the
+    newest, and the one before it should the newest be damaged). Slots: 1 in flight, the
+    latest and ``extra_slots`` more; when replication lags further, the next memory checkpoint
+    waits for a slot (back-pressure), it never drops one."""
+
+    extra_slots = 4
+
+    def __init__(self, path: Path, group: Group) -> None:
+        super().__init__(path, group)
+        self.replicating = False
+        self.replicated: list[int] = []  # the two newest steps replicated everywhere
+
+    def _settle_locked(self) -> None:
+        if self.orch is not None:
+            keep = self.global_step
+            if self.replicating and self.replicated and keep is not None:
+                keep = min(keep, self.replicated[0])
+            self._slots.settle(self.orch, keep)
+
+    def _wait_key(self, key: str) -> str | None:
+        from .wire import poll_key
+
+        return poll_key(self.group.store, key, self._stop)
+
+    def degrade(self) -> None:
+        """A peer is gone: replication stops counting; the plain group rule keeps the slots."""
+        with self._lock:
+            self.replicating = False
+            self._settle_locked()
+
+    def set_replicated(self, step: int) -> None:
+        with self._lock:
+            if not self.replicated or step > self.replicated[-1]:
+                self.replicated = [*self.replicated, step][-2:]
+                self._settle_locked()
+
+
+def _prefixed(group: Group, prefix: str) -> Group:
+    from .wire import private_store
+
+    return dataclasses.replace(group, store=private_store(group.store, prefix, 120.0))
+
+
+def _room_everywhere(root: Path, need: int, group: Group | None) -> None:
+    """check_room on every rank; in a group every rank raises if any lacks room (collective: a
+    rank that raised alone would leave the others waiting in the next collective)."""
+    from .wire import gather_json
+
+    problem: StorageError | None = None
+    try:
+        check_room(root, need)
+    except StorageError as exc:
+        problem = exc
+    if group is not None:
+        oks = gather_json(group.pg, group.world_size, problem is None, 120.0)
+        if problem is None and not all(oks):
+            raise NoSpaceError(errno.ENOSPC, f"the memory tier has no room on ranks "
+                               f"{[r for r, ok in enumerate(oks) if not ok]} (see their errors)")
+    if problem is not None:
+        raise problem
+
+
+class MemoryTier:
+    """Memory checkpoints of one rank every ``interval`` steps, replicated to ``replicas`` - 1
+    peers (pccheck.tiers.memory.replicate). Built by the Checkpointer; see the module docstring."""
+
+    def __init__(self, root: Path, interval: int, replicas: int, engine: EngineOptions, slot_bytes: int,
+                 group: Group | None, on_error: Callable[[PCCheckError], None]) -> None:
+        from .replicate import ReplicaLinks  # collective when replicas > 1
+
+        if interval < 1:
+            raise ConfigError(f"memory_interval must be a positive integer, got {interval}")
+        self.root, self.interval, self.group = root, interval, group
+        self.dir = memory_rank_dir(root, group.rank if group is not None else None)
+        self._on_error = on_error
+        self.epoch: int | None = None
+        self.orch: Orchestrator | None = None
+        # one in flight, written through a small pool: tmpfs takes memcpy speed, no device to overlap
+        chunk = min(MEM_CHUNK, int(engine.chunk_size))
+        self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=4 * chunk)
+        self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
+        # slots beyond 1 in flight + the latest: none alone; §8's global step in a group; with
+        # replication the steps back to the second newest replicated everywhere (MemoryCoordinator)
+        extra = 0 if group is None else MemoryCoordinator.extra_slots if self.links.peers else GroupCoordinator.extra_slots
+        _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
+        self.coord: MemoryCoordinator | None = None
+        if group is not None:
+            self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"))
+            self.coord.extra_slots = extra
+            self.coord.prepare(self.dir)  # collective: the memory stores' epochs and common step
+        self.replicator: Any = None
+        if self.coord is not None:
+            self.coord.replicating = bool(self.links.peers)
+
+    @property
+    def seen_epoch(self) -> int:
+        """The newest epoch found in the memory stores of the group (0 single-process)."""
+        return self.coord.epoch - 1 if self.coord is not None else 0
+
+    def start(self, epoch: int | None, layout: Layout, arrays: Mapping[str, Any], world_size: int, rank: int) -> None:
+        """Opens the memory store (lazily, at the first checkpoint) and starts replication."""
+        from .replicate import Replicator
+
+        self.epoch = epoch
+        if self.coord is not None and epoch is not None:
+            self.coord.epoch = epoch  # the disk tier's: both tiers' manifests pair by (epoch, step)
+        self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
+                                 on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
+                                 on_commit=self._on_commit, pool=False)
+        if self.coord is not None:
+            self.coord.start(self.orch)
+        if self.links.peers or self.links.sources:
+            self.replicator = Replicator(self.links, self.root, self._engine, epoch or 0, self.coord)
+
+    def _on_commit(self, info: CommitInfo) -> None:
+        if self.coord is not None:
+            self.coord.on_commit(info.step, info.slot)
+        if self.replicator is not None:
+            self.replicator.offer(info)
+
+    def maybe(self, step: int, snapshot: Callable[[], Any], metadata: Mapping[str, Any], soft_cow: bool) -> bool:
+        """A memory checkpoint of ``step`` if ``step % interval == 0``; returns whether one started."""
+        if self.orch is None or step % self.interval:
+            return False
+        if self.replicator is not None:
+            self.replicator.throttle()  # replication at most QUEUE checkpoints behind
+        snap = snapshot()
+        try:
+            return self.orch.start(int(step), snap.arrays, metadata, StartArgs(
+                tree=snap.tree, epoch=self.epoch, n_eager=snap.n_eager if soft_cow else None,
+                validate=snap.validate if soft_cow else None))
+        except StorageError as exc:
+            self._on_error(exc)
+            return False
+
+    def ensure_copied(self) -> None:
+        if self.orch is not None:
+            self.orch.ensure_copied()
+
+    def wait(self) -> None:
+        if self.orch is not None:
+            self.orch.wait()
+
+    def newest(self) -> dict[str, Any]:
+        """Newest step per tier this rank knows: its own memory commit, the newest step every
+        peer acknowledged, and per source rank the newest replica it holds."""
+        out: dict[str, Any] = {"memory": self.orch.last_durable_step if self.orch is not None else None}
+        if self.replicator is not None:
+            out.update(self.replicator.newest())
+        return out
+
+    def close(self) -> None:
+        """Waits for the memory checkpoints in flight, sends the newest to the peers, waits for
+        theirs (bounded), then closes the stores."""
+        try:
+            if self.orch is not None:
+                self.orch.wait()
+            if self.replicator is not None:
+                self.replicator.close()
+        finally:
+            if self.orch is not None:
+                self.orch.close()
+            if self.coord is not None:
+                self.coord.close()
+
+
+def build_memory_tier(ck: Any, engine: EngineOptions, layout: Layout, snap: Any, group: Group | None) -> MemoryTier | None:
+    """The Checkpointer's memory tier, or None when ``memory_interval`` is not set. Collective in a
+    group; raises ConfigError for a combination it does not support, NoSpaceError when the
+    memory directory's file system is too small for ``memory_need`` bytes."""
+    from ...persist.layout import manifest_upper_bound
+
+    t = ck.options.memory
+    if t.memory_interval is None:
+        return None
+    if ck.options.group.replicated is not None:
+        raise ConfigError("the memory tier needs every rank to write its own state: drop replicated='rank0'")
+    if ck.options.snapshot.spread_steps != 1:
+        raise ConfigError("the memory tier does not take spread checkpoints yet: use spread_steps=1")
+    if isinstance(snap.tree, dict) and "shards" in snap.tree:
+        raise ConfigError("the memory tier does not take sharded (DTensor) state yet: drop memory_interval")
+    root = Path(t.memory_dir) if t.memory_dir is not None else default_memory_dir(ck.path)
+    data = layout.data_len
+    if ck._source.may_grow():  # Adam's state appears at its first step: two moments per parameter
+        data *= 3
+    man = manifest_upper_bound(layout, ck.metadata, tree=snap.tree, epoch=2**62) + (64 << 10)
+    slot = data + (man + BLOCK - 1) // BLOCK * BLOCK
+    tier = MemoryTier(root, t.memory_interval, t.replicas, engine, slot, group, ck._background_error)
+    if ck._coord is not None:
+        ck._coord.seen_epoch = tier.seen_epoch  # the disk tier's epoch is newer than any in memory
+    return tier

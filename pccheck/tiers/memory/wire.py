@@ -1,0 +1,111 @@
+"""Messages between ranks for the memory tier: JSON (never pickle) and raw bytes, on a gloo group
+of pccheck's own, every wait bounded.
+
+Invariant: a receive is only ever posted when the sender is known to be sending (its header was
+read from the key-value store, or the restore plan every rank computed says so): a gloo receive
+that times out closes the pair for good.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from ...errors import PCCheckError
+
+__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
+           "WIRE_CHUNK"]
+
+MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
+WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
+
+
+class ReplicationError(PCCheckError, ConnectionError):
+    """A replica could not be sent or received (a peer died, a timeout, damaged bytes)."""
+
+
+def gather_json(pg: Any, world: int, obj: Any, timeout_s: float) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), in rank order. Collective on ``pg``."""
+    import torch
+    import torch.distributed as dist
+
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_JSON:
+        raise ReplicationError(f"a message of {len(data)} bytes exceeds {MAX_JSON}")
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _wait(dist.all_gather(sizes, n, group=pg, async_op=True), timeout_s, "gathering message sizes")
+    top = max(int(s.item()) for s in sizes)
+    if not 0 <= top <= MAX_JSON:
+        raise ReplicationError(f"a peer announced a message of {top} bytes (limit {MAX_JSON})")
+    buf = torch.zeros(max(1, top), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    outs = [torch.zeros(max(1, top), dtype=torch.uint8) for _ in range(world)]
+    _wait(dist.all_gather(outs, buf, group=pg, async_op=True), timeout_s, "gathering messages")
+    docs = []
+    for size, out in zip(sizes, outs):
+        try:
+            docs.append(json.loads(out[:int(size.item())].numpy().tobytes().decode()))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise ReplicationError("a peer sent a message that is not JSON") from None
+    return docs
+
+
+def private_store(shared: Any, prefix: str, timeout_s: float) -> Any:
+    """A key-value store for the tier's threads under ``prefix``: a connection of its own to the
+    job's TCPStore when there is one (a TCPStore client serialises its operations, and
+    pccheck.distributed's followers hold the shared one in 200 ms blocking waits), else ``shared``.
+    Collective only in that every rank must use the same prefix."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    inner = c10d._get_default_store()
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        own = dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return dist.PrefixStore(f"pccheck-tiers/{prefix}", own)
+    return dist.PrefixStore(f"tiers/{prefix}", shared)
+
+
+def poll_key(store: Any, key: str, stop: Any, interval_s: float = 0.01) -> str | None:
+    """The value of ``key`` once it is set (non-blocking checks ``interval_s`` apart, so the
+    connection is never held by a wait), or None once ``stop`` (a threading.Event) is set."""
+    while not stop.is_set():
+        try:
+            if store.check([key]):
+                return store.get(key).decode()
+        except Exception:  # noqa: BLE001 - a store that went away: keep looking until stopped
+            pass
+        stop.wait(interval_s)
+    return None
+
+
+def _wait(work: Any, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise ReplicationError(f"{what}: {exc}") from None
+
+
+def send_bytes(pg: Any, dst: int, view: np.ndarray, tag: int, timeout_s: float) -> None:
+    """Sends a uint8 array chunk by chunk (``WIRE_CHUNK``) to group rank ``dst``."""
+    import torch
+    import torch.distributed as dist
+
+    for off in range(0, view.nbytes, WIRE_CHUNK):
+        t = torch.from_numpy(view[off:off + WIRE_CHUNK])
+        _wait(dist.isend(t, group_dst=dst, group=pg, tag=tag), timeout_s, f"sending to rank {dst}")
+
+
+def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float) -> None:
+    """Receives ``into.nbytes`` bytes from group rank ``src`` in the chunks send_bytes used."""
+    import torch
+    import torch.distributed as dist
+
+    for off in range(0, into.nbytes, WIRE_CHUNK):
+        t = torch.from_numpy(into[off:off + WIRE_CHUNK])
+        _wait(dist.irecv(t, group_src=src, group=pg, tag=tag), timeout_s, f"receiving from rank {src}")

@@ -1,0 +1,80 @@
+"""One rank of a small DDP job run by torchrun, for the memory tier tests (two simulated nodes).
+
+Usage: torchrun ... _tier_train.py BASE STEPS [--resume] [--final] [--sleep S] [--disk-interval K]
+Node n (torchrun's GROUP_RANK) keeps its disk store under BASE/node-n/disk and its memory tier
+under BASE/node-n/mem. With --single (python, no torchrun): one process, BASE/node-0, no replicas. Prints "PID p", "START step tier" and "LOSS step value" lines, flushed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from _leave import leave
+
+
+def main(argv: list[str]) -> None:
+    import pccheck
+
+    if os.environ.get("TIER_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(threadName)s %(message)s")
+        logging.getLogger("pccheck").setLevel(logging.DEBUG)
+
+    base, steps = argv[0], int(argv[1])
+    pause = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
+    disk_interval = int(argv[argv.index("--disk-interval") + 1]) if "--disk-interval" in argv else 4
+    single = "--single" in argv
+    node = 0 if single else int(os.environ["GROUP_RANK"])
+    disk, mem = f"{base}/node-{node}/disk", f"{base}/node-{node}/mem"
+    print(f"PID {os.getpid()}", flush=True)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    if not single:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = 0 if single else dist.get_rank()
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(128, 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    start, tier = 0, "none"
+    if "--resume" in argv:
+        try:
+            r = pccheck.load_latest(disk, model=model, optimizer=optim, memory_dir=mem)
+            start, tier = r.step, r.tier
+        except pccheck.NoCheckpointError as exc:
+            print(f"NOCHECKPOINT {exc}", flush=True)
+    if start == 0:
+        torch.manual_seed(1000 + rank)  # each rank's dropout stream; on resume it comes from the checkpoint
+    ddp = model if single else torch.nn.parallel.DistributedDataParallel(model)
+    ck = pccheck.Checkpointer(model, optim, path=disk, interval=disk_interval, max_concurrent=2,
+                              chunk_size=64 << 10, memory_interval=1, memory_dir=mem, replicas=1 if single else 2)
+    print(f"START {start} {tier}", flush=True)
+    for step in range(start + 1, steps + 1):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x = torch.randn(32, 16, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), torch.cos(x))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        ck.maybe_checkpoint(step)
+        print(f"LOSS {step} {loss.item()!r}", flush=True)
+        time.sleep(pause)
+    ck.close()
+    print(f"TIERS {ck.stats().tiers}", flush=True)
+    if "--final" in argv:
+        torch.save(model.state_dict(), f"{base}/final-{rank}.pt")
+    if single:
+        sys.stdout.flush()
+        os._exit(0)
+    leave()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

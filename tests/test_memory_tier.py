@@ -1,0 +1,291 @@
+"""The memory tier (issue 29): tmpfs checkpoints every iteration, replicated to a peer node, restored
+from the nearest tier. Two nodes are simulated on this machine: two torchrun agents on 127.0.0.1
+with c10d rendezvous, each node with its own memory and disk directories (_tier_train.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import pccheck
+from pccheck.errors import ConfigError, NoSpaceError
+from pccheck.persist.recovery import read_store, slot_base, store_files
+from pccheck.tiers.memory import group_of, replica_nodes, replica_ranks
+
+CHILD = str(Path(__file__).with_name("_tier_train.py"))
+STEPS = 14
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nodes:
+    """Two torchrun agents (one rank each), started node 0 first: c10d orders the agents by
+    (host, pid), so node 0's agent gets GROUP_RANK 0."""
+
+    def __init__(self, base: Path, *args: str) -> None:
+        port, self.lines, self.procs = _port(), [], []
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
+                   "--max-restarts=0", "--monitor-interval=0.1", "--local-addr=127.0.0.1", CHILD, str(base),
+                   str(STEPS), *args]
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                               env=env, start_new_session=True))
+            self.lines.append([])
+            time.sleep(0.5 if node == 0 else 0)
+        self.readers = [threading.Thread(target=self._read, args=(n,), daemon=True) for n in range(2)]
+        for t in self.readers:
+            t.start()
+
+    def _read(self, n: int) -> None:
+        for line in self.procs[n].stdout:  # type: ignore[union-attr]
+            self.lines[n].append(line.strip())
+
+    def _tagged(self, n: int, tag: str) -> list[list[str]]:
+        return [l.split()[1:] for l in list(self.lines[n]) if l.startswith(tag + " ")]
+
+    def losses(self, n: int) -> dict[int, float]:
+        return {int(a): float(b) for a, b in self._tagged(n, "LOSS")}
+
+    def start(self, n: int, timeout: float = 180) -> tuple[int, str]:
+        t0 = time.monotonic()
+        while not (s := self._tagged(n, "START")):
+            assert time.monotonic() - t0 < timeout and self.procs[n].poll() is None, \
+                f"node {n} did not start: {self.lines[n][-5:]} {self.procs[n].stderr.read()[-3000:]}"
+            time.sleep(0.02)
+        return int(s[0][0]), s[0][1]
+
+    def wait(self) -> None:
+        for p in self.procs:
+            p.wait(240)
+        for t in self.readers:
+            t.join(10)
+        errs = [p.stderr.read() for p in self.procs if p.returncode != 0]  # type: ignore[union-attr]
+        assert not errs, errs[0][-4000:]
+
+    def kill_when(self, step: int, timeout: float = 180) -> None:
+        """SIGKILLs every process of both nodes (agents and ranks) once both ranks printed ``step``."""
+        t0 = time.monotonic()
+        while not all(step in self.losses(n) for n in range(2)):
+            assert time.monotonic() - t0 < timeout, f"no step {step}: {self.lines}"
+            assert all(p.poll() is None for p in self.procs), [p.stderr.read()[-3000:] for p in self.procs]
+            time.sleep(0.02)
+        pids = [int(x[0]) for n in range(2) for x in self._tagged(n, "PID")]
+        for p in self.procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait(30)
+        for pid in pids:  # the ranks are gone before anyone looks at their files
+            while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+                time.sleep(0.01)
+
+
+def _check(job: Nodes, ref: dict, want_tiers: set[str]) -> int:
+    starts = {job.start(n) for n in range(2)}
+    steps = {s for s, _ in starts}
+    assert len(steps) == 1, f"nodes resumed at different steps {starts}"
+    start = steps.pop()
+    assert {t for _, t in starts} <= want_tiers, starts
+    for n in range(2):
+        losses = job.losses(n)
+        assert losses, job.lines[n][-5:]
+        for s, v in losses.items():  # bit for bit: the same float as the uninterrupted run
+            assert v == ref["losses"][n][s], (n, s)
+    return start
+
+
+def _compare_final(base: Path, ref: dict) -> None:
+    for r in range(2):
+        got = torch.load(base / f"final-{r}.pt", weights_only=True)
+        for k, v in ref["final"][r].items():
+            assert torch.equal(got[k], v), k
+
+
+def _damage_newest(directory: Path) -> int:
+    """Flips a byte in the array data of the newest committed slot of a store; returns its step."""
+    _, file = store_files(directory)[0]
+    image = read_store(file)
+    st = max((s for s in image.slots if s.meta), key=lambda s: s.meta["counter"])
+    with open(file, "r+b") as f:
+        off = slot_base(image, st.slot) + 100
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return st.meta["step"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("ref")
+    job = Nodes(base, "--final")
+    job.wait()
+    return {"losses": [job.losses(n) for n in range(2)],
+            "final": [torch.load(base / f"final-{r}.pt", weights_only=True) for r in range(2)]}
+
+
+def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, reference):
+    """One chain of faults on two simulated nodes (replicas=2, memory every step, disk every 4):
+    1. SIGKILL of every process, then node 1 lost (its memory and disk wiped) and the newest
+       replica of rank 1 on node 0 damaged: rank 0 resumes from its own memory, rank 1 pulls the
+       older intact replica from node 0, never the damaged one; bit for bit to the end;
+    2. both nodes' memory gone (the whole group), disks left: resume from disk, bit for bit."""
+    job = Nodes(tmp_path, "--sleep", "0.3")
+    job.kill_when(6)
+    shutil.rmtree(tmp_path / "node-1")
+    damaged = _damage_newest(tmp_path / "node-0" / "mem" / "replica-1")
+    job = Nodes(tmp_path, "--resume", "--final")
+    job.wait()
+    start = _check(job, reference, {"memory", "peer"})
+    assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and 1 <= start < damaged
+    _compare_final(tmp_path, reference)
+    for n in range(2):
+        shutil.rmtree(tmp_path / f"node-{n}" / "mem")
+    job = Nodes(tmp_path, "--resume", "--final")
+    job.wait()
+    assert _check(job, reference, {"disk"}) == STEPS // 4 * 4  # the newest disk checkpoint
+    _compare_final(tmp_path, reference)
+
+
+@pytest.mark.slow  # a longer round: `make test-slow`
+def test_two_nodes_every_rank_killed_resumes_from_own_memory(tmp_path, reference):
+    """SIGKILL of every process twice: both ranks resume from their own memory, bit for bit,
+    having lost at most the checkpoints in flight."""
+    job = Nodes(tmp_path, "--sleep", "0.3")
+    job.kill_when(5)
+    for _ in range(2):
+        job = Nodes(tmp_path, "--resume", "--sleep", "0.3")
+        start = job.start(0)[0]
+        job.kill_when(min(STEPS, start + 3))
+        assert _check(job, reference, {"memory"}) >= 2
+
+
+def _single(base: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, CHILD, str(base), str(STEPS), "--single", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _output(p: subprocess.Popen) -> str:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    return out
+
+
+def _tag(out: str, tag: str) -> list[list[str]]:
+    return [l.split()[1:] for l in out.splitlines() if l.startswith(tag + " ")]
+
+
+def test_single_process_sigkill_resumes_from_memory_bit_for_bit(tmp_path):
+    """One process, memory every step and disk every 4: SIGKILL right after step 6 printed (the
+    disk holds step 4 at most), resume from memory at step >= 5, bit for bit to the end."""
+    ref = _single(tmp_path / "ref", "--final")
+    want = {int(a): float(b) for a, b in _tag(_output(ref), "LOSS")}
+    p = _single(tmp_path / "run", "--sleep", "0.25")
+    seen = []
+    for line in p.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if line.startswith("LOSS 6 "):
+            os.kill(p.pid, signal.SIGKILL)
+            break
+    p.wait(30)
+    out = _output(_single(tmp_path / "run", "--resume", "--final"))
+    got = _tag(out, "LOSS")
+    (start, tier), = [(int(a), b) for a, b in _tag(out, "START")]
+    assert tier == "memory" and start >= 5, (start, tier)
+    assert {int(a): float(b) for a, b in got} == {s: v for s, v in want.items() if s > start}
+    a = torch.load(tmp_path / "ref" / "final-0.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "final-0.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_placement_groups_and_mixed():
+    assert group_of(3, 4, 2) == [2, 3] and replica_nodes(0, 4, 2) == [1]
+    # 5 nodes, m = 2: one group of 2, then a ring of 3
+    assert [replica_nodes(n, 5, 2) for n in range(5)] == [[1], [0], [3], [4], [2]]
+    assert [replica_nodes(n, 7, 3) for n in range(7)][3:] == [[4, 5], [5, 6], [3, 6], [3, 4]]
+    assert replica_ranks(1, [0, 0, 1, 1], 2) == [3]
+    with pytest.raises(ConfigError, match="replicas=3 needs at least 3 nodes"):
+        replica_nodes(0, 2, 3)
+
+
+def test_replicas_beyond_nodes_is_a_clear_error(tmp_path):
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="replicas=2 needs at least 2 nodes"):
+        pccheck.Checkpointer(m, torch.optim.SGD(m.parameters(), lr=0.1), tmp_path / "ck", memory_interval=1,
+                             memory_dir=tmp_path / "mem", replicas=2)
+
+
+def test_memory_dir_too_small_is_a_clear_error(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        m = torch.nn.Linear(512, 512)  # 1 MiB of weights: with its slots it cannot fit in 1 MiB
+        with pytest.raises(NoSpaceError, match="the memory tier needs .* MiB"):
+            pccheck.Checkpointer(m, torch.optim.SGD(m.parameters(), lr=0.1), tmp_path / "ck", memory_interval=1,
+                                 memory_dir=small)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def _msg(own_mem=(), own_disk=(), rep=None, bad=()):
+    return {"own": {"memory": [list(k) for k in own_mem], "disk": [list(k) for k in own_disk]},
+            "rep": {str(s): [[*k, 4096, 100, 1] for k in ks] for s, ks in (rep or {}).items()},
+            "bad": [list(b) for b in bad]}
+
+
+def test_restore_plan_nearest_tier_fallbacks_and_missing_ranks():
+    from pccheck.errors import NoCheckpointError
+    from pccheck.tiers.memory.nearest import _plan
+
+    # rank 1's node is gone: its step 9 comes from rank 0's replica; rank 0 from its own memory
+    key, plan = _plan([_msg(own_mem=[(1, 8), (1, 9)], own_disk=[(1, 8)], rep={1: [(1, 8), (1, 9)]}), _msg()], 2)
+    assert key == (1, 9) and plan == [("memory", -1), ("peer", 0)]
+    # that replica failed its checksums on rank 1: the older replica
+    key, plan = _plan([_msg(own_mem=[(1, 8), (1, 9)], rep={1: [(1, 8), (1, 9)]}), _msg(bad=[("peer", 0, 1, 9)])], 2)
+    assert key == (1, 8) and plan == [("memory", -1), ("peer", 0)]
+    # both nodes' memory gone, disks kept
+    assert _plan([_msg(own_disk=[(1, 8)]), _msg(own_disk=[(1, 4), (1, 8)])], 2) == ((1, 8), [("disk", -1)] * 2)
+    # a whole group gone, no disk: the error names the ranks that cannot obtain the newest step
+    with pytest.raises(NoCheckpointError, match=r"ranks \[1\] cannot obtain step 9"):
+        _plan([_msg(own_mem=[(1, 9)]), _msg()], 2)
+
+
+@pytest.mark.parametrize("doc,why", [
+    ({}, "step"),
+    ({"step": 1, "counter": 0, "data": 0}, "counter"),
+    ({"step": 1, "counter": 1, "data": -4096}, "data"),
+    ({"step": 1, "counter": 1, "data": 1 << 50}, "data"),
+    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1, 2], "manifest": "{}"}, "checksum list"),
+    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1], "manifest": 5}, "manifest"),
+    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1], "manifest": "not json"}, "JSON"),
+])
+def test_replica_headers_are_untrusted(doc, why):
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.tiers.memory.replicate import _parse_header
+
+    with pytest.raises(CorruptCheckpointError, match=why):
+        _parse_header(doc)
