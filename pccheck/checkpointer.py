@@ -99,9 +99,7 @@ class Checkpointer:
             the tuned value, else 2, 2, 64 MiB), ``dram_budget``, ``storage``, ``when_busy``;
             snapshot ``soft_cow``, ``capture_rng``, ``eager``, ``device_reserve``,
             ``copy_engine``; history ``keep_every``, ``max_history``; group ``distributed``,
-            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``: the object-storage
-            tier), ``remote_every``, ``remote_part_size``, ``remote_concurrency``,
-            ``remote_close_timeout``, ``remote_keep_last``, ``remote_keep_every`` (see
+            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``) and ``remote_*`` (see
             :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
             :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`,
             :class:`pccheck.RemoteOptions`). An unknown name raises ConfigError.
@@ -179,15 +177,9 @@ class Checkpointer:
         """The remote tier's uploader (pccheck/tiers/remote), or None without ``remote=``."""
         if self.options.remote.remote is None or not self._writes:
             return None
-        if self._coord is not None:  # each rank uploads its part; rank 0 commits the step
-            from .tiers.remote.group import GroupUploader
+        from .tiers.remote.tier import make_uploader
 
-            up = GroupUploader(self.options.remote, on_error=self._background_error, group=group, coord=self._coord)
-            self._coord.remote, self._coord.extra_slots = up, 2  # one more slot: the one uploading
-            return up
-        from .tiers.remote.uploader import RemoteUploader
-
-        return RemoteUploader(self.options.remote, on_error=self._background_error)
+        return make_uploader(self.options.remote, group=group, coord=self._coord, on_error=self._background_error)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -530,10 +522,7 @@ class Checkpointer:
             return
         try:
             if self._remote is not None:  # local commits first (they queue uploads), then the remote
-                try:
-                    self._orch.wait()
-                finally:
-                    self._remote.close(getattr(self, "_remote_timeout", None))
+                self._remote.finish(self._orch, getattr(self, "_remote_timeout", None))
             self._orch.close()
         finally:
             if self._coord is not None:
