@@ -39,6 +39,7 @@ from .tuner.config import resolve_auto
 from .tuner.online import IntervalChange, OnlineTuner, report_from_checkpointer
 from .tuner.policy import FixedInterval, OnlineTuned, SavePolicy
 from .tiers.memory.shm_store import build_memory_tier
+from .tiers.remote.group import build_remote_tier
 
 __all__ = ["Checkpointer", "OnError"]
 
@@ -99,7 +100,9 @@ class Checkpointer:
             the tuned value, else 2, 2, 64 MiB), ``dram_budget``, ``storage``, ``when_busy``;
             snapshot ``soft_cow``, ``capture_rng``, ``eager``, ``device_reserve``,
             ``copy_engine``; history ``keep_every``, ``max_history``; group ``distributed``,
-            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``) and ``remote_*`` (see
+            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``: the object-storage
+            tier), ``remote_every``, ``remote_part_size``, ``remote_concurrency``,
+            ``remote_close_timeout``, ``remote_keep_last``, ``remote_keep_every`` (see
             :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
             :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`,
             :class:`pccheck.RemoteOptions`). An unknown name raises ConfigError.
@@ -155,14 +158,14 @@ class Checkpointer:
             from .ops.history import HistoryKeeper
 
             self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
-        self._remote = self._remote_tier(group)  # probes the object store (RemoteConfigError)
+        # The remote tier (pccheck.tiers.remote): probes the object store (RemoteConfigError).
+        self._remote = build_remote_tier(self.options.remote, self._writes, self._coord, group, self._background_error)
         # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
         self._memory = build_memory_tier(self, engine, layout, snap, group)
         if self._writes:
             self._prepared = not self._defer_prepare()
             self._orch = self._open(engine, layout, snap, group)
-            if self._memory is not None:
-                self._memory.start(self._epoch(), layout, snap.arrays, *((group.world_size, group.rank) if group else (1, 0)))
+            self._memory.start(self._epoch(), layout, snap.arrays, *((group.world_size, group.rank) if group else (1, 0)))
             if self.soft_cow:
                 self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
@@ -172,14 +175,6 @@ class Checkpointer:
                                       tuned=self.settings["spread_steps"])
         if not self._prepared:
             self._prep_hooks = self._prepare_hooks()
-
-    def _remote_tier(self, group: Any) -> Any:
-        """The remote tier's uploader (pccheck/tiers/remote), or None without ``remote=``."""
-        if self.options.remote.remote is None or not self._writes:
-            return None
-        from .tiers.remote.tier import make_uploader
-
-        return make_uploader(self.options.remote, group=group, coord=self._coord, on_error=self._background_error)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -325,8 +320,7 @@ class Checkpointer:
         # `pccheck-tune -- python train.py` times the iterations here when the script does not
         # report them itself (a no-op otherwise: one environment lookup).
         report_from_checkpointer(self._state_bytes)
-        if self._memory is not None:  # its own interval, from the same state at the same call
-            self._memory.maybe(step, self._source.snapshot, {**self.metadata, **_check_metadata(metadata)}, self.soft_cow)
+        self._memory.maybe(step, self._source.snapshot, {**self.metadata, **_check_metadata(metadata)}, self.soft_cow)
         if self._spread is not None:
             self._spread.on_call(step)
             self._spread.poll(self._orch.stats)
@@ -406,15 +400,12 @@ class Checkpointer:
         Call it before mutating parameters or optimizer state outside ``optimizer.step()``."""
         if self._orch is not None:
             self._orch.ensure_copied()
-        if self._memory is not None:
-            self._memory.ensure_copied()
+        self._memory.ensure_copied()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._spread is not None:
             self._spread.step_begins()  # the step's window ends here, before this wait
-        self._orch.ensure_copied()
-        if self._memory is not None:
-            self._memory.ensure_copied()
+        self.wait_copied()
 
     def _epoch(self) -> int | None:
         """The job incarnation recorded in each manifest (a group), else None."""
@@ -435,8 +426,7 @@ class Checkpointer:
         With ``remote=True`` it then waits (up to ``timeout`` s) until every checkpoint taken so
         far is committed remotely (or superseded there by a newer one); returns False on timeout."""
         self._settle_spread()
-        if self._memory is not None:
-            self._memory.wait()
+        self._memory.wait()
         if self._orch is not None:
             self._orch.wait()
         done = self._remote.wait(timeout) if remote and self._remote is not None else True
@@ -470,7 +460,7 @@ class Checkpointer:
         o = self._orch
         if o is None:
             return StatsReport((), 0, None, None)
-        tiers = {"disk": o.last_durable_step, **(self._memory.newest() if self._memory is not None else {})}
+        tiers = {"disk": o.last_durable_step, **self._memory.newest()}
         remote = self._remote.progress.as_dict() if self._remote is not None else None
         if remote is not None:
             tiers["remote"] = remote["remote_step"]
@@ -506,11 +496,7 @@ class Checkpointer:
                     self._spread.close()
                     self._spread = None
         finally:
-            try:
-                if self._memory is not None:
-                    self._memory.close()
-            finally:
-                self._close_engine()
+            self._memory.close(then=self._close_engine)
 
     def _close_engine(self) -> None:
         self._prepared = True
@@ -522,7 +508,10 @@ class Checkpointer:
             return
         try:
             if self._remote is not None:  # local commits first (they queue uploads), then the remote
-                self._remote.finish(self._orch, getattr(self, "_remote_timeout", None))
+                try:
+                    self._orch.wait()
+                finally:
+                    self._remote.close(getattr(self, "_remote_timeout", None))
             self._orch.close()
         finally:
             if self._coord is not None:

@@ -21,12 +21,6 @@ from _leave import leave
 def main(argv: list[str]) -> None:
     import pccheck
 
-    if os.environ.get("TIER_DEBUG"):
-        import logging
-
-        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(threadName)s %(message)s")
-        logging.getLogger("pccheck").setLevel(logging.DEBUG)
-
     base, steps = argv[0], int(argv[1])
     pause = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
     disk_interval = int(argv[argv.index("--disk-interval") + 1]) if "--disk-interval" in argv else 4

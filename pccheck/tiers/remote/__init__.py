@@ -2,7 +2,6 @@
 
 Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
 
-    tier.py       make_uploader: the Checkpointer's one entry (a process's or a rank's uploader)
     objstore.py   ObjectStore: boto3 under one small face; create-only / compare-and-swap PUTs
                   with 404, 409 and 412 mapped to LostRace; multipart; ranged GETs into buffers;
                   the probe at construction (bucket, credentials, conditional writes)

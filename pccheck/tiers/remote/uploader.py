@@ -191,15 +191,6 @@ class RemoteUploader:
             return self._cv.wait_for(lambda: self._stopped or (self._pending is None and self._running is None),
                                      timeout)
 
-    def finish(self, orch: Any, timeout: float | None) -> bool:
-        """At the Checkpointer's close: the local commits in flight first (they queue uploads),
-        then :meth:`close`."""
-        try:
-            orch.wait()
-        finally:
-            done = self.close(timeout)
-        return done
-
     def close(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether
         everything queued was committed remotely. Idempotent."""
@@ -289,3 +280,4 @@ class RemoteUploader:
                 prune(self.store, self.generation, opts.remote_keep_last, opts.remote_keep_every)
             except (RemoteError, OSError) as exc:  # the next pass tries again; the commit stands
                 log.warning("pccheck: remote retention failed (%s); it runs again after the next commit", exc)
+
