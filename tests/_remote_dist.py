@@ -1,6 +1,6 @@
 """One rank of a 2-rank job with the remote tier (gloo, FileStore rendezvous).
 
-Usage: python _remote_dist.py PATH URL STEPS RANK WORLD INIT_FILE OUT [--resume]
+Usage: python _remote_dist.py PATH URL STEPS RANK WORLD INIT_FILE OUT [--resume] [--replicated]
 Trains STEPS steps (checkpoint every 2), waits for the remote, saves its final model state to
 OUT/final-<rank>.pt. With --resume it first loads (local store, else the remote) and saves the
 loaded state to OUT/loaded-<rank>.pt, printing "START step tier"."""
@@ -35,7 +35,8 @@ def main(argv: list[str]) -> None:
         torch.save(model.state_dict(), f"{out}/loaded-{rank}.pt")
         dist.destroy_process_group()
         return
-    ck = pccheck.Checkpointer(model, optim, path=path, interval=2, remote=url)
+    ck = pccheck.Checkpointer(model, optim, path=path, interval=2, remote=url,
+                              replicated="rank0" if "--replicated" in argv else None)
     for step in range(1, steps + 1):
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(8, 16, generator=g)

@@ -342,12 +342,25 @@ def test_remote_retention_keeps_last_and_every_and_collects_orphans(s3_url, tmp_
 def test_two_ranks_each_upload_their_part_and_resume_from_remote(s3_url, tmp_path):
     """A 2-rank job: each rank uploads its part, rank 0 commits one global manifest; with every
     local store deleted, a new 2-rank job loads each rank's part from the remote, bit for bit."""
+    _two_rank_rounds(s3_url, tmp_path, replicated=False)
+
+
+@pytest.mark.slow  # four processes importing torch (make test-slow)
+def test_replicated_rank0_uploads_alone_and_every_rank_loads_it(s3_url, tmp_path):
+    """replicated="rank0": rank 0 alone writes and uploads (world_size 1); a new 2-rank job
+    with no local store loads that one part on every rank."""
+    _two_rank_rounds(s3_url, tmp_path, replicated=True)
+
+
+def _two_rank_rounds(s3_url: str, tmp_path: Path, replicated: bool) -> None:
     import torch
 
-    def launch(*extra: str) -> list[subprocess.CompletedProcess]:
+    flags = ["--replicated"] if replicated else []
+
+    def launch(*extra: str) -> list[str]:
         init = tmp_path / f"init-{uuid.uuid4().hex}"
         procs = [subprocess.Popen([sys.executable, str(HERE / "_remote_dist.py"), str(tmp_path / "ck"), s3_url, "8",
-                                   str(r), "2", str(init), str(tmp_path), *extra], stdout=subprocess.PIPE,
+                                   str(r), "2", str(init), str(tmp_path), *flags, *extra], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=os.environ.copy()) for r in range(2)]
         outs = [p.communicate(timeout=180) for p in procs]
         for p, (o, e) in zip(procs, outs):
@@ -355,17 +368,17 @@ def test_two_ranks_each_upload_their_part_and_resume_from_remote(s3_url, tmp_pat
         return [o for o, _ in outs]
 
     outs = launch()
-    assert "REMOTE True 8" in outs[0] and "REMOTE True 8" in outs[1]
+    assert "REMOTE True 8" in outs[0] and (replicated or "REMOTE True 8" in outs[1])
     store = ObjectStore(s3_url)
     (g, s), *_ = committed(store)
     raw, _ = store.get(layout.manifest_key(g, s), 1 << 20)
     man = layout.decode_manifest(raw, g, s)
-    assert (s, man.world_size, [p.rank for p in man.ranks]) == (8, 2, [0, 1])
+    assert (s, man.world_size, [p.rank for p in man.ranks]) == ((8, 1, [0]) if replicated else (8, 2, [0, 1]))
     shutil.rmtree(tmp_path / "ck")  # every node is gone
     outs = launch("--resume")
     for r in range(2):
         assert "START 8 remote" in outs[r]
-        final = torch.load(tmp_path / f"final-{r}.pt", weights_only=True)
+        final = torch.load(tmp_path / f"final-{0 if replicated else r}.pt", weights_only=True)
         loaded = torch.load(tmp_path / f"loaded-{r}.pt", weights_only=True)
         assert all(torch.equal(final[k], loaded[k]) for k in final)
 
