@@ -63,6 +63,8 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     if (optimizer is not None or extra_state) and model is None:
         raise ConfigError("pass model= together with optimizer= / extra_state=")
     use_memory = memory_dir is not None and memory_dir is not False
+    if use_memory and (lazy or zero_copy):
+        raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
     if lazy and (is_remote(path) or (remote is not None and not use_memory)):
         return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
     if is_remote(path) or (remote is not None and not use_memory):
@@ -88,8 +90,6 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     if use_memory:
         from .tiers.memory import default_memory_dir, load_nearest
 
-        if lazy or zero_copy:
-            raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
         root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
         try:
             r = load_nearest(directory, root, group, verify=verify)

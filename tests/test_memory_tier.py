@@ -289,3 +289,12 @@ def test_replica_headers_are_untrusted(doc, why):
 
     with pytest.raises(CorruptCheckpointError, match=why):
         _parse_header(doc)
+
+
+@pytest.mark.parametrize("kw", [{"lazy": True}, {"zero_copy": True}])
+def test_memory_dir_refuses_lazy_and_zero_copy(tmp_path, kw):
+    """A memory-tier load is eager and copies: lazy=/zero_copy= with memory_dir= are refused up
+    front, not silently loaded from the disk store instead."""
+    pccheck.Checkpointer({"w": np.arange(8.0)}, tmp_path / "ck", interval=1).close()
+    with pytest.raises(ConfigError, match="memory_dir= loads eagerly"):
+        pccheck.load_latest(tmp_path / "ck", memory_dir=tmp_path / "mem", **kw)
