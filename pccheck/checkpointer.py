@@ -320,7 +320,8 @@ class Checkpointer:
         # `pccheck-tune -- python train.py` times the iterations here when the script does not
         # report them itself (a no-op otherwise: one environment lookup).
         report_from_checkpointer(self._state_bytes)
-        self._memory.maybe(step, self._source.snapshot, {**self.metadata, **_check_metadata(metadata)}, self.soft_cow)
+        if self._memory.enabled:  # its own interval, from the same state at the same call
+            self._memory.maybe(step, self._source.snapshot, {**self.metadata, **_check_metadata(metadata)}, self.soft_cow)
         if self._spread is not None:
             self._spread.on_call(step)
             self._spread.poll(self._orch.stats)

@@ -172,6 +172,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.slow  # a long round (five kills, ~48 s): `make test-slow`; test_kill_and_resume_... is the one-round check
 @needs_criu
 def test_five_rounds_of_killing_the_tree_and_its_supervisor(tmp_path):
     """`pccheck run --every 1` of a process with a 200 MB state, then five times: SIGKILL the

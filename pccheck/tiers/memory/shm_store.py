@@ -145,6 +145,8 @@ class MemoryTier:
     """Memory checkpoints of one rank every ``interval`` steps, replicated to ``replicas`` - 1
     peers (pccheck.tiers.memory.replicate). Built by the Checkpointer; see the module docstring."""
 
+    enabled = True
+
     def __init__(self, root: Path, interval: int, replicas: int, engine: EngineOptions, slot_bytes: int,
                  group: Group | None, on_error: Callable[[PCCheckError], None], device_bytes: int = 0) -> None:
         from .replicate import ReplicaLinks  # collective when replicas > 1
@@ -261,6 +263,8 @@ class MemoryTier:
 
 class NoMemoryTier:
     """The Checkpointer's memory tier when ``memory_interval`` is not set: does nothing."""
+
+    enabled = False  # the Checkpointer then builds no memory snapshot arguments at all
 
     def start(self, *args: Any) -> None:
         pass
