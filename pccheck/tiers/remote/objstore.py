@@ -13,6 +13,7 @@ Invariant: a conditional write that answers 404, 409 or 412 means "lost the race
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import threading
@@ -152,17 +153,24 @@ class ObjectStore:
         not exist yet); returns the new ETag. LostRace if the key changed since ``etag``."""
         return self._put(rel, body, IfMatch=etag) if etag is not None else self._put(rel, body, IfNoneMatch="*")
 
-    def _put(self, rel: str, body: bytes, **cond: str) -> str:
+    @contextlib.contextmanager
+    def _conditional(self, rel: str, what: str) -> Iterator[None]:
+        """A conditional write's errors: 404, 409 or 412 is LostRace (FORMAT.md §12), any other
+        failure the store's error naming ``what``."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            return str(self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body, **cond)["ETag"])
+            yield
         except ClientError as exc:
             if _status(exc) in _RACE_STATUS:
                 raise LostRace(f"{rel}: {_code(exc) or _status(exc)}") from None
-            raise self._fail(exc, f"PUT {rel}") from None
+            raise self._fail(exc, what) from None
         except BotoCoreError as exc:
-            raise self._fail(exc, f"PUT {rel}") from None
+            raise self._fail(exc, what) from None
+
+    def _put(self, rel: str, body: bytes, **cond: str) -> str:
+        with self._conditional(rel, f"PUT {rel}"):
+            return str(self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body, **cond)["ETag"])
 
     def put(self, rel: str, body: bytes) -> str:
         """An unconditional PUT (only for keys no other writer uses: unique data keys, probes)."""
@@ -263,18 +271,10 @@ class ObjectStore:
 
     def complete_multipart(self, rel: str, upload_id: str, etags: list[str]) -> None:
         """Completes with ``If-None-Match: *``: a data key is written once (§12.1)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
         parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
-        try:
+        with self._conditional(rel, f"completing the upload of {rel}"):
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-        except ClientError as exc:
-            if _status(exc) in _RACE_STATUS:
-                raise LostRace(f"{rel}: {_code(exc) or _status(exc)}") from None
-            raise self._fail(exc, f"completing the upload of {rel}") from None
-        except BotoCoreError as exc:
-            raise self._fail(exc, f"completing the upload of {rel}") from None
 
     def abort_multipart(self, rel: str, upload_id: str) -> None:
         try:
