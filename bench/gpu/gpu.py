@@ -1,7 +1,7 @@
 """pccheck on one real GPU: copy-engine and disk bandwidth, and the slowdown of training a GPT.
 
 ``python -m bench.gpu [--out bench/results/gpu] [--state-gib 8.5] [--accum 4] [--quick] [--dir bench/_scratch]
-[--sections d2h,persist,train] [--systems none,pccheck_N2,...] [--iters none:40,10:40,50:100] [--profile]
+[--sections d2h,persist,train] [--systems none,pccheck_N2,...] [--iters none:40,10:40,50:100] [--intervals 10,50] [--profile]
 [--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
 rewritten after each phase; gpu.csv and gpu.png come last. Each section, set-up and window is its own ``try``
 (errors recorded, the rest runs); phases due after --budget-s s are skipped. GB/s decimal. --quick: 1 GiB, half
@@ -31,7 +31,9 @@ Systems: ``none`` (timed first and last; t_none = median of both windows' median
 ``Checkpointer(model, opt, path, max_concurrent=2, writer_threads=4, chunk_size=64 MiB)``, ``maybe_checkpoint`` each
 step, 3 warm-up checkpoints, one instance for both intervals (``ck.interval`` set per window); ``pccheck_reserve`` =
 the same + ``device_reserve="auto"``; ``pccheck_memory`` = pccheck_N2 + the memory tier every iteration
-(``memory_interval=1``, a tmpfs store in /dev/shm, no replicas); ``dcp_async`` = ``async_save(sd, storage_writer=FileSystemWriter(new dir,
+(``memory_interval=1``, a tmpfs store in /dev/shm, no replicas); ``pccheck_remote`` = pccheck_N2 + the remote
+tier, every disk checkpoint queued for upload (``remote_every=1``) to a SeaweedFS ``weed mini`` on 127.0.0.1 with its
+data in /dev/shm (it stands for another machine: not on the disk under test; needs ``weed`` and boto3); ``dcp_async`` = ``async_save(sd, storage_writer=FileSystemWriter(new dir,
 sync_files=True), no_dist=True, async_stager=DefaultStager(pinned, unshared, async, non-blocking))`` (else DCP's
 default: see ``staging``), the next ``optimizer.step`` waiting for ``staging_completion``, the previous
 ``upload_completion`` awaited before a save; ``torch_save`` = ``torch.save(sd, f)`` + flush + ``fsync``. Window per
@@ -85,7 +87,7 @@ __all__ = ["SECTIONS", "SYSTEMS", "INTERVALS", "main"]
 _BENCH_DIR = BENCH_DIR
 _GIB, _CHUNK, _MM = 1 << 30, 64 << 20, 8192  # _CHUNK: pccheck chunk_size in train, raw O_DIRECT piece
 SECTIONS, INTERVALS = ("d2h", "persist", "train"), (10, 50)
-SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save", "pccheck_memory")
+SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save", "pccheck_memory", "pccheck_remote")
 ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {10: 40, 50: 100}, {10: 20, 50: 50}, 40  # torch_save: saves take seconds
 TARGETS = {"d2h_vs_peak": (">=", 0.9), "slowdown_pccheck_N2_i10": ("<=", 1.03),
            "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2)}
@@ -359,7 +361,7 @@ def _run_system(run: _Run, tr: Trainer, name: str, make: Callable[[], System], c
             entry["status"] = "skipped: --budget-s spent"
         elif run.guard(entry.setdefault("setup", {}), setup):
             profiled = run.args.profile and isinstance(held[0], PCCheck)
-            for i in INTERVALS:
+            for i in run.args.intervals:
                 cell = entry.setdefault(str(i), {"status": "skipped: --budget-s spent"})
                 if not late():
                     run.guard(cell, lambda i=i: _window(tr, held[0], i, run.args.iters[name][i]))
@@ -426,9 +428,34 @@ def _section_train(run: _Run) -> None:
         finally:
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(store, ignore_errors=True)
+    if "pccheck_remote" in want:
+        _with_s3(run, lambda url: _run_system(
+            run, tr, "pccheck_remote", lambda: PCCheck(tr, store, reserve=False, remote=url), None))
+        shutil.rmtree(store, ignore_errors=True)
     if "torch_save" in want:
         _run_system(run, tr, "torch_save", lambda: TorchSave(tr, ts), ts)
     run.guard(run.res["train"].setdefault("none_last", {}), none)
+
+def _with_s3(run: _Run, body: Callable[[str], None]) -> None:
+    """Runs ``body(url)`` against a SeaweedFS (``weed mini``) on 127.0.0.1 with its data in /dev/shm:
+    the object store stands for another machine, so it must not share the local disk under test."""
+    from pccheck.tiers.remote.devserver import DevServer
+    where = Path("/dev/shm") / f"pccheck-bench-gpu-s3-{os.getpid()}"
+    server, saved = DevServer(where), {}
+    try:
+        if not run.guard(run.res["systems"].setdefault("pccheck_remote", {}).setdefault("server", {}), server.start):
+            return
+        saved = {k: os.environ.get(k) for k in server.env()}
+        os.environ.update(server.env())
+        body(f"s3://{server.bucket}/gpu")
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(where, ignore_errors=True)
 
 def _disk_bound(run: _Run, state: int) -> dict[str, Any]:
     """Where the disk bounds interval-10 checkpointing: the write rate persist needs (state / (10 t)),
@@ -513,12 +540,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--iters", dest="iters_arg", default="", help="timed iterations per window, e.g. none:20,10:40,50:50 (default none:40,"
                    "10:40,50:100; torch_save keeps 10:20,50:50)")
+    p.add_argument("--intervals", default=",".join(map(str, INTERVALS)),
+                   help="comma-separated subset of the train windows' intervals " + ",".join(map(str, INTERVALS)))
     p.add_argument("--profile", action="store_true", help="py-spy (pyspy.txt) and torch.profiler (profile.txt) "
                    "on pccheck_N2 at interval 10")
     p.add_argument("--budget-s", type=float, help="skip phases due after this many s (default 360, quick 120; 0: never)")
     args = p.parse_args(argv)
     args.argv, args.sections = list(sys.argv[1:] if argv is None else argv), args.sections.split(",")
     args.systems = args.systems.split(",")
+    args.intervals = [int(i) for i in args.intervals.split(",") if i.isdigit() and int(i) in INTERVALS]
+    if not args.intervals:
+        p.error(f"--intervals: pick from {','.join(map(str, INTERVALS))}")
     if set(args.systems) - set(SYSTEMS):
         p.error(f"--systems: pick from {','.join(SYSTEMS)}")
     if set(args.sections) - set(SECTIONS) or (args.state_gib is not None and args.state_gib <= 0):
@@ -537,8 +569,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             continue
         if not (i.isdigit() and n.isdigit() and int(i) in INTERVALS and int(n) % int(i) == 0 and int(n) > 0):
             p.error(f"--iters takes INTERVAL:ITERS pairs, ITERS a positive multiple of INTERVAL in {INTERVALS}")
-        for s in SYSTEMS[1:-1]:
-            args.iters[s][int(i)] = int(n)
+        for s in SYSTEMS[1:]:
+            if s != "torch_save":
+                args.iters[s][int(i)] = int(n)
     return args
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -129,15 +129,20 @@ class System:
 
 class PCCheck(System):
     """pccheck N = 2 to the disk; ``reserve``: with device_reserve="auto"; ``memory``: also the memory
-    tier every iteration (``memory_interval=1``, a tmpfs store under ``memory``)."""
+    tier every iteration (``memory_interval=1``, a tmpfs store under ``memory``); ``remote``: also the
+    remote tier (an ``s3://`` URL), every disk checkpoint queued for upload (``remote_every=1``)."""
 
-    def __init__(self, tr: Trainer, path: Path, reserve: bool, memory: Path | None = None) -> None:
+    def __init__(self, tr: Trainer, path: Path, reserve: bool, memory: Path | None = None,
+                 remote: str | None = None) -> None:
         import pccheck
         super().__init__()
-        self.name = "pccheck_reserve" if reserve else "pccheck_memory" if memory else "pccheck_N2"
+        self.name = ("pccheck_reserve" if reserve else "pccheck_memory" if memory
+                     else "pccheck_remote" if remote else "pccheck_N2")
         extra: dict[str, Any] = {"device_reserve": "auto"} if reserve else {}
         if memory is not None:
             extra.update(memory_interval=1, memory_dir=memory)
+        if remote is not None:
+            extra.update(remote=remote, remote_every=1, remote_keep_last=2)
         self.ck = pccheck.Checkpointer(tr.model, tr.opt, path=path, interval=self.interval, max_concurrent=2,
                                        writer_threads=4, chunk_size=CHUNK, **extra)
 
@@ -162,10 +167,11 @@ class PCCheck(System):
         stalls = [c["stall_s"] + c["prepare_s"] + c["blocked_copy_s"] + c["cow_wait_s"] for c in win]
         return {"median_stall_s": _med(stalls), "stall_s": stalls, "reserve_bytes": [c.get("reserve_bytes") for c in win],
                 **{f"median_{k}": _med([c[k] for c in win]) for k in ("cow_wait_s", "copy_s", "persist_s")},
-                "checkpoints_in_window": win, "summary": d["summary"], "copy_engine": engine_info(self.ck)}
+                "checkpoints_in_window": win, "summary": d["summary"], "copy_engine": engine_info(self.ck),
+                "tiers": d.get("tiers")}  # summary holds the remote tier's remote_step, remote_lag_s, counters
 
     def close(self) -> None:
-        self.ck.close()
+        self.ck.close(remote_timeout=30)  # the remote tier's last upload: not what the window measures
 
 class DCPAsync(System):
     name, _upload, _staged = "dcp_async", None, None  # futures of the save in flight
