@@ -168,7 +168,17 @@ class PCCheck(System):
         return {"median_stall_s": _med(stalls), "stall_s": stalls, "reserve_bytes": [c.get("reserve_bytes") for c in win],
                 **{f"median_{k}": _med([c[k] for c in win]) for k in ("cow_wait_s", "copy_s", "persist_s")},
                 "checkpoints_in_window": win, "summary": d["summary"], "copy_engine": engine_info(self.ck),
-                "tiers": d.get("tiers")}  # summary holds the remote tier's remote_step, remote_lag_s, counters
+                "tiers": d.get("tiers"), **self._memory_timings(lo, hi)}  # summary: the remote tier's figures
+
+    def _memory_timings(self, lo: int, hi: int) -> dict[str, Any]:
+        """The memory tier's checkpoints in the window: copy, back-pressure and persist seconds."""
+        recent = [c for c in getattr(self.ck._memory, "recent", ()) if lo <= c.step < hi]
+        if not recent:
+            return {}
+        keys = ("copy_s", "backpressure_s", "persist_s", "stall_s", "nbytes")
+        return {"memory_tier": {"writer_threads": self.ck._memory._engine.writer_threads, "count": len(recent),
+                                **{f"median_{k}": _med([getattr(c, k) for c in recent]) for k in keys},
+                                "gbps": [c.nbytes / c.persist_s / 1e9 for c in recent if c.persist_s > 0]}}
 
     def close(self) -> None:
         self.ck.close(remote_timeout=30)  # the remote tier's last upload: not what the window measures

@@ -20,6 +20,7 @@ bytes per store and one receive buffer of the state per source.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import logging
@@ -48,6 +49,7 @@ BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
 MEM_POOL = 4 * MEM_CHUNK
 REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
+MAX_WRITERS = 16       # the memory tier's writer threads: at most this many (half the host's cores)
 
 
 def memory_need(slot_bytes: int, own_slots: int, sources: int) -> int:
@@ -168,7 +170,14 @@ class MemoryTier:
         if device_bytes:
             chunk = int(engine.chunk_size)
             budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
-        self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=budget)
+        # Writers: tmpfs is written by memcpy, so the CPU, not a device queue, sets the pace. At
+        # memory_interval=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
+        # next iteration waited for them (RUNS.md, run 5): half the host's cores, at least the disk's.
+        writers = max(int(engine.writer_threads), min(MAX_WRITERS, (os.cpu_count() or 2) // 2))
+        self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=budget,
+                               writer_threads=writers)
+        # the last finished memory checkpoints' timings (CheckpointStats), newest last
+        self.recent: collections.deque[Any] = collections.deque(maxlen=64)
         self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
         # slots beyond 1 in flight + the latest: none alone; §8's global step in a group; with
         # replication the steps back to the second newest replicated everywhere (MemoryCoordinator)
@@ -197,7 +206,7 @@ class MemoryTier:
             self.coord.epoch = epoch  # the disk tier's: both tiers' manifests pair by (epoch, step)
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
-                                 on_commit=self._on_commit, pool=False)
+                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False)
         if self.coord is not None:
             self.coord.start(self.orch)
         if self.links.peers or self.links.sources:
