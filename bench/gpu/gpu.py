@@ -450,11 +450,8 @@ def _with_s3(run: _Run, body: Callable[[str], None]) -> None:
         body(f"s3://{server.bucket}/gpu")
     finally:
         server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for k, v in saved.items():  # the variables as they were
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         shutil.rmtree(where, ignore_errors=True)
 
 def _disk_bound(run: _Run, state: int) -> dict[str, Any]:
