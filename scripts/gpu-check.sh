@@ -13,7 +13,8 @@
 # default build,test,bench,claims), BENCH_ARGS / CLAIMS_ARGS (extra arguments, default none),
 # GPU_TESTS (a pytest -k expression selecting gpu tests; default all), PY_SPY (py-spy's path, for
 # bench.gpu --profile; else it is looked up on the PATH), TEST_TIMEOUT / BENCH_TIMEOUT /
-# CLAIMS_TIMEOUT (seconds a step may run before it is killed; default 0, no limit).
+# CLAIMS_TIMEOUT (seconds a step may run before it is killed; default 0, no limit). With .whl/remote/
+# (scripts/pack-remote-deps.sh) the remote tier's server and client are unpacked and put on the paths.
 # Results are kept flat, at most 8 files: gpu-check.log (every step's output) env.txt, and what
 # bench.gpu (gpu.json gpu.csv gpu.png, with --profile profile.txt pyspy.txt) and bench.gpu_claims
 # (claims.json) write.
@@ -41,6 +42,17 @@ for s in ${STEPS//,/ }; do
     esac
 done
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+# The remote tier's server and client (scripts/pack-remote-deps.sh), when carried in .whl/remote/
+if [[ -f "$ROOT/.whl/remote/weed.xz" && -f "$ROOT/.whl/remote/pysite.tar.xz" ]]; then
+    REMOTE_DEPS=/tmp/pccheck-remote-deps
+    if [[ ! -x "$REMOTE_DEPS/bin/weed" || ! -d "$REMOTE_DEPS/site" ]]; then
+        mkdir -p "$REMOTE_DEPS/bin"
+        xz -T0 -dc "$ROOT/.whl/remote/weed.xz" >"$REMOTE_DEPS/bin/weed" && chmod +x "$REMOTE_DEPS/bin/weed"
+        tar xJf "$ROOT/.whl/remote/pysite.tar.xz" -C "$REMOTE_DEPS"
+    fi
+    export PATH="$REMOTE_DEPS/bin:$PATH" PYTHONPATH="$PYTHONPATH:$REMOTE_DEPS/site"
+fi
 
 step_build() {
     echo "python3: $(command -v python3) ($(python3 --version 2>&1))"
