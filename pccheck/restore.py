@@ -71,7 +71,7 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if zero_copy or not verify:
             raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
         group = detect_group() if distributed else None
-        return _as_loaded(_remote_or_local(path, remote, group), model, optimizer, extra_state, map_location)
+        return _remote_or_local(path, remote, group, model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
     if lazy:
@@ -110,22 +110,41 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     return _as_loaded(r, model, optimizer, extra_state, map_location)
 
 
-def _remote_or_local(path: Any, remote: str | None, group: Group | None) -> Restored:
+def _remote_or_local(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,
+                     extra_state: Mapping[str, Any] | None, map_location: Any) -> Restored:
     """``path`` itself when it is s3://, else the local store at ``path`` (a group: every rank's
-    store, agreed), falling back to ``remote`` when nothing there is valid."""
-    from .tiers.remote.load import load_remote
-
+    store, agreed; a sharded one through pccheck.sharded), falling back to ``remote`` when
+    nothing there is valid. Loaded into the objects when given."""
     if is_remote(path):
-        return load_remote(path, group)
+        return _from_remote(path, group, model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     try:
+        if (model is not None and has_dtensors(model)) or newest_is_sharded(directory):
+            state = TorchState(model, optimizer, extra_state) if model is not None else None
+            return load_sharded(directory, group, state, map_location, decode=nested_state)
         if group is not None and rank_dir(directory, group.rank).is_dir():  # collective, as load_latest's
-            return agree_and_load(directory, group)
-        return recovery.load_newest(directory)
+            r = agree_and_load(directory, group)
+        else:
+            r = recovery.load_newest(directory)
     except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
         log.warning("pccheck: no valid local checkpoint under %s (%s); loading from the remote tier %s",
                     directory, exc, remote)
-        return load_remote(str(remote), group)
+        return _from_remote(str(remote), group, model, optimizer, extra_state, map_location)
+    return _as_loaded(r, model, optimizer, extra_state, map_location)
+
+
+def _from_remote(url: str, group: Group | None, model: Any, optimizer: Any,
+                 extra_state: Mapping[str, Any] | None, map_location: Any) -> Restored:
+    """The remote tier: a sharded step (or any step into a sharded model) through the local
+    resharding planner on remote sets (each rank GETs the byte ranges its shards need, any
+    world size; FORMAT.md §12.7), else each rank's part whole (pccheck.tiers.remote.load)."""
+    from .tiers.remote.load import load_remote
+    from .tiers.remote.sharded import newest_remote_is_sharded, remote_sets
+
+    if (model is not None and has_dtensors(model)) or newest_remote_is_sharded(url, group):
+        state = TorchState(model, optimizer, extra_state) if model is not None else None
+        return load_sharded(url, group, state, map_location, decode=nested_state, sets=remote_sets(url, group))
+    return _as_loaded(load_remote(url, group), model, optimizer, extra_state, map_location)
 
 
 def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None,
