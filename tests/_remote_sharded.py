@@ -2,7 +2,7 @@
 FileStore rendezvous; the model, the batches and the gathered state are _sharded_child's).
 
 Usage: python _remote_sharded.py MODE LOCAL URL RANK WORLD INIT_FILE REF [STEPS] [--continue REF2]
-       [--train]
+       [--train] [--via-local]
 
 MODE
   save  trains STEPS steps with remote=URL (local store LOCAL, a checkpoint every 2 steps),
@@ -10,7 +10,8 @@ MODE
         (and, when STEPS > 2, that of step 2, once it is committed remotely, to REF.2).
         Prints "REMOTE <committed> <step>". With --train it never stops (the kill test):
         a checkpoint every step, "STEP s" and "REMOTE step" printed per step.
-  load  load_latest(URL, model=..., optimizer=...) with no local store anywhere; prints
+  load  load_latest(URL, model=..., optimizer=...) with no local store anywhere (--via-local:
+        load_latest(LOCAL, ..., remote=URL), LOCAL being absent); prints
         "LOADED step bytes_read tier"; rank 0 compares the gathered state with REF ("EQUAL").
         With --continue REF2: trains 2 more steps with remote=URL (a new local store), checkpoints
         the second, waits for the remote, and rank 0 writes the gathered state to REF2.
@@ -64,7 +65,10 @@ def _load(local: str, url: str, rank: int, world: int, ref: str, argv: list[str]
     import pccheck
 
     model, opt = build("fsdp", world)
-    r = pccheck.load_latest(url, model=model, optimizer=opt)
+    if "--via-local" in argv:  # the local store first (deleted): falls back to the remote tier
+        r = pccheck.load_latest(local, model=model, optimizer=opt, remote=url)
+    else:
+        r = pccheck.load_latest(url, model=model, optimizer=opt)
     print(f"LOADED {r.step} {r.bytes_read} {r.tier}", flush=True)
     state = full_state(model, opt, world)
     if rank == 0:

@@ -130,12 +130,14 @@ def test_sigkill_of_every_rank_during_uploads_then_local_dirs_deleted_resumes_fr
     errs = [open(tmp_path / f"err-{r}.txt", "w") for r in range(2)]  # files: a full pipe would stall a rank
     procs = [subprocess.Popen(_cmd("save", local, s3_url, r, 2, init, ref, "--train"), stdout=subprocess.PIPE,
                               stderr=errs[r], text=True, env=os.environ.copy()) for r in range(2)]
-    seen = None
+    seen, trained = None, 0
     deadline = time.monotonic() + 240
     for line in procs[0].stdout:  # type: ignore[union-attr]
+        if line.startswith("STEP"):
+            trained = int(line.split()[1])
         if line.startswith("REMOTE") and line.split()[1] != "None":
             seen = int(line.split()[1])
-            if seen >= 3:
+            if seen >= 3 and trained > seen:  # checkpoints newer than the remote's are on their way up
                 break
         assert time.monotonic() < deadline, "no remote commit within 240 s"
     for p in procs:
@@ -151,7 +153,7 @@ def test_sigkill_of_every_rank_during_uploads_then_local_dirs_deleted_resumes_fr
     # the reference: a fresh 2-rank job trained to exactly that step (the batches depend on the step only)
     want = tmp_path / "want.pt"
     run_job("save", tmp_path / "ref-ck", s3_url + "-ref", 2, want, str(step))
-    outs = run_job("load", local, s3_url, 2, want)
-    assert "EQUAL" in outs[0] and {loaded(o)[0] for o in outs} == {step}
+    outs = run_job("load", local, s3_url, 2, want, "--via-local")  # load_latest(local, remote=url)
+    assert "EQUAL" in outs[0] and {loaded(o)[:1] + loaded(o)[2:] for o in outs} == {(step, "remote")}
     assert not local.exists()
     assert torch.load(want, weights_only=True)  # the reference exists and is not empty
