@@ -66,7 +66,8 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     if use_memory and (lazy or zero_copy):
         raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
     if lazy and (is_remote(path) or (remote is not None and not use_memory)):
-        return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
+        return _remote_lazily(path, remote, detect_group() if distributed else None, model, optimizer, extra_state,
+                              zero_copy, verify, map_location)
     if is_remote(path) or (remote is not None and not use_memory):
         if zero_copy or not verify:
             raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
@@ -190,13 +191,18 @@ def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: An
     return restore_lazily(located, TorchState(model, optimizer, extra_state))
 
 
-def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
+def _remote_lazily(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,
                    extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
                    map_location: Any) -> LazyRestore:
     """lazy=True from the remote tier: ``path`` itself when s3://, else the local store, falling
-    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs)."""
+    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs). In a group
+    only from an s3:// ``path``: the ranks agree on the step (locate_remote), each restores its
+    own part."""
     from .tiers.remote.load import locate_remote
 
+    if group is not None and not is_remote(path):
+        raise ConfigError("lazy=True in a torch.distributed group restores from the remote tier only: pass the "
+                          "s3:// URL as the path (load_latest(url, ..., lazy=True)), or load eagerly")
     if not is_remote(path):
         try:
             return _load_lazily(Path(path) if path is not None else default_path(), None, model, optimizer,
@@ -208,7 +214,10 @@ def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
         raise ConfigError("lazy=True takes no zero_copy=, verify=False or map_location=")
     if model is None or has_dtensors(model):
         raise ConfigError("lazy=True restores a model (without DTensors) in place: pass model=")
-    located = locate_remote(str(path))
+    located = locate_remote(str(path), group)
+    tree = located.manifest.tree
+    if isinstance(tree, dict) and "shards" in tree:  # the same step, so the same answer, on every rank
+        raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
     return restore_lazily(located, TorchState(model, optimizer, extra_state), read=located.read)
 
 

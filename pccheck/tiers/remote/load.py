@@ -171,22 +171,38 @@ class RemoteLocated:
     read: Any
 
 
-def locate_remote(url: str) -> RemoteLocated:
+def locate_remote(url: str, group: Any = None) -> RemoteLocated:
     """The step a lazy restore from ``url`` loads: the newest committed one whose manifest and
-    embedded local manifest check out (its arrays are checked as they arrive). Single process."""
+    embedded local manifest check out (its arrays are checked as they arrive). In a
+    torch.distributed group (every rank calls it) the ranks try rank 0's list of steps in order,
+    each locating its own part (the step's world size must be the group's, or 1: one part every
+    rank reads), and take the first step every rank located (they vote after each)."""
     store = ObjectStore(url)
     problems = []
-    for generation, step in committed(store):
+    try:
+        candidates = committed(store)
+    except RemoteError as exc:
+        candidates = []
+        problems.append(f"cannot list it: {exc}")
+    rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
+    if group is not None:
+        candidates = _vote(group, candidates, rank0=True)
+    for generation, step in candidates:
+        found: RemoteLocated | None = None
         try:
             raw, _ = store.get(manifest_key(generation, step), MAX_MANIFEST_BYTES)
             sm = decode_manifest(raw, generation, step)
-            if sm.world_size != 1:
-                raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks")
-            man = local_manifest(sm.ranks[0], step)
+            if sm.world_size not in (1, world):
+                raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks and {world} restore it lazily "
+                                             "(a resharded load is eager: drop lazy=)")
+            part = sm.ranks[rank if sm.world_size > 1 else 0]
+            found = RemoteLocated(local_manifest(part, step), _Where(url), 0, generation, _array_reader(store, part.data))
         except (NotFound, CorruptCheckpointError, RemoteError) as exc:
             problems.append(f"step {step} (generation {generation}): {exc}")
-            continue
-        return RemoteLocated(man, _Where(url), 0, generation, _array_reader(store, sm.ranks[0].data))
+        if group is not None and not all(_vote(group, found is not None)):
+            continue  # some rank cannot restore it: every rank moves on together
+        if found is not None:
+            return found
     raise NoCheckpointError(f"no committed checkpoint under {url} can be restored lazily"
                             + (": " + "; ".join(problems) if problems else ""))
 
