@@ -89,7 +89,7 @@ def _load_step(store: ObjectStore, generation: int, step: int, rank: int = 0, wo
     sm: StepManifest = decode_manifest(raw, generation, step)
     if sm.world_size != world_size and sm.world_size != 1:
         raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks, and {world_size} load it "
-                                     "(resharding from the remote tier is not supported yet)")
+                                     "(only a sharded step, FSDP2 / DTensor, loads on another world size)")
     part = sm.ranks[rank if sm.world_size > 1 else 0]  # one writer (replicated="rank0"): every rank reads it
     man = local_manifest(part, step)
     buf = _fetch(store, part, man)
