@@ -53,10 +53,9 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     The remote tier (pccheck/tiers/remote, FORMAT.md §12): ``path="s3://bucket/prefix"`` loads the
     newest committed remote step whose every checksum holds (falling back to older ones);
     ``remote="s3://..."`` beside a local ``path`` loads from the remote when the local store is
-    missing or holds nothing valid. ``r.tier`` says which: "disk" or "remote". A sharded step
-    (FSDP2 / DTensor, FORMAT.md §9) loads from the remote on any world size, each rank fetching
-    by ranged GETs only the chunks its own shards need. ``lazy=True`` works from the remote in a
-    group too (each rank restores its own part; the path must then be the s3:// URL).
+    missing or holds nothing valid. ``r.tier`` says which. A sharded step (FORMAT.md §9) loads
+    from the remote on any world size, each rank fetching only the chunks its shards need;
+    ``lazy=True`` from an s3:// path works in a group too (each rank restores its own part).
 
     With ``memory_dir`` (a path, or True for the default ``/dev/shm/pccheck/<store>``) the memory
     tier is searched too (pccheck.tiers.memory.nearest): the ranks agree on the newest step each
