@@ -53,7 +53,9 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     The remote tier (pccheck/tiers/remote, FORMAT.md §12): ``path="s3://bucket/prefix"`` loads the
     newest committed remote step whose every checksum holds (falling back to older ones);
     ``remote="s3://..."`` beside a local ``path`` loads from the remote when the local store is
-    missing or holds nothing valid. ``r.tier`` says which: "disk" or "remote".
+    missing or holds nothing valid. ``r.tier`` says which. A sharded step (FORMAT.md §9) loads
+    from the remote on any world size, each rank fetching only the chunks its shards need;
+    ``lazy=True`` from an s3:// path works in a group too (each rank restores its own part).
 
     With ``memory_dir`` (a path, or True for the default ``/dev/shm/pccheck/<store>``) the memory
     tier is searched too (pccheck.tiers.memory.nearest): the ranks agree on the newest step each
@@ -66,12 +68,13 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     if use_memory and (lazy or zero_copy):
         raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
     if lazy and (is_remote(path) or (remote is not None and not use_memory)):
-        return _remote_lazily(path, remote, model, optimizer, extra_state, zero_copy, verify, map_location)
+        return _remote_lazily(path, remote, detect_group() if distributed else None, model, optimizer, extra_state,
+                              zero_copy, verify, map_location)
     if is_remote(path) or (remote is not None and not use_memory):
         if zero_copy or not verify:
             raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
         group = detect_group() if distributed else None
-        return _as_loaded(_remote_or_local(path, remote, group), model, optimizer, extra_state, map_location)
+        return _remote_or_local(path, remote, group, model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     group = detect_group() if distributed else None
     if lazy:
@@ -110,22 +113,41 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     return _as_loaded(r, model, optimizer, extra_state, map_location)
 
 
-def _remote_or_local(path: Any, remote: str | None, group: Group | None) -> Restored:
+def _remote_or_local(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,
+                     extra_state: Mapping[str, Any] | None, map_location: Any) -> Restored:
     """``path`` itself when it is s3://, else the local store at ``path`` (a group: every rank's
-    store, agreed), falling back to ``remote`` when nothing there is valid."""
-    from .tiers.remote.load import load_remote
-
+    store, agreed; a sharded one through pccheck.sharded), falling back to ``remote`` when
+    nothing there is valid. Loaded into the objects when given."""
     if is_remote(path):
-        return load_remote(path, group)
+        return _from_remote(path, group, model, optimizer, extra_state, map_location)
     directory = Path(path) if path is not None else default_path()
     try:
+        if (model is not None and has_dtensors(model)) or newest_is_sharded(directory):
+            state = TorchState(model, optimizer, extra_state) if model is not None else None
+            return load_sharded(directory, group, state, map_location, decode=nested_state)
         if group is not None and rank_dir(directory, group.rank).is_dir():  # collective, as load_latest's
-            return agree_and_load(directory, group)
-        return recovery.load_newest(directory)
+            r = agree_and_load(directory, group)
+        else:
+            r = recovery.load_newest(directory)
     except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
         log.warning("pccheck: no valid local checkpoint under %s (%s); loading from the remote tier %s",
                     directory, exc, remote)
-        return load_remote(str(remote), group)
+        return _from_remote(str(remote), group, model, optimizer, extra_state, map_location)
+    return _as_loaded(r, model, optimizer, extra_state, map_location)
+
+
+def _from_remote(url: str, group: Group | None, model: Any, optimizer: Any,
+                 extra_state: Mapping[str, Any] | None, map_location: Any) -> Restored:
+    """The remote tier: a sharded step (or any step into a sharded model) through the local
+    resharding planner on remote sets (each rank GETs the byte ranges its shards need, any
+    world size; FORMAT.md §12.7), else each rank's part whole (pccheck.tiers.remote.load)."""
+    from .tiers.remote.load import load_remote
+    from .tiers.remote.sharded import newest_remote_is_sharded, remote_sets
+
+    if (model is not None and has_dtensors(model)) or newest_remote_is_sharded(url, group):
+        state = TorchState(model, optimizer, extra_state) if model is not None else None
+        return load_sharded(url, group, state, map_location, decode=nested_state, sets=remote_sets(url, group))
+    return _as_loaded(load_remote(url, group), model, optimizer, extra_state, map_location)
 
 
 def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None,
@@ -171,13 +193,18 @@ def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: An
     return restore_lazily(located, TorchState(model, optimizer, extra_state))
 
 
-def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
+def _remote_lazily(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,
                    extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
                    map_location: Any) -> LazyRestore:
     """lazy=True from the remote tier: ``path`` itself when s3://, else the local store, falling
-    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs)."""
+    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs). In a group
+    only from an s3:// ``path``: the ranks agree on the step (locate_remote), each restores its
+    own part."""
     from .tiers.remote.load import locate_remote
 
+    if group is not None and not is_remote(path):
+        raise ConfigError("lazy=True in a torch.distributed group restores from the remote tier only: pass the "
+                          "s3:// URL as the path (load_latest(url, ..., lazy=True)), or load eagerly")
     if not is_remote(path):
         try:
             return _load_lazily(Path(path) if path is not None else default_path(), None, model, optimizer,
@@ -189,7 +216,10 @@ def _remote_lazily(path: Any, remote: str | None, model: Any, optimizer: Any,
         raise ConfigError("lazy=True takes no zero_copy=, verify=False or map_location=")
     if model is None or has_dtensors(model):
         raise ConfigError("lazy=True restores a model (without DTensors) in place: pass model=")
-    located = locate_remote(str(path))
+    located = locate_remote(str(path), group)
+    tree = located.manifest.tree
+    if isinstance(tree, dict) and "shards" in tree:  # the same step, so the same answer, on every rank
+        raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
     return restore_lazily(located, TorchState(model, optimizer, extra_state), read=located.read)
 
 

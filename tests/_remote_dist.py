@@ -1,9 +1,10 @@
 """One rank of a 2-rank job with the remote tier (gloo, FileStore rendezvous).
 
-Usage: python _remote_dist.py PATH URL STEPS RANK WORLD INIT_FILE OUT [--resume] [--replicated]
+Usage: python _remote_dist.py PATH URL STEPS RANK WORLD INIT_FILE OUT [--resume|--lazy] [--replicated]
 Trains STEPS steps (checkpoint every 2), waits for the remote, saves its final model state to
 OUT/final-<rank>.pt. With --resume it first loads (local store, else the remote) and saves the
-loaded state to OUT/loaded-<rank>.pt, printing "START step tier"."""
+loaded state to OUT/loaded-<rank>.pt, printing "START step tier". With --lazy it restores from URL
+with lazy=True instead (every rank its own part), runs a forward, waits, and saves the same."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def main(argv: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if "--lazy" in argv:  # every local store is gone: each rank restores its own part lazily
+        r = pccheck.load_latest(url, model=model, optimizer=optim, lazy=True)
+        assert isinstance(r, pccheck.LazyRestore)
+        model(torch.zeros(1, 16))  # a forward waits only for what it needs
+        r.wait()
+        print(f"START {r.step} lazy", flush=True)
+        torch.save(model.state_dict(), f"{out}/loaded-{rank}.pt")
+        dist.destroy_process_group()
+        return
     if "--resume" in argv:
         r = pccheck.load_latest(path, model=model, optimizer=optim, remote=url)
         print(f"START {r.step} {r.tier}", flush=True)

@@ -352,7 +352,15 @@ def test_replicated_rank0_uploads_alone_and_every_rank_loads_it(s3_url, tmp_path
     _two_rank_rounds(s3_url, tmp_path, replicated=True)
 
 
-def _two_rank_rounds(s3_url: str, tmp_path: Path, replicated: bool) -> None:
+@pytest.mark.slow  # four processes importing torch (make test-slow)
+def test_two_ranks_restore_lazily_from_remote(s3_url, tmp_path):
+    """A 2-rank job uploads its parts; with every local store deleted, a new 2-rank job restores
+    with lazy=True from the remote (the ranks agree on the step, each fetches its own part's
+    arrays by ranged GETs as they are needed), bit for bit."""
+    _two_rank_rounds(s3_url, tmp_path, replicated=False, resume="--lazy")
+
+
+def _two_rank_rounds(s3_url: str, tmp_path: Path, replicated: bool, resume: str = "--resume") -> None:
     import torch
 
     flags = ["--replicated"] if replicated else []
@@ -375,9 +383,9 @@ def _two_rank_rounds(s3_url: str, tmp_path: Path, replicated: bool) -> None:
     man = layout.decode_manifest(raw, g, s)
     assert (s, man.world_size, [p.rank for p in man.ranks]) == ((8, 1, [0]) if replicated else (8, 2, [0, 1]))
     shutil.rmtree(tmp_path / "ck")  # every node is gone
-    outs = launch("--resume")
+    outs = launch(resume)
     for r in range(2):
-        assert "START 8 remote" in outs[r]
+        assert ("START 8 lazy" if resume == "--lazy" else "START 8 remote") in outs[r]
         final = torch.load(tmp_path / f"final-{0 if replicated else r}.pt", weights_only=True)
         loaded = torch.load(tmp_path / f"loaded-{r}.pt", weights_only=True)
         assert all(torch.equal(final[k], loaded[k]) for k in final)

@@ -14,6 +14,8 @@ serves every row. Rows, each the same loop with a checkpoint every ``--every`` i
   boto3 multipart upload of the file on a background thread (same part size and concurrency;
   one upload at a time, the newest file next);
 * ``raw-client``: boto3 uploading the same bytes from memory, no loop (the best the client does);
+* ``--upload-only``: no loop; pccheck's ``upload_slot`` from a committed slot against the raw
+  client, alternating ``--repeat`` times (is the upload path itself slower than the client?);
 * ``dcp.async_save+FsspecWriter`` (with ``--s3fs-path``): DCP's async save to s3fs, one in flight,
   in a child process (bench/resilience/remote_dcp_child.py), and its cold load with ``FsspecReader``.
 
@@ -267,6 +269,44 @@ def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any
     return res
 
 
+def upload_path_only(a: argparse.Namespace, work: Path, base: str) -> dict[str, Any]:
+    """``--upload-only``: the upload path alone, no training loop: pccheck's ``upload_slot`` from a
+    committed local slot of ``--size`` bytes (read from the store file, per-part and per-array
+    crc32c, the same BufferPool and sender threads as the tier, at normal priority here) against
+    the raw client uploading the same number of bytes from memory, alternating, the same part
+    size, concurrency and ObjectStore settings."""
+    import numpy as np
+
+    import pccheck
+    from pccheck.persist.recovery import read_store
+    from pccheck.tiers.remote.upload import BufferPool, SlotRef, upload_slot
+
+    size = parse_size(a.size)
+    where = work / "ck"
+    with pccheck.Checkpointer({"w": np.ones(size, dtype=np.uint8)}, where) as ck:
+        ck.checkpoint(1)
+        ck.wait()
+        file = ck._orch.store.file
+    meta = next(st.meta for st in read_store(file).slots if st.meta and st.meta["step"] == 1)
+    ref = SlotRef(file, next(st.slot for st in read_store(file).slots if st.meta == meta), meta["counter"], 1)
+    store = _client()(base, connections=CONC + 4)
+    out: dict[str, Any] = {"pccheck_upload_slot_gbps": [], "raw_client_gbps": []}
+    for _ in range(a.repeat):
+        with ThreadPoolExecutor(CONC, thread_name_prefix="bench-part") as senders:
+            t = time.perf_counter()
+            part = upload_slot(store, ref, 1, 0, PART, BufferPool(CONC + 1, PART), senders, lambda: False)
+            out["pccheck_upload_slot_gbps"].append(part.size / (time.perf_counter() - t) / 1e9)
+        store.delete(part.data)  # disk: 1 GiB per upload
+        out["raw_client_gbps"].append(raw_client(size, base, None))
+    shutil.rmtree(where)
+    p, r = out["pccheck_upload_slot_gbps"], out["raw_client_gbps"]
+    out["summary"] = {"pccheck_median_gbps": statistics.median(p), "pccheck_range": [min(p), max(p)],
+                      "raw_median_gbps": statistics.median(r), "raw_range": [min(r), max(r)],
+                      "ratio_median": statistics.median(x / y for x, y in zip(p, r)),
+                      "ratio_range": [min(x / y for x, y in zip(p, r)), max(x / y for x, y in zip(p, r))]}
+    return out
+
+
 def summarize_attribution(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each row's loop against ``none`` and ``local`` (median [min, max] over runs)."""
     out: dict[str, Any] = {}
@@ -349,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the loop rows: local, pccheck-remote, and local beside the raw client's uploads")
     ap.add_argument("--s3fs-path", default=os.environ.get("PCCHECK_BENCH_S3FS"),
                     help="a directory holding s3fs (pip install --target DIR s3fs) for the DCP row")
+    ap.add_argument("--upload-only", action="store_true",
+                    help="only the upload path, no loop: pccheck's upload_slot vs the raw client, alternating")
     a = ap.parse_args(argv)
+    if a.upload_only:
+        return _main_upload_only(a, argv)
     import logging
 
     logging.getLogger("pccheck").setLevel(logging.WARNING)
@@ -376,6 +420,25 @@ def main(argv: list[str] | None = None) -> int:
     if not a.attribution:
         plot(summary, Path(a.out).with_suffix(".png"), a)
     print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
+def _main_upload_only(a: argparse.Namespace, argv: list[str] | None) -> int:
+    with tempfile.TemporaryDirectory(prefix="pccheck-bench-remote-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
+        srv = DevServer(Path(d) / "s3").start()
+        try:
+            _env(srv)
+            work = Path(d) / "run"
+            work.mkdir()
+            res = upload_path_only(a, work, f"s3://{srv.bucket}/bench-{uuid.uuid4().hex[:6]}")
+        finally:
+            srv.stop()
+    res = {"command": "python -m bench.remote " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+           "size": parse_size(a.size), "part_size": PART, "concurrency": CONC, **res,
+           "host": host_info(tempfile.gettempdir())}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    print(json.dumps(res["summary"], indent=1), flush=True)
     return 0
 
 

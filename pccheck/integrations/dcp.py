@@ -38,6 +38,7 @@ from ..sharded.index import CheckpointSet, find_sets
 from ..state.torch_state import load_serialized
 from ..tuner.config import resolve_auto
 from .dcp_format import Located, Written, set_metadata, slot_contents
+from .dcp_remote import RemoteTarget, is_remote, older_steps, remote_set, staging_dir
 from .dcp_stage import LEASE_KEY, ORDER_KEY, StagingPool, release_lease, staged_order
 from .dcp_store import close_stores, next_save, rank_store, record_finished
 
@@ -59,6 +60,7 @@ class _PlanData:
     step: int | None
     world_size: int
     finished: int | None
+    generation: int | None = None  # an s3:// save: the coordinator's remote generation (FORMAT.md §12)
 
 
 def _done(value: Any) -> TorchFuture:
@@ -98,8 +100,16 @@ class Writer(StorageWriter, AsyncStager):
     back once its save's bytes are in pccheck's DRAM chunks. The writer pickles as its path and
     options only: a PROCESS-mode daemon opens its own stores.
 
+    With an ``s3://bucket/prefix`` location each save is also committed on the object store
+    (FORMAT.md §12 with §9.1; pccheck/integrations/dcp_remote.py): every rank uploads its
+    committed slot inside ``write_data``, the coordinator's ``finish`` writes the step manifest
+    (the commit) and moves ``latest``. The store is probed here (RemoteConfigError).
+
     Args:
-        path: the checkpoint directory (or give ``checkpoint_id=`` to dcp.save).
+        path: the checkpoint directory, or ``"s3://bucket/prefix"`` (or give ``checkpoint_id=``
+            to dcp.save).
+        local: with an s3:// path, the local staging directory the ranks' stores live in
+            (default: ``$TMPDIR/pccheck-dcp/<hash of the URL>``).
         **options: :class:`pccheck.EngineOptions` fields: ``max_concurrent`` (N saves in flight;
             each rank store has N+2 slots), ``writer_threads``, ``chunk_size``, ``dram_budget``,
             ``storage``.
@@ -107,39 +117,53 @@ class Writer(StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, **options: Any) -> None:
-        self.path = Path(path).absolute() if path is not None else None
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, local: str | os.PathLike[str] | None = None,
+                 **options: Any) -> None:
+        self.local = local
         self.options = dict(options)
+        self._locate(path)
         self.engine = _engine(self.options, self.path)
         self._init_runtime()
+
+    def _locate(self, where: str | os.PathLike[str] | None) -> None:
+        """Sets ``path`` (the local root) and ``url``/``_remote`` (an s3:// location, probed)."""
+        self.url = where if is_remote(where) else None
+        self._remote = RemoteTarget(self.url) if self.url is not None else None
+        if self.url is not None:
+            self.path: Path | None = staging_dir(self.url, self.local)
+        else:
+            self.path = Path(where).absolute() if where is not None else None
 
     def _init_runtime(self) -> None:
         self.is_coordinator = False
         self.rank = 0
         self._pool: StagingPool | None = None
+        self._generation: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options}
+        return {"path": self.url or self.path, "local": self.local, "options": self.options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path, self.options = state["path"], state["options"]
+        self.local, self.options = state.get("local"), state["options"]
+        self._locate(state["path"])
         self.engine = _engine(self.options, self.path)
         self._init_runtime()
 
     @property
-    def checkpoint_id(self) -> Path | None:
-        return self.path
+    def checkpoint_id(self) -> Path | str | None:
+        return self.url or self.path
 
     # -- StorageWriter --------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id).absolute()
+        if checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
+            self._locate(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """A local directory path (a URL is not)."""
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in str(checkpoint_id)
+        """A local directory path, or an ``s3://`` location (no other URL)."""
+        return isinstance(checkpoint_id, (str, os.PathLike)) and (
+            is_remote(checkpoint_id) or "://" not in str(checkpoint_id))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -157,7 +181,9 @@ class Writer(StorageWriter, AsyncStager):
         world = len(plans)
         epoch, step = next_save(root, world) if world > 1 else (None, None)
         store = rank_store(root, world, 0, self.engine)
-        data = _PlanData(epoch, step, world, store.retention.finished)
+        if self._remote is not None:  # one per URL in this process, taken at its first save
+            self._generation = self._remote.generation()
+        data = _PlanData(epoch, step, world, store.retention.finished, self._generation)
         return [dataclasses.replace(p, storage_data=data) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: Any) -> TorchFuture:
@@ -184,6 +210,8 @@ class Writer(StorageWriter, AsyncStager):
         else:
             epoch, step, committed = started
             kept = committed.result()  # raises the commit's error
+            if kept and self._remote is not None:
+                self._upload(store, data, step)
         results = [WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
                                storage_data=Written(epoch, step, self.rank, names[item.index], kept))
                    for item in plan.items]
@@ -208,6 +236,18 @@ class Writer(StorageWriter, AsyncStager):
             log.info("pccheck: save of step %d was superseded by a newer one; not recorded as finished", step)
             return
         record_finished(_path(self.path, "Writer"), epoch, step, len(results))
+        if self._remote is not None:  # every rank's part is up (DCP calls finish after write_data)
+            assert self._generation is not None
+            self._remote.commit(self._generation, step, len(results))
+
+    def _upload(self, store: Any, data: _PlanData, step: int) -> None:
+        """This rank's committed slot of ``step`` to the object store, and its part (§12.7)."""
+        info = store.commit_of(step)
+        if data.generation is None or info is None:
+            raise ConfigError("an s3:// save needs the plan of pccheck.dcp.Writer's prepare_global_plan and the "
+                              "slot its commit reported; give the same Writer to every rank's dcp.save")
+        assert self._remote is not None
+        self._remote.upload(info, data.generation, self.rank)
 
     # -- AsyncStager ----------------------------------------------------------------------------
 
@@ -249,23 +289,30 @@ class Reader(StorageReader):
     ``model.0.weight``; optimizer state keeps the parameter index, ``optimizer.state.0.exp_avg``).
     Every array read is checked against its crc32c; a damaged one raises CorruptCheckpointError
     naming it (load an older save with ``step=``). The directory must be visible to every
-    loading rank.
+    loading rank. An ``s3://bucket/prefix`` location reads the newest committed remote step
+    (FORMAT.md §12), each array by ranged GETs of its own bytes: no shared filesystem needed.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None) -> None:
-        self.path = Path(path).absolute() if path is not None else None
+        self.url = path if is_remote(path) else None
+        self.path = Path(path).absolute() if path is not None and self.url is None else None
         self.step = step
-        self._set: CheckpointSet | None = None
+        self._set: Any = None  # a CheckpointSet, or a RemoteSet (s3://)
         self._where: dict[tuple[str, tuple[int, ...] | None], Located] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = Path(checkpoint_id).absolute()
+            self.url = checkpoint_id if is_remote(checkpoint_id) else None
+            self.path = Path(checkpoint_id).absolute() if self.url is None else None
+        if self._set is not None:
+            self._set.close()
         self._set, self._where = None, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """A directory that holds at least one complete pccheck set."""
+        """A directory that holds at least one complete pccheck set, or an ``s3://`` location."""
+        if is_remote(checkpoint_id):
+            return True
         try:
             return bool(find_sets(checkpoint_id))
         except (OSError, TypeError, ValueError):
@@ -273,6 +320,10 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         """DCP metadata of the chosen set, rebuilt from its manifests (called on every rank)."""
+        if self.url is not None:
+            self._set = remote_set(self.url, self.step)
+            meta, self._where = set_metadata(self._set)
+            return meta
         root = _path(self.path, "Reader")
         sets = find_sets(root)
         if self.step is not None:
@@ -345,7 +396,8 @@ class Reader(StorageReader):
         try:
             arr = cand.read(loc.rank, loc.array)
         except CorruptCheckpointError as exc:
-            older = [s.step for s in find_sets(_path(self.path, "Reader")) if s.step < cand.step]
+            older = (older_steps(self.url, cand.step) if self.url is not None else
+                     [s.step for s in find_sets(_path(self.path, "Reader")) if s.step < cand.step])
             hint = (f"load an older save with pccheck.dcp.Reader(path, step={older[0]}) (complete: {older})"
                     if older else "no older complete save exists")
             raise CorruptCheckpointError(f"{exc}; this save cannot be loaded: {hint}") from None

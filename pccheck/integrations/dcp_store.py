@@ -220,6 +220,7 @@ class RankStore:
         # permit that this commit thread's _on_finished gives back.
         self._pending_lock = threading.Lock()
         self._errors = threading.local()
+        self._commits: dict[int, CommitInfo] = {}  # step -> where it committed (the newest few)
 
     def _open(self, arrays: dict[str, Any], tree: Any, epoch: int) -> Orchestrator:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -270,6 +271,15 @@ class RankStore:
 
     def _on_commit(self, info: CommitInfo) -> None:
         self.retention.on_commit(info.step, info.slot)
+        with self._pending_lock:
+            self._commits[info.step] = info
+            while len(self._commits) > 8:  # only saves still in write_data are asked for
+                del self._commits[min(self._commits)]
+
+    def commit_of(self, step: int) -> CommitInfo | None:
+        """Where this rank's save of ``step`` committed (slot, counter, store file), or None."""
+        with self._pending_lock:
+            return self._commits.get(step)
 
     def _on_finished(self, st: CheckpointStats) -> None:
         exc = getattr(self._errors, "exc", None)

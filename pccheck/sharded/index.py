@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, ClassVar, Iterator, Mapping
 
 import numpy as np
 
@@ -81,6 +81,8 @@ class CheckpointSet:
     world_size: int
     members: list[Member]  # by rank
     bytes_read: int = 0    # array bytes read through :meth:`read` so far
+    tier: ClassVar[str] = "disk"              # Restored.tier of a load of it
+    read_threads: ClassVar[int | None] = None  # reads at once (None: the loader's READ_THREADS)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _tensors: dict[str, TensorInfo] | None = field(default=None, repr=False)
     _fds: dict[int, int] = field(default_factory=dict, repr=False)

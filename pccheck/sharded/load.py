@@ -53,19 +53,24 @@ def newest_is_sharded(path: Path) -> bool:
     return bool(sets) and sets[0].sharded
 
 
-def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None, *, decode: Decode) -> Restored:
+def load_sharded(path: Path | str, group: Any, state: Any, map_location: Any = None, *, decode: Decode,
+                 sets: list[Any] | None = None) -> Restored:
     """Loads the newest complete set that every loading rank can build; with ``state`` (a
     :class:`pccheck.state.torch_state.TorchState`) puts it in place. ``group``: the loading job's
     :class:`pccheck.group.distributed.Group`, or None for one process. ``decode``: the tree's
     decoding (:data:`Decode`). Collective in a group: every rank reaches each vote, whatever it met
-    (a ConfigError on any rank is raised on all)."""
+    (a ConfigError on any rank is raised on all). ``sets``: the candidates, newest first, the same
+    on every rank, when they are not the local sets under ``path`` (the remote tier's
+    :class:`pccheck.tiers.remote.sharded.RemoteSet`: the CheckpointSet interface, every rank
+    reaching every member's data)."""
     rank = group.rank if group is not None else 0
     problems: list[str] = []
     touched = False  # a failed set's chunks were read into the model's or optimizer's tensors
-    for cand in _candidates(path, group):
+    for cand in (sets if sets is not None else _candidates(Path(path), group)):
         built, why = None, None
         try:
-            check_visible(path, cand.world_size)
+            if sets is None:
+                check_visible(Path(path), cand.world_size)
             built = _build(cand, rank, state, map_location, decode)
         except CorruptCheckpointError as exc:
             why = ("corrupt", str(exc))
@@ -92,7 +97,7 @@ def load_sharded(path: Path, group: Any, state: Any, map_location: Any = None, *
                      cand.world_size, group.world_size if group is not None else 1, cand.bytes_read)
         man = member.manifest
         return Restored(cand.step, nested, man.metadata, man.counter, member.image.generation, member.slot,
-                        member.image.path, {}, man.tree, man.epoch, bytes_read=cand.bytes_read)
+                        member.image.path, {}, man.tree, man.epoch, bytes_read=cand.bytes_read, tier=cand.tier)
     detail = f" ({'; '.join(problems)})" if problems else ""
     partly = (" The model's and optimizer's tensors may hold parts of a damaged checkpoint: initialise them again "
               "before training from scratch." if touched and state is not None else "")
@@ -232,7 +237,7 @@ def _read_all(cand: CheckpointSet, reads: list[_Read]) -> None:
         for r in reads:
             _fill(cand, r)
         return
-    pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="pccheck-reshard")
+    pool = ThreadPoolExecutor(max_workers=cand.read_threads or READ_THREADS, thread_name_prefix="pccheck-reshard")
     try:
         for _ in pool.map(lambda r: _fill(cand, r), reads):  # the executor's queue is FIFO: file order
             pass

@@ -19,7 +19,10 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
                   announces the steps and commits them; §12.7)
     inventory.py  survey / verify / manifest_of / load_step of a prefix (``pccheck ls|verify|inspect|export
                   s3://...``)
-    load.py       load_remote: newest committed step whose every checksum holds, falling back
+    load.py       load_remote: newest committed step whose every checksum holds, falling back;
+                  locate_remote (lazy, one process or a group); read_array (ranged GETs of one array)
+    sharded.py    RemoteSet: a committed step as a §9 set for the resharding planner (sharded
+                  and resharded loads on any world size, only the byte ranges each rank needs)
     devserver.py  a local SeaweedFS (``weed mini``) for tests, benchmarks and trying it out
 
 Invariants: data keys are unique and never overwritten; a step is committed only by its manifest,

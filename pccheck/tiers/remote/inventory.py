@@ -14,7 +14,7 @@ from typing import Any
 from ...errors import CorruptCheckpointError, NoCheckpointError, RemoteError
 from .commit import committed, read_pointer
 from .layout import MAX_MANIFEST_BYTES, decode_manifest, manifest_key
-from .load import _load_step, _local_manifest, load_remote
+from .load import _load_step, local_manifest, load_remote
 from .objstore import NotFound, ObjectStore
 
 __all__ = ["RemoteStep", "survey", "verify", "remote_url", "manifest_of", "load_step"]
@@ -95,7 +95,7 @@ def manifest_of(url: str, step: int | None = None) -> tuple[int, int, Any]:
     g, s = _find(store, url, step)
     raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
     m = decode_manifest(raw, g, s)
-    return g, m.world_size, _local_manifest(m.ranks[0], s)
+    return g, m.world_size, local_manifest(m.ranks[0], s)
 
 
 def load_step(url: str, step: int | None = None) -> Any:

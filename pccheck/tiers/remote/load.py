@@ -28,7 +28,7 @@ from .commit import committed
 from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, decode_manifest, manifest_key, parts_of
 from .objstore import NotFound, ObjectStore
 
-__all__ = ["load_remote", "locate_remote", "RemoteLocated"]
+__all__ = ["load_remote", "locate_remote", "RemoteLocated", "read_array", "local_manifest"]
 
 log = logging.getLogger("pccheck")
 
@@ -36,7 +36,9 @@ GET_THREADS = 8
 GET_PIECE = 8 << 20  # ranged GETs in flight: 8 of 8 MiB (parts are 32 MiB: too few for a small state)
 
 
-def _local_manifest(part: RankPart, step: int) -> Manifest:
+def local_manifest(part: RankPart, step: int) -> Manifest:
+    """The local manifest (FORMAT.md §5) a rank part embeds, checked by §5's rules with its
+    ``data_len`` equal to the data object's size."""
     try:
         counter = json.loads(part.manifest.decode("utf-8")).get("counter")
     except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
@@ -87,9 +89,9 @@ def _load_step(store: ObjectStore, generation: int, step: int, rank: int = 0, wo
     sm: StepManifest = decode_manifest(raw, generation, step)
     if sm.world_size != world_size and sm.world_size != 1:
         raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks, and {world_size} load it "
-                                     "(resharding from the remote tier is not supported yet)")
+                                     "(only a sharded step, FSDP2 / DTensor, loads on another world size)")
     part = sm.ranks[rank if sm.world_size > 1 else 0]  # one writer (replicated="rank0"): every rank reads it
-    man = _local_manifest(part, step)
+    man = local_manifest(part, step)
     buf = _fetch(store, part, man)
     state = {}
     for e in man.arrays:
@@ -169,22 +171,38 @@ class RemoteLocated:
     read: Any
 
 
-def locate_remote(url: str) -> RemoteLocated:
+def locate_remote(url: str, group: Any = None) -> RemoteLocated:
     """The step a lazy restore from ``url`` loads: the newest committed one whose manifest and
-    embedded local manifest check out (its arrays are checked as they arrive). Single process."""
+    embedded local manifest check out (its arrays are checked as they arrive). In a
+    torch.distributed group (every rank calls it) the ranks try rank 0's list of steps in order,
+    each locating its own part (the step's world size must be the group's, or 1: one part every
+    rank reads), and take the first step every rank located (they vote after each)."""
     store = ObjectStore(url)
     problems = []
-    for generation, step in committed(store):
+    try:
+        candidates = committed(store)
+    except RemoteError as exc:
+        candidates = []
+        problems.append(f"cannot list it: {exc}")
+    rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
+    if group is not None:
+        candidates = _vote(group, candidates, rank0=True)
+    for generation, step in candidates:
+        found: RemoteLocated | None = None
         try:
             raw, _ = store.get(manifest_key(generation, step), MAX_MANIFEST_BYTES)
             sm = decode_manifest(raw, generation, step)
-            if sm.world_size != 1:
-                raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks")
-            man = _local_manifest(sm.ranks[0], step)
+            if sm.world_size not in (1, world):
+                raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks and {world} restore it lazily "
+                                             "(a resharded load is eager: drop lazy=)")
+            part = sm.ranks[rank if sm.world_size > 1 else 0]
+            found = RemoteLocated(local_manifest(part, step), _Where(url), 0, generation, _array_reader(store, part.data))
         except (NotFound, CorruptCheckpointError, RemoteError) as exc:
             problems.append(f"step {step} (generation {generation}): {exc}")
-            continue
-        return RemoteLocated(man, _Where(url), 0, generation, _array_reader(store, sm.ranks[0].data))
+        if group is not None and not all(_vote(group, found is not None)):
+            continue  # some rank cannot restore it: every rank moves on together
+        if found is not None:
+            return found
     raise NoCheckpointError(f"no committed checkpoint under {url} can be restored lazily"
                             + (": " + "; ".join(problems) if problems else ""))
 
@@ -193,26 +211,36 @@ def _array_reader(store: ObjectStore, key: str) -> Any:
     pool = ThreadPoolExecutor(GET_THREADS, thread_name_prefix="pccheck-remote-get")
 
     def read(entry: Any, crc: int, into: np.ndarray | None) -> np.ndarray:
-        """One array: ranged GETs of at most GET_PIECE bytes into ``into`` (or a new buffer),
-        its crc32c combined from the pieces' and checked."""
-        if not entry.nbytes:
-            return np.empty(entry.shape, dtype=entry.dtype)
-        buf = into if into is not None else fresh_buffer(entry.nbytes)
-        view = memoryview(buf).cast("B")
-        pieces = [(o, min(GET_PIECE, entry.nbytes - o)) for o in range(0, entry.nbytes, GET_PIECE)]
-
-        def get(p: tuple[int, int]) -> int:
-            try:
-                store.read_into(key, entry.offset + p[0], view[p[0]:p[0] + p[1]])
-            except NotFound as exc:
-                raise CorruptCheckpointError(f"data object {key} is missing or short ({exc})") from None
-            return crc32c(view[p[0]:p[0] + p[1]])
-
-        got = 0
-        for (_, n), c in zip(pieces, pool.map(get, pieces)):
-            got = crc32c_combine(got, c, n)
-        if got != crc:
-            raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch in {key}")
-        return np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes).view(entry.dtype).reshape(entry.shape)
+        return read_array(store, key, entry, crc, into, pool)
 
     return read
+
+
+def read_array(store: ObjectStore, key: str, entry: Any, crc: int, into: np.ndarray | None,
+               pool: ThreadPoolExecutor) -> np.ndarray:
+    """One array (a manifest entry) of data object ``key``: ranged GETs of at most GET_PIECE bytes
+    on ``pool`` into ``into`` (a uint8 array of ``entry.nbytes``) or a new buffer, its crc32c
+    combined from the pieces' and checked. The entry's offset and size were bounded by the data
+    object's size when its manifest was parsed. CorruptCheckpointError for a missing or short
+    object or a mismatch; RemoteError for a failing store."""
+    if not entry.nbytes:
+        return np.empty(entry.shape, dtype=entry.dtype)
+    buf = into if into is not None else fresh_buffer(entry.nbytes)
+    view = memoryview(buf).cast("B")
+    if len(view) != entry.nbytes:
+        raise CorruptCheckpointError(f"array {entry.name!r} holds {entry.nbytes} bytes, the destination {len(view)}")
+    pieces = [(o, min(GET_PIECE, entry.nbytes - o)) for o in range(0, entry.nbytes, GET_PIECE)]
+
+    def get(p: tuple[int, int]) -> int:
+        try:
+            store.read_into(key, entry.offset + p[0], view[p[0]:p[0] + p[1]])
+        except NotFound as exc:
+            raise CorruptCheckpointError(f"data object {key} is missing or short ({exc})") from None
+        return crc32c(view[p[0]:p[0] + p[1]])
+
+    got = 0
+    for (_, n), c in zip(pieces, pool.map(get, pieces)):
+        got = crc32c_combine(got, c, n)
+    if got != crc:
+        raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch in {key}")
+    return np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes).view(entry.dtype).reshape(entry.shape)
