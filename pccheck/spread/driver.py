@@ -45,7 +45,7 @@ __all__ = ["Spreader", "SpreadResult", "identity"]
 
 log = logging.getLogger("pccheck")
 
-REPLAY_NICE = 10  # the replay thread's nice value (training's threads keep theirs)
+REPLAY_NICE = 0  # the replay thread's nice value: see _replay_loop
 COPY_THREADS = 2  # two threads reach ~20 GB/s memcpy on touched pages here, one ~11 GB/s
 # The training thread's waits of a spread, by cause (_Spread.waits; CheckpointStats.spread_waits)
 WAITS = ("previous", "parts", "replay", "grads")
@@ -429,9 +429,12 @@ class Spreader:
             self._part_copies.append((nbytes, time.perf_counter() - t_part))
 
     def _replay_loop(self) -> None:
-        # The replay is background CPU work that must not take the CPU from the training thread
-        # (its optimizer step, or the Python that drives the GPU): it runs at a lower priority
-        # (Linux: a thread's nice value is its own). It has until the next spread begins.
+        # The replay runs at the training's own priority (REPLAY_NICE 0; a higher value only ever
+        # raises a thread's nice, Linux keeps it per thread). It was nice 10, meant to leave the
+        # CPU to training, but the training thread waits for it anyway once RECORDS steps are
+        # queued (back-pressure), and at nice 10 any other busy process (a data loader, a
+        # neighbour) takes the CPU first: with one CPU hog on 2 vCPUs the replay got ~1/10 of a
+        # CPU and training sat in the pre-hook (docs/notes/issue-33.md has the measurements).
         try:
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, max(REPLAY_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
