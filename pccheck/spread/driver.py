@@ -103,9 +103,10 @@ class _Spread:
     grad_bytes: int = 0
     replay_s: float = 0.0         # written by the replay thread (wall time)
     replay_cpu_s: float = 0.0     # written by the replay thread (its own CPU time)
-    # Where the training thread's waits went (they add up to the spread's cow_wait_s): the
-    # previous spread (begin), part copies (pre-hook and finish), the replay's back-pressure
-    # (RECORDS steps of gradients already waiting), this step's gradient copies (post-hook).
+    # Where the training thread's waits went, parts of the spread's cow_wait_s (the rest is the
+    # capture loop itself and finish's hand-over): the previous spread (begin), part copies
+    # (pre-hook and finish), the replay's back-pressure (RECORDS steps of gradients already
+    # waiting), this step's gradient copies (post-hook).
     waits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAITS, 0.0))
     failure: list[str] = field(default_factory=list)  # written by the replay thread
 
