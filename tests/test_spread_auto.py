@@ -15,7 +15,7 @@ import pccheck
 from pccheck.orchestrator.stats import SpreadDecision
 from pccheck.spread.driver import Spreader
 from pccheck.spread.mode import SpreadMode
-from pccheck.spread.plan import modelled_stall
+from pccheck.spread.plan import RECORDS, auto_steps, modelled_stall, replay_backpressure
 
 from test_spread import make, train_auto, train_step
 
@@ -38,9 +38,10 @@ def _adamw(n: int = 4, elems: int = 4096):
     return opt
 
 
-def _stat(nbytes: int, copy_s: float, k: int = 1, prepare_s: float = 0.0, stall_s: float = 0.0):
+def _stat(nbytes: int, copy_s: float, k: int = 1, prepare_s: float = 0.0, stall_s: float = 0.0,
+          replay_s: float = 0.0):
     return SimpleNamespace(nbytes=nbytes, copied_s=copy_s + prepare_s + stall_s, prepare_s=prepare_s,
-                           stall_s=stall_s, spread_steps=k, outcome="committed")
+                           stall_s=stall_s, spread_steps=k, outcome="committed", replay_s=replay_s)
 
 
 def test_every_checkpoint_records_autos_decision_and_its_inputs(tmp_path):
@@ -156,10 +157,73 @@ def test_auto_spreads_at_four_iterations_a_snapshot_whatever_the_step_costs(nois
         assert k > 1 and d.k == k and d.reason == "model" and d.link_source == "whole"
         assert d.window_s == t and d.link_bps == pytest.approx(b)
         assert d.gain is not None and d.gain < 0.5
-        assert d.model_stall_s == pytest.approx(modelled_stall(k, s, d.grad_bytes, b, t, noisy_step))
+        assert d.replay_source == "live step" and d.replay_step_s == noisy_step  # CPU parameters
+        assert d.model_stall_s == pytest.approx(modelled_stall(k, s, d.grad_bytes, b, t, noisy_step,
+                                                               replay_step_s=noisy_step))
         # the interval caps it, and says so
         mode._learned_last = None
         assert mode.steps_for_next([_stat(s, 1.0), _stat(s, s / b)], interval=2) == 1
         assert mode.decision.reason == "interval cap" and mode.decision.best_k == k
     finally:
         mode.close()
+
+
+def test_the_replay_backpressure_model_queues_the_steps_behind_one_replay_thread():
+    # t = 0.05, u = 0.45: a step captured every 0.5 s; the replay of step j costs j/k of R
+    assert replay_backpressure(5, 0.05, 0.45, 0.4) == 0.0  # it keeps up
+    assert replay_backpressure(1, 0.05, 0.45, 100.0) == 0.0  # k = 1 replays nothing
+    # R = 5 (1, 2, 3, 4, 5 s): captures at 0.05, 0.55, 1.05, then step 4 waits for step 2's replay
+    # (done at 3.05: 1.5 s), which pushes step 5 to 3.55, where it waits for step 3's (6.05: 2.5 s)
+    assert RECORDS == 2
+    assert replay_backpressure(5, 0.05, 0.45, 5.0) == pytest.approx(4.0)
+    s, t = 1 << 30, 0.05
+    b = s / (4 * t)
+    assert modelled_stall(5, s, s / 3, b, t, 0.45, replay_step_s=5.0) == pytest.approx(
+        modelled_stall(5, s, s / 3, b, t, 0.45) + 4.0)
+    # a replay that cannot keep up: "auto" takes no more steps than may wait for it (never held up)
+    assert auto_steps(s, s / 3, b, t, 0.45) > RECORDS
+    assert auto_steps(s, s / 3, b, t, 0.45, replay_step_s=50.0) == RECORDS
+
+
+def test_auto_takes_the_replay_cost_from_the_last_spreads():
+    mode = SpreadMode("auto", _adamw(), None)
+    try:
+        s, t = 1 << 30, 0.05
+        b = s / (4 * t)
+        mode.spreader._windows.extend([t] * 5)
+        mode.spreader._step_times.extend([0.45] * 5)
+        spread = _stat(s, s / b, k=5, replay_s=9.0)  # 3 whole-state steps replayed: R = 3 s
+        mode.steps_for_next([_stat(s, s / b), spread], interval=30)
+        d = mode.decision
+        assert (d.replay_source, d.replay_step_s) == ("spread", pytest.approx(3.0))
+        assert d.model_stall_s == pytest.approx(modelled_stall(d.k, s, d.grad_bytes, d.link_bps, t, 0.45,
+                                                               replay_step_s=3.0))
+    finally:
+        mode.close()
+
+
+def test_a_spread_records_where_the_training_thread_waited_and_reuses_gradient_buffers():
+    opt = _adamw()
+    with _spreader(opt) as sp:
+        sp.begin(3)
+        for _ in range(3):
+            opt.step()
+        res = sp.finish()
+        assert res.hold.wait(30)
+        res.copied.set()
+        waits = res.stats["spread_waits"]
+        assert sorted(waits) == ["grads", "parts", "previous", "replay"]
+        assert all(w >= 0 for w in waits.values()) and sum(waits.values()) <= res.waited_s + 1e-9
+        assert res.stats["replay_cpu_s"] >= 0 and res.stats["replay_s"] > 0
+        pooled = {buf.data_ptr() for free in sp._grad_pool.values() for buf in free}
+        assert pooled and all(len(free) <= RECORDS for free in sp._grad_pool.values())
+        captured = []
+        real = sp._copy_grad
+
+        def spy(*a, **kw):
+            out = real(*a, **kw)
+            captured.append(out.data_ptr())
+            return out
+        sp._copy_grad = spy
+        _spread_once(sp, opt, 3)
+        assert captured and set(captured) <= pooled  # no new gradient tensor once the pool holds them

@@ -27,7 +27,8 @@ checkpoint = what the training thread waited for it (``ck.stats()``: the call, t
 waits and gradient captures), against ``pccheck.spread.plan``'s models at the configured B, t, S,
 gradient bytes and the clean cycles' optimizer step time: ``stall_overlapped`` (pccheck copies the
 gradients beside the step) and the paper's ``stall`` (gradient transfers stop training).
-Repeats are interleaved (every system once per round); medians are reported.
+Repeats are interleaved (every system once per round); medians are reported. ``--hog N`` runs N
+busy-looping processes beside the whole run (a noisy neighbour on this machine's CPUs).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any
                     "outcomes": [c["outcome"] for c in stats],
                     # the copy alone (a one-step checkpoint's: permit wait and preparation left out)
                     "copy_wall_s": [c["copied_s"] - c["prepare_s"] - c["stall_s"] for c in stats],
+                    "replay_cpu_s": [c["replay_cpu_s"] for c in stats],
+                    "spread_waits": [c["spread_waits"] for c in stats],
                     "decisions": [c["spread_decision"] for c in stats]})
         ck.close()
     elif saver is not None:
@@ -175,6 +178,24 @@ def run(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path) -
     import subprocess
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    # --hog: busy-looping processes beside every run (a noisy neighbour), stopped at the end
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cfg.get("hogs", 0))]
+    try:
+        host = _run_all(cfg, systems, repeats, base, runs)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    return {"benchmark": "bench.gockpt", "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine_label(host),
+            "host": host, "config": cfg, "runs": runs, "summary": summarize(runs, cfg)}
+
+
+def _run_all(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path,
+             runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Every system ``repeats`` times, interleaved, each in a child process; results into ``runs``.
+    Returns the host's description."""
+    import subprocess
+
     with scratch_dir(base) as work:
         host = host_info(work)
         for rep in range(repeats):
@@ -189,8 +210,7 @@ def run(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path) -
                     if p.returncode != 0:
                         raise RuntimeError(f"{system}: {p.stderr[-2000:]}")
                     runs[system].append(json.loads(p.stdout.strip().splitlines()[-1]))
-    return {"benchmark": "bench.gockpt", "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine_label(host),
-            "host": host, "config": cfg, "runs": runs, "summary": summarize(runs, cfg)}
+    return host
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -277,8 +297,18 @@ def _measured_model(rs: list[dict[str, Any]], k: int, cfg: dict[str, Any], step_
     else:
         link = statistics.median(whole) if whole else cfg["link_bps"]
     window = statistics.median(d["window_s"] for d in decided) if decided else cfg["iter_time"]
-    return {"link_measured_bps": link, "window_measured_s": window,
-            "model_measured_s": modelled_stall(k, cfg["nbytes"], cfg["grad_bytes"], link, window, step_time)}
+    replays = [r_s / ((kk + 1) / 2) for r in rs for r_s, kk in zip(r.get("replay_s", []), r["spread_steps"]) if kk > 1]
+    replay = statistics.median(replays) if replays else 0.0
+    model = modelled_stall(k, cfg["nbytes"], cfg["grad_bytes"], link, window, step_time, replay_step_s=replay)
+    # per checkpoint: what "auto" modelled when it chose (its inputs then) against what it waited
+    per = [{"k": kk, "model_s": d["model_stall_s"], "measured_s": b, "waits": w}
+           for r in rs for kk, d, b, w in zip(r["spread_steps"], r.get("decisions", []), r["blocked_s"],
+                                                r.get("spread_waits", [])) if d]
+    waits = {c: statistics.median(w[c] for w in ws) for ws in [[p["waits"] for p in per if p["waits"]]] if ws
+             for c in ws[0]}
+    return {"link_measured_bps": link, "window_measured_s": window, "replay_step_measured_s": replay,
+            "model_measured_s": model, "model_vs_measured": per, "waits_median_s": waits,
+            "replay_cpu_s": statistics.median(x for r in rs for x in r.get("replay_cpu_s", [0.0]))}
 
 
 def plot(path: Path, res: dict[str, Any]) -> bool:
@@ -315,13 +345,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--quiet-wait", type=float, default=10.0)
+    p.add_argument("--hog", type=int, default=0,
+                   help="busy-looping processes to run beside every run (a noisy neighbour; default 0)")
     p.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "gockpt.json")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
     p.add_argument("--quick", action="store_true", help="32MiB, 1 repeat, 2 checkpoints: a smoke run")
     args = p.parse_args(argv)
     nbytes = parse_size("32MiB" if args.quick else args.size)
     cfg = make_config(nbytes, args.iter_time, args.ratio, args.spread, args.interval,
-                      2 if args.quick else args.checkpoints, args.quiet_wait)
+                      2 if args.quick else args.checkpoints, args.quiet_wait, args.hog)
     json_path = args.json.with_name(args.json.stem + "-quick.json") if args.quick else args.json
     command = "python -m bench.gockpt " + " ".join(argv if argv is not None else sys.argv[1:])
     return run_and_report(cfg, args.systems.split(","), 1 if args.quick else args.repeats, args.dir, json_path,
@@ -329,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def make_config(nbytes: int, iter_time: float, ratio: float, spread: str, interval: int, checkpoints: int,
-                quiet_wait: float) -> dict[str, Any]:
+                quiet_wait: float, hogs: int = 0) -> dict[str, Any]:
     """The run's settings: the state rounded to whole AdamW parameters, and the link's B = S/(ratio t)."""
     if ratio < 3 or iter_time <= 0 or interval < 2 or checkpoints < 1:
         raise ValueError("need --ratio >= 3 (S/(B t)), --iter-time > 0, an interval >= 2 and >= 1 checkpoint")
@@ -337,7 +369,7 @@ def make_config(nbytes: int, iter_time: float, ratio: float, spread: str, interv
     elems = max(N_PARAMS, nbytes // 12) // N_PARAMS * N_PARAMS
     return {"nbytes": elems * 12, "grad_bytes": elems * 4, "iter_time": iter_time, "ratio": ratio,
             "link_bps": elems * 12 / (ratio * iter_time), "spread": k, "interval": interval,
-            "checkpoints": checkpoints, "quiet_wait_s": quiet_wait, "timeout_s": 900}
+            "checkpoints": checkpoints, "quiet_wait_s": quiet_wait, "timeout_s": 900, "hogs": hogs}
 
 
 def run_and_report(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path, json_path: Path,
@@ -361,6 +393,11 @@ def run_and_report(cfg: dict[str, Any], systems: Sequence[str], repeats: int, ba
                 f"medians and min-max ({res['machine']})",
                 ["system", "k", "stall/ckpt", "range", "model", "model (measured B, t)", "cycle delta", "slowdown",
                  "range"], rows)
+    for n in systems:
+        if s[n].get("waits_median_s"):
+            print(f"{n}: training's waits by cause (median s) {({c: round(v, 4) for c, v in s[n]['waits_median_s'].items()})}, "
+                  f"replay of one whole-state step {s[n]['replay_step_measured_s']:.3f} s, replay CPU "
+                  f"{s[n]['replay_cpu_s']:.2f} s per checkpoint")
     for t in s["targets"]:
         print(f"target: {t['what']}: {fmt(t['value'], '.2f')} (limit {t['limit']}) "
               f"{'MET' if t['met'] else 'MISSED'}")

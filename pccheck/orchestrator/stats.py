@@ -37,6 +37,10 @@ class SpreadDecision:
     window_s: float = 0.0      # t: an optimizer step's end to the next one's begin (median)
     step_s: float = 0.0        # u: an optimizer step's duration (median)
     iter_s: float = 0.0        # one maybe_checkpoint call to the next (median), for reference
+    # R: the CPU replay of one step over the whole state (its back-pressure term), and where it
+    # came from: "spread" (the last spreads' replay_s), "live step" (CPU parameters: step_s), "none"
+    replay_step_s: float = 0.0
+    replay_source: str = ""
     model_stall_s: float = 0.0     # modelled stall per checkpoint at k
     model_stall_k1_s: float = 0.0  # and at k = 1
 
@@ -76,6 +80,11 @@ class CheckpointStats:
     spread_steps: int = 1
     grad_bytes: int = 0
     replay_s: float = 0.0
+    replay_cpu_s: float = 0.0  # the replay thread's own CPU time (replay_s is wall time)
+    # where a spread's cow_wait_s went, by cause: "previous" (begin waited for the previous
+    # spread's replay), "parts" (part copies), "replay" (the replay's back-pressure: RECORDS
+    # steps of gradients were waiting), "grads" (the step's gradient copies); None if not spread
+    spread_waits: dict[str, float] | None = None
     # spread_steps="auto": the decision behind spread_steps (None for a fixed spread_steps)
     spread_decision: SpreadDecision | None = None
 

@@ -45,8 +45,10 @@ __all__ = ["Spreader", "SpreadResult", "identity"]
 
 log = logging.getLogger("pccheck")
 
-REPLAY_NICE = 10  # the replay thread's nice value (training's threads keep theirs)
+REPLAY_NICE = 0  # the replay thread's nice value: see _replay_loop
 COPY_THREADS = 2  # two threads reach ~20 GB/s memcpy on touched pages here, one ~11 GB/s
+# The training thread's waits of a spread, by cause (_Spread.waits; CheckpointStats.spread_waits)
+WAITS = ("previous", "parts", "replay", "grads")
 
 
 class _Modified(Exception):
@@ -99,7 +101,13 @@ class _Spread:
     pending: list = field(default_factory=list)  # this step's gradient copies (the post-hook waits)
     stepped: int = 0              # optimizer steps taken since it began
     grad_bytes: int = 0
-    replay_s: float = 0.0         # written by the replay thread
+    replay_s: float = 0.0         # written by the replay thread (wall time)
+    replay_cpu_s: float = 0.0     # written by the replay thread (its own CPU time)
+    # Where the training thread's waits went, parts of the spread's cow_wait_s (the rest is the
+    # capture loop itself and finish's hand-over): the previous spread (begin), part copies
+    # (pre-hook and finish), the replay's back-pressure (RECORDS steps of gradients already
+    # waiting), this step's gradient copies (post-hook).
+    waits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAITS, 0.0))
     failure: list[str] = field(default_factory=list)  # written by the replay thread
 
 
@@ -135,7 +143,9 @@ class Spreader:
         # (bytes, seconds) of recent part copies into buffers that were already touched: a copy
         # that first allocated (page-faulted) its buffers measures the kernel, not the link.
         self._part_copies: deque[tuple[int, float]] = deque(maxlen=32)
-        self._buffers_lock = threading.Lock()  # _buffers: the copy threads and warm() add to it
+        self._buffers_lock = threading.Lock()  # _buffers and _grad_pool: the copy, warm and replay threads
+        # (group, index) -> free CPU gradient buffers (at most RECORDS each): captures reuse them
+        self._grad_pool: dict[tuple[int, int], list[Any]] = {}
         self._warming: Future | None = None
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
@@ -146,13 +156,16 @@ class Spreader:
         """Starts a spread over ``k`` steps: part 1's copy begins now (the caller holds no other
         spread)."""
         assert self.active is None
+        t0 = time.perf_counter()
         for done in self._last_done:  # the previous spread's replay is over and its shadow in DRAM chunks
             done.wait()
+        previous = time.perf_counter() - t0
         items = units(self.optimizer)
         parts = split(items, k)
-        self.waited_s = 0.0
+        self.waited_s = previous
         self.active = _Spread(parts, [self._copier.submit(self._copy_part, parts[0], _stream_event(self.optimizer))],
                               ShadowOptimizer(self.optimizer))
+        self.active.waits["previous"] = previous
 
     def ready(self) -> bool:
         """True once every part is copied and stepped to the live version (finish may run)."""
@@ -176,7 +189,8 @@ class Spreader:
         shadow = {identity(t): buffers.get((u.group, u.index, key))
                   for part in sp.parts for u in part for key, t in u.tensors(self.optimizer.state)}
         result = SpreadResult({k: v for k, v in shadow.items() if v is not None}, hold, copied,
-                              {"spread_steps": len(sp.parts), "grad_bytes": sp.grad_bytes, "replay_s": 0.0},
+                              {"spread_steps": len(sp.parts), "grad_bytes": sp.grad_bytes, "replay_s": 0.0,
+                               "replay_cpu_s": 0.0, "spread_waits": sp.waits},
                               self.waited_s, sp.failure)
         self._queue.put(("done", sp, result))
         self._last_done = (hold, copied)
@@ -222,8 +236,8 @@ class Spreader:
             self._step_ended = None
 
     def warm(self) -> None:
-        """Allocates and touches the shadow buffers of a spread on a copy thread,
-        beside training, so that the first spread's part copies neither fault pages on the way
+        """Allocates and touches the shadow buffers of a spread and its gradient buffers on a copy
+        thread, beside training, so that the first spread's part copies neither fault pages on the way
         (a stall) nor read as a slow link. Idempotent; a no-op while one is running."""
         if self._warming is not None and not self._warming.done():
             return
@@ -240,6 +254,11 @@ class Spreader:
                         old = self._buffers.get((u.group, u.index, key))
                         if old is None or old.shape != t.shape or old.dtype != t.dtype:
                             self._buffers[(u.group, u.index, key)] = buf
+            if u.param.requires_grad:  # and the gradient pool: RECORDS buffers (what the budget counts)
+                with self._buffers_lock:
+                    have = len(self._grad_pool.get((u.group, u.index), []))
+                for _ in range(RECORDS - have):
+                    self._recycle({(u.group, u.index): torch.zeros(u.param.shape, dtype=u.param.dtype, device="cpu")})
 
     def _buffer(self, u: Unit, key: str | None, t: Any, create: bool = True) -> Any:
         """The shadow buffer of ``u``'s tensor ``key`` (like ``t``): the one held, else a new one
@@ -278,7 +297,9 @@ class Spreader:
         copied = sp.parts[:sp.handed]
         ready = _stream_event(optimizer)
         grads: dict[tuple[int, int], Future] = {}
+        t0 = time.perf_counter()
         self._records.acquire()  # at most RECORDS steps' gradients wait for the replay
+        sp.waits["replay"] += time.perf_counter() - t0
         try:
             for part in copied:
                 for u in part:
@@ -288,9 +309,9 @@ class Spreader:
                     g = g.detach()  # shares the gradient's version counter
                     if self.sync_grads:
                         f: Future = Future()
-                        f.set_result(self._copy_grad(g, g._version, ready))
+                        f.set_result(self._copy_grad(g, g._version, ready, (u.group, u.index)))
                     else:  # copied beside the update (GoCkpt-O); the post-hook waits for it
-                        f = self._copier.submit(self._copy_grad, g, g._version, ready)
+                        f = self._copier.submit(self._copy_grad, g, g._version, ready, (u.group, u.index))
                     grads[(u.group, u.index)] = f
                     sp.grad_bytes += g.numel() * g.element_size()
         except BaseException:
@@ -314,6 +335,7 @@ class Spreader:
         for f in sp.pending:
             f.exception()
         sp.pending = []
+        sp.waits["grads"] += time.perf_counter() - t0
         self.waited_s += time.perf_counter() - t0
         sp.stepped += 1
         if len(sp.copies) < len(sp.parts) and sp.stepped < len(sp.parts):
@@ -326,33 +348,64 @@ class Spreader:
         """Waits for the next part's copy and hands its shadow tensors to the replay thread."""
         j = sp.handed
         sp.handed += 1
+        t0 = time.perf_counter()
         try:
             sp.copies[j].result()
         except Exception as exc:  # e.g. a device fault: this checkpoint fails, training goes on
             log.exception("pccheck: copying part %d of a spread checkpoint failed", j + 1)
             sp.failure.append(f"copying part {j + 1} of the spread checkpoint failed: {exc!r}")
             return
+        finally:
+            sp.waits["parts"] += time.perf_counter() - t0
         with self._buffers_lock:
             buffers = dict(self._buffers)
         entries = [(u.group, u.index, buffers[(u.group, u.index, None)],
                     {k: buffers[(u.group, u.index, k)] for k in u.state_keys}) for u in sp.parts[j]]
         self._queue.put(("part", sp, entries))
 
-    def _copy_grad(self, g: Any, version: int, ready: Any = None) -> Any:
-        """A CPU copy of gradient ``g`` as the step that captured it used it. Invariant: a
+    def _copy_grad(self, g: Any, version: int, ready: Any = None, key: tuple[int, int] | None = None) -> Any:
+        """A CPU copy of gradient ``g`` as the step that captured it used it, in a buffer of
+        ``key``'s gradient pool (a new one only when none is free). Invariant: a
         gradient changed in place before its copy ended (its version counter moved: e.g.
         ``zero_grad(set_to_none=False)``, accumulation, an optimizer writing into ``.grad``) is
         never replayed; the checkpoint fails and later spreads copy gradients in the pre-hook."""
         if ready is not None:
             ready.synchronize()  # the backward that wrote it ran on the training stream
         t0 = time.perf_counter()
-        out = g.to("cpu", copy=True)
+        out = self._grad_buffer(key, g)
+        out.copy_(g)
         if self._pace is not None:
             self._pace(g.numel() * g.element_size(), t0)
         if g._version != version:
             raise _Modified("a gradient was modified in place while it was being captured; this spread "
                             "checkpoint is dropped, and later ones capture gradients before the step runs")
         return out
+
+    def _grad_buffer(self, key: tuple[int, int] | None, like: Any) -> Any:
+        """A free CPU buffer for a gradient like ``like``: a pooled one of its layout, else a new one.
+        Reusing them spares each capture the allocation and page faults of a fresh tensor (~G·(k+1)/2
+        bytes per spread); the pool never holds more than RECORDS per parameter (_recycle)."""
+        import torch
+
+        with self._buffers_lock:
+            free = self._grad_pool.get(key, [])
+            while free:
+                buf = free.pop()
+                if buf.shape == like.shape and buf.dtype == like.dtype:
+                    return buf
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu")
+
+    def _recycle(self, grads: dict[tuple[int, int], Any] | None) -> None:
+        """Gives a replayed record's gradient buffers back to the pool (replay thread). Invariant:
+        only after the replay of their step is over; at most RECORDS records are alive at once,
+        so the pool holds at most RECORDS buffers per parameter."""
+        if not grads:
+            return
+        with self._buffers_lock:
+            for key, buf in grads.items():
+                free = self._grad_pool.setdefault(key, [])
+                if len(free) < RECORDS:
+                    free.append(buf)
 
     def _copy_part(self, part: list[Unit], ready: Any = None) -> None:
         """Copies a part's live tensors into the shadow (reusing buffers of the same layout),
@@ -377,9 +430,12 @@ class Spreader:
             self._part_copies.append((nbytes, time.perf_counter() - t_part))
 
     def _replay_loop(self) -> None:
-        # The replay is background CPU work that must not take the CPU from the training thread
-        # (its optimizer step, or the Python that drives the GPU): it runs at a lower priority
-        # (Linux: a thread's nice value is its own). It has until the next spread begins.
+        # The replay runs at the training's own priority (REPLAY_NICE 0; a higher value only ever
+        # raises a thread's nice, Linux keeps it per thread). It was nice 10, meant to leave the
+        # CPU to training, but the training thread waits for it anyway once RECORDS steps are
+        # queued (back-pressure), and at nice 10 any other busy process (a data loader, a
+        # neighbour) takes the CPU first: with one CPU hog on 2 vCPUs the replay got ~1/10 of a
+        # CPU and training sat in the pre-hook (docs/notes/issue-33.md has the measurements).
         try:
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, max(REPLAY_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
@@ -395,15 +451,17 @@ class Spreader:
             if kind == "done":
                 sp, result = rest
                 result.stats["replay_s"] = sp.replay_s
+                result.stats["replay_cpu_s"] = sp.replay_cpu_s
                 result.hold.set()
                 continue
             sp, *item = rest
             try:
                 if kind == "part":
                     if not sp.failure:
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.thread_time()
                         sp.shadow.add_part(item[0])
                         sp.replay_s += time.perf_counter() - t0
+                        sp.replay_cpu_s += time.thread_time() - c0
                     continue
                 hparams, futures = item
                 try:
@@ -413,9 +471,11 @@ class Spreader:
                     log.warning("pccheck: %s", exc)
                     sp.failure.append(str(exc))
                 if not sp.failure:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     sp.shadow.replay(StepRecord(hparams, grads))
                     sp.replay_s += time.perf_counter() - t0
+                    sp.replay_cpu_s += time.thread_time() - c0
+                    self._recycle(grads)
             except Exception as exc:  # a bug or a device fault: fail this checkpoint, never save a wrong state
                 log.exception("pccheck: replaying a spread checkpoint failed")
                 sp.failure.append(f"the spread checkpoint's replay failed: {exc!r}")

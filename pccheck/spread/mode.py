@@ -192,6 +192,20 @@ class SpreadMode:
             return statistics.median(rates), "whole", len(rates)
         return (parts[0], "parts", parts[1]) if parts is not None else None
 
+    def _replay_step(self, finished: Sequence[Any], step_time: float) -> tuple[float, str]:
+        """(seconds, source): R, the CPU replay of one optimizer step over the whole state, for
+        :func:`.plan.replay_backpressure`. "spread": the median over the last spreads of their
+        replay wall time over the (k+1)/2 whole-state steps it replayed (part j replays k-j+1 of
+        the k steps); before any, "live step": the live optimizer step when the parameters are on
+        the CPU (the replay runs the same kernels over the same bytes); else "none" (0: a GPU's
+        step says nothing about the CPU's; the first spread measures it)."""
+        spreads = [st.replay_s / ((st.spread_steps + 1) / 2) for st in list(finished)[-LINK_SAMPLES:]
+                   if st.spread_steps > 1 and st.outcome != "failed" and st.replay_s > 0]
+        if spreads:
+            return statistics.median(spreads), "spread"
+        on_cpu = all(p.device.type == "cpu" for g in self.optimizer.param_groups for p in g["params"])
+        return (step_time, "live step") if on_cpu and step_time > 0 else (0.0, "none")
+
     def _learn(self, finished: Sequence[Any]) -> None:
         if not self._grads_fit():
             self.k = 1
@@ -209,8 +223,9 @@ class SpreadMode:
         grads = grad_bytes(self.optimizer)
         step_time = self.spreader.step_time()
         overlapped = not self.spreader.sync_grads
-        args = (last.nbytes, grads, bandwidth, window, step_time, overlapped)
-        best = auto_steps(*args[:5], self.grad_budget, overlapped=overlapped)
+        replay, replay_source = self._replay_step(finished, step_time)
+        args = (last.nbytes, grads, bandwidth, window, step_time, overlapped, replay)
+        best = auto_steps(*args[:5], self.grad_budget, overlapped=overlapped, replay_step_s=replay)
         k, reason = best, "model"
         # Hysteresis: move only for a clear gain (10% and 1 ms of modelled stall), not on noise.
         if self.k is not None and best != self.k and not (
@@ -221,10 +236,12 @@ class SpreadMode:
             k, reason, best_k=best, state_bytes=last.nbytes, grad_bytes=grads, link_bps=bandwidth,
             link_source=source, link_samples=samples, window_s=window, step_s=step_time,
             iter_s=statistics.median(b - a for a, b in zip(iters, iters[1:])) if len(iters) > 1 else 0.0,
+            replay_step_s=replay, replay_source=replay_source,
             model_stall_s=modelled_stall(k, *args), model_stall_k1_s=modelled_stall(1, *args))
         if k != self.k:
             why = (f"state {last.nbytes} B, gradients {grads} B, copy {bandwidth / 1e9:.2f} GB/s ({source}, "
-                   f"{samples} copies), window {window:.3f} s, optimizer step {step_time:.3f} s")
+                   f"{samples} copies), window {window:.3f} s, optimizer step {step_time:.3f} s, "
+                   f"replay of a step {replay:.3f} s ({replay_source})")
             if self.k is None:
                 log.info("pccheck: spread_steps=\"auto\" picked %d (%s)", k, why)
             else:

@@ -19,7 +19,9 @@ mixed-precision case (r = 1/7) has its optimum at 7-8 steps; fp32 AdamW (r = 1/3
 is the paper's model, where the training thread waits for every gradient transfer. pccheck copies
 the gradients beside the step instead (GoCkpt-O), so only a part that misses its step stalls:
 :func:`stall_overlapped`, which "auto" uses. The captured gradients are replayed as they come (two
-steps' worth at most waiting), so their memory does not grow with k.
+steps' worth at most waiting), so their memory does not grow with k; when the replay falls behind,
+the capture waits for it: :func:`replay_backpressure`, the term the paper's GPU-side model lacks
+(its replay of step j costs j/k of a whole-state CPU optimizer step, (k+1)/2 of them per spread).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "modelled_stall", "auto_steps", "split_budget",
-           "MAX_STEPS", "RECORDS"]
+__all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "replay_backpressure", "modelled_stall",
+           "auto_steps", "split_budget", "MAX_STEPS", "RECORDS"]
 
 # Steps whose captured gradients may wait for the replay at once (the driver's pre-hook blocks
 # beyond it): a spread holds at most RECORDS x one step's gradient bytes.
@@ -117,21 +119,47 @@ def stall_overlapped(k: int, state_bytes: float, grad_bytes: float, bandwidth: f
     return total
 
 
+def replay_backpressure(k: int, iter_time: float, step_time: float, replay_step_s: float) -> float:
+    """Seconds the training thread waits for the CPU replay of a spread over ``k`` steps: the
+    captured steps arrive one per iteration (the first after ``iter_time`` t, then every t + u),
+    one replay thread works through them in order, step j's over j/k of the state (``replay_step_s``
+    R: one step's replay over the whole state), and the capture of step j waits until step
+    j - RECORDS has been replayed (at most RECORDS steps' gradients wait). Each wait delays the
+    later captures. 0 while the replay keeps up (j/k·R <= t + u for every j, roughly)."""
+    if k < 2 or replay_step_s <= 0:
+        return 0.0
+    now, server, waited = 0.0, 0.0, 0.0
+    done: list[float] = []
+    for j in range(1, k + 1):
+        now += iter_time if j == 1 else iter_time + step_time
+        if j > RECORDS and done[j - RECORDS - 1] > now:  # back-pressure: too many steps wait
+            waited += done[j - RECORDS - 1] - now
+            now = done[j - RECORDS - 1]
+        server = max(server, now) + replay_step_s * j / k
+        done.append(server)
+    return waited
+
+
 def modelled_stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
-                   step_time: float = 0.0, overlapped: bool = True) -> float:
+                   step_time: float = 0.0, overlapped: bool = True, replay_step_s: float = 0.0) -> float:
     """The stall of a snapshot spread over ``k`` steps: :func:`stall` for k = 1 (one step, no
-    gradients) and where the gradients are copied before the update, else :func:`stall_overlapped`."""
-    if k == 1 or not overlapped:
+    gradients) and where the gradients are copied before the update, else :func:`stall_overlapped`;
+    for k > 1 plus :func:`replay_backpressure` at ``replay_step_s`` (0: the replay is taken to keep up)."""
+    if k == 1:
         return stall(k, state_bytes, grad_bytes, bandwidth, iter_time)
-    return stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time)
+    replay = replay_backpressure(k, iter_time, step_time, replay_step_s)
+    if not overlapped:
+        return stall(k, state_bytes, grad_bytes, bandwidth, iter_time) + replay
+    return stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time) + replay
 
 
 def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
-               step_time: float = 0.0, grad_budget: float | None = None, overlapped: bool = True) -> int:
+               step_time: float = 0.0, grad_budget: float | None = None, overlapped: bool = True,
+               replay_step_s: float = 0.0) -> int:
     """The k in 1..MAX_STEPS with the least :func:`modelled_stall`, the smallest k among equals
     (within 1 ms), leaving out every k > 1 when the captured gradients of the steps that may wait
     for the replay at once (RECORDS) exceed ``grad_budget``."""
-    args = (state_bytes, grad_bytes, bandwidth, iter_time, step_time, overlapped)
+    args = (state_bytes, grad_bytes, bandwidth, iter_time, step_time, overlapped, replay_step_s)
     best, best_stall = 1, modelled_stall(1, *args)
     if grad_budget is not None and RECORDS * grad_bytes > grad_budget:
         return best
