@@ -104,6 +104,8 @@ class Config:
     timeout_s: float = 600.0
     quiet_wait_s: float = 30.0
     first_after: int = 1
+    model: str = "bench"
+    threads: int | None = None
 
 
 # -- the children ----------------------------------------------------------------------------------------
@@ -112,7 +114,7 @@ def child_spec(role: str, system: str, workdir: Path, cfg: Config) -> dict[str, 
     """The JSON object a child of ``role`` (train, restart, fresh) is started with."""
     return {"role": role, "system": system, "dir": str(workdir), "nbytes": cfg.nbytes, "blocks": cfg.blocks,
             "batch": cfg.batch, "iter_time": cfg.iter_time, "interval": cfg.interval, "iters": cfg.iters,
-            "first_after": cfg.first_after,
+            "first_after": cfg.first_after, "model": cfg.model, "threads": cfg.threads,
             "path_first": pccheck_path_first(), "root": str(_BENCH_DIR.parent)}
 
 
@@ -229,6 +231,12 @@ def _summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out["steady_block_s"] = med(lambda r: r["restart"]["first_checkpoint"].get("steady_block_s"))
     first, steady = out["phases_s"]["first_checkpoint"], out["steady_block_s"]
     out["first_vs_steady_block"] = first / steady if first is not None and steady else None
+    fcs = [r["restart"]["first_checkpoint"] for r in runs]
+    out["first_vs_steady_runs"] = [f["block_s"] / f["steady_block_s"] if f.get("steady_block_s") else None
+                                   for f in fcs]
+    out["first_backpressure_s"] = med(lambda r: r["restart"]["first_checkpoint"].get("backpressure_s"))
+    # pccheck: how many repeats found the chunk pool faulted in when the first checkpoint began
+    out["pool_ready_at_first"] = sum(1 for f in fcs if f.get("pool_ready_at_first"))
     out["it_s_restart"] = med(lambda r: r["restart"]["it_s"])
     out["it_s_fresh"] = med(lambda r: r["fresh"]["it_s"])
     out["fresh_to_first_step_s"] = med(lambda r: r["fresh"]["to_first_step_s"])
@@ -285,7 +293,7 @@ def run(cfg: Config, systems: Sequence[str], repeats: int, base_dir: Path,
     return {
         "benchmark": "bench.restart", "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "machine": machine_label(host), "host": host, "config": dataclasses.asdict(cfg),
-        "state_bytes": state_bytes(cfg.nbytes, cfg.blocks),
+        "state_bytes": state_bytes(cfg.nbytes, cfg.blocks, cfg.model),
         "repeats": repeats, "savers": {s: SAVERS[s] for s in systems},
         "cache": ", ".join(caches) or "-", "results": results, "targets": _targets(results),
         "versions": next((r["restart"]["versions"] for rs in runs.values() for r in rs), {}),
@@ -383,6 +391,11 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--first-after", type=int, default=1,
                    help="steps after the restart at which the first checkpoint is taken (default 1: right after "
                         "the first step; the interval: where a training loop would take it)")
+    p.add_argument("--model", choices=("bench", "client"), default="bench",
+                   help="bench: Linear + LayerNorm blocks; client: + ReLU, d solved for d^2 + 3d (3342 at 1 GiB in 8 "
+                        "blocks: issue 31's client) (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads in every child (issue 31's client: 1; default: torch's own)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one child may take (default 600)")
     p.add_argument("--json", type=Path, default=None,
                    help="result JSON, the PNG beside it (default bench/results/restart.json; quick restart-quick.json)")
@@ -408,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = _parse_args(args)
     cfg = Config(nbytes=a.size, blocks=a.blocks, iter_time=a.iter_time, interval=a.interval, iters=a.iters,
-                 cache=a.cache, timeout_s=a.timeout, quiet_wait_s=a.quiet_wait, first_after=a.first_after)
+                 cache=a.cache, timeout_s=a.timeout, quiet_wait_s=a.quiet_wait, first_after=a.first_after,
+                 model=a.model, threads=a.threads)
     t0 = time.perf_counter()
     res = {"command": shlex.join(["python", "-m", "bench.restart", *args]),
            **run(cfg, a.systems, a.repeats, a.dir)}

@@ -105,8 +105,27 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
       for (size_t off = 0; off < chunk_size_; off += kPiece)
         prefault(chunk_ptr(i) + off, std::min(kPiece, chunk_size_ - off));
       free_chunks_.push(i);
+      {
+        std::lock_guard<std::mutex> g(prefault_mu_);
+        prefaulted_.fetch_add(1, std::memory_order_release);
+      }
+      prefault_cv_.notify_all();
     }
   });
+}
+
+bool Engine::wait_prefaulted(double timeout_s) {
+  std::unique_lock<std::mutex> g(prefault_mu_);
+  auto done = [this] {
+    return prefaulted_.load(std::memory_order_acquire) == num_chunks_ ||
+           stop_prefault_.load(std::memory_order_relaxed);
+  };
+  if (timeout_s < 0) {
+    prefault_cv_.wait(g, done);
+  } else {
+    prefault_cv_.wait_for(g, std::chrono::duration<double>(timeout_s), done);
+  }
+  return prefaulted_.load(std::memory_order_acquire) == num_chunks_;
 }
 
 Engine::~Engine() { close(); }
@@ -114,7 +133,11 @@ Engine::~Engine() { close(); }
 void Engine::close() {
   if (closed_) return;
   closed_ = true;
-  stop_prefault_.store(true, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> g(prefault_mu_);  // a waiter sees the stop (wait_prefaulted)
+    stop_prefault_.store(true, std::memory_order_relaxed);
+  }
+  prefault_cv_.notify_all();
   if (prefaulter_.joinable()) prefaulter_.join();  // before the pool can be unmapped
   tasks_.close();
   for (auto& t : writers_) t.join();
