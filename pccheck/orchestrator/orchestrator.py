@@ -267,11 +267,11 @@ class Orchestrator:
         return time.perf_counter() - t0
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Blocks until the store is open and every chunk of the pool is faulted in (True), or
-        ``timeout`` s pass (False). False at once if neither was made yet (see :meth:`prepare`)."""
-        if self.engine is None or self.store.native is None:
-            return False
-        return bool(self.engine.wait_prefaulted(-1.0 if timeout is None else max(0.0, timeout)))
+        """True once the store is open and the pool faulted in (False: timed out, or not prepared)."""
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed")
+        ready = self.engine is not None and self.store.native is not None
+        return ready and bool(self.engine.wait_prefaulted(-1.0 if timeout is None else max(0.0, timeout)))
 
     def retire_if_allowed(self) -> None:
         """Deletes older store generations once the newest has a durable commit and the retention
