@@ -293,6 +293,11 @@ def report(res: Mapping[str, Any]) -> None:
                  f"load {cfg['world']}->{cfg['load_world']}, cold", "raw read of its bytes, cold", "load, warm cache"],
                 rows)
     print_ratio_targets(res["targets"])
+    runs = res["results"].get("pccheck", {}).get("runs", [])
+    if runs and all("floor_after_s" in r for r in runs):
+        print("pccheck cold load / floor per repeat (floor read before, after): " + ", ".join(
+            f"{r['load_s'] / ((r['floor_s'] + r['floor_after_s']) / 2):.2f} ({r['floor_s']:.2f}, {r['floor_after_s']:.2f})"
+            for r in runs))
 
 
 def plot(path: Path, res: Mapping[str, Any]) -> bool:
