@@ -394,3 +394,25 @@ def test_overhead_spread_row_runs_every_system(tmp_path):
     assert s["pccheck_spread"]["stall_s"] >= 0 and s["none"]["slowdown"] > 0
     with pytest.raises(SystemExit):
         overhead.main(["--spread", "2", "--intervals", "10,20"])  # one interval only
+
+
+def test_sharded_floor_bracket_and_page_cache_residency(tmp_path):
+    """bench.sharded: the repeat's floor is the mean of the raw reads before and after its load, the
+    target judged on the median and on the worst repeat; ``resident_fraction`` sees a file just read."""
+    from bench.modes import sharded
+
+    runs = [{"saves": [{"block_s": 0.3, "durable_s": 1.0}], "load_s": 0.9, "floor_s": 0.6, "floor_after_s": 1.0,
+             "load_warm_s": 0.3},
+            {"saves": [{"block_s": 0.3, "durable_s": 1.0}], "load_s": 1.0, "floor_s": 0.8, "floor_after_s": 0.8,
+             "load_warm_s": 0.3}]
+    s = sharded._summary(runs)
+    assert s["spread"]["load_over_floor"]["max"] == pytest.approx(1.25)
+    assert s["spread"]["load_over_floor_before"]["max"] == pytest.approx(1.5)
+    t = sharded._targets({"pccheck": {"summary": s}})[-1]
+    assert t["worst"] == pytest.approx(1.25) and t["met_every_repeat"] is False
+    f = tmp_path / "d" / "f.bin"
+    f.parent.mkdir()
+    f.write_bytes(b"\1" * (1 << 20))
+    f.read_bytes()
+    frac = sharded.resident_fraction(f.parent)
+    assert frac is None or frac > 0.5  # just written and read: in the page cache
