@@ -33,7 +33,7 @@ from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
 from .persist.layout import Layout, plan
-from .preparing import Preparation
+from .prepare import Preparation
 from .spread.mode import SpreadMode, budget_split, check_spread, substitute
 from .state.torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto

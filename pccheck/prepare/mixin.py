@@ -15,10 +15,10 @@ import logging
 import threading
 from typing import Any, Callable
 
-from .errors import PCCheckError
-from .lazy import restoring
-from .persist.layout import plan
-from .state.torch_state import TorchState
+from ..errors import PCCheckError
+from ..lazy import restoring
+from ..persist.layout import plan
+from ..state.torch_state import TorchState
 
 __all__ = ["Preparation"]
 
