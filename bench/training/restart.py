@@ -5,7 +5,13 @@ Run::
     python -m bench.restart [--size 1GiB] [--repeats 3] [--systems pccheck_eager,pccheck_lazy,...]
                             [--iter-time 0.05] [--interval 10] [--iters 50] [--blocks 8]
                             [--cache fadvise|drop_caches] [--first-after 1] [--json bench/results/restart.json]
-                            [--dir bench/_scratch] [--quick]
+                            [--model bench|client] [--threads N] [--dir bench/_scratch] [--quick]
+
+Issue 31's client setting (1 GiB, Linear(3342, 3342) + LayerNorm + ReLU blocks, one torch thread,
+the first checkpoint 10 steps after the restart, 60 steps in all)::
+
+    python -m bench.restart --systems pccheck_eager,pccheck_eager_build_first,pccheck_lazy_build_first \
+        --model client --threads 1 --first-after 10 --iters 50 --repeats 5
 
 The workload (:mod:`bench.training.restart_child`): ``--blocks`` x (Linear(d, d) + LayerNorm(d)) with fused
 AdamW, ``--size`` of state in all (the parameters a third of it). **The GPU is emulated**: an
@@ -42,7 +48,9 @@ on the reopened store; peers: their saver, next to nothing), ``first_step``; the
 steps, e.g. the interval, where a training loop takes it), the time it blocked training
 (the call's wall time, plus pccheck's ``cow_wait_s``, which falls in the next step; pccheck's own
 account, ``stall_s + prepare_s + blocked_copy_s + cow_wait_s`` from ``ck.stats()``, is beside it as
-``stats_block_s``: it leaves out what the call spends opening the store). Then it trains
+``stats_block_s``: it leaves out what the call spends opening the store; beside it, pccheck's
+``backpressure_s`` and whether the chunk pool was faulted in when the call began,
+``pool_ready_at_first`` from ``Checkpointer.wait_ready(0)``, and if not, ``pool_ready_after_s``). Then it trains
 ``--iters`` steps with checkpoints every ``--interval`` steps: the it/s after a restart. A *fresh*
 child does the same without a load into an empty directory: the it/s of a fresh start. Reported:
 medians over ``--repeats``. Before each timed child the run waits (up to ``--quiet-wait`` s) until
