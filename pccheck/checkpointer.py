@@ -23,7 +23,7 @@ import numpy as np
 
 from .group.distributed import GroupCoordinator, detect_group
 from .errors import ConfigError, PCCheckError, StorageError
-from .lazy import restoring, wait_for_pending
+from .lazy import wait_for_pending
 from .options import Options
 from .orchestrator.args import StartArgs
 from .orchestrator.copy_engine import CopyEngine
@@ -33,6 +33,7 @@ from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
 from .persist.layout import Layout, plan
+from .prepare import Preparation
 from .spread.mode import SpreadMode, budget_split, check_spread, substitute
 from .state.torch_state import Snapshot, TorchState
 from .tuner.config import resolve_auto
@@ -69,7 +70,7 @@ def _is_module(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.nn.Module)
 
 
-class Checkpointer:
+class Checkpointer(Preparation):
     """Persists a model's (or a mapping of arrays') state concurrently and crash-safely
     (PCcheck, ASPLOS'25).
 
@@ -136,6 +137,7 @@ class Checkpointer:
         self._hook: Any = None
         self._prep_hooks: list[Any] = []  # see _defer_prepare
         self._prepared = True
+        self._prep_lock = threading.Lock()  # see Preparation._prepare
         self._orch: Orchestrator | None = None
 
         snap = self._source.snapshot()  # validates names, dtypes and values before touching the disk
@@ -254,53 +256,6 @@ class Checkpointer:
             raise
         return orch
 
-    # -- preparing the store and the pool once the state is final ----------------------------------
-
-    def _defer_prepare(self) -> bool:
-        """Whether opening the store and making the chunk pool wait (see :meth:`_prepare_hooks`):
-        the optimizer has no state yet (Adam creates it at its first step, a load_latest gives it
-        one: sized now, the pool and the store would be remade at the first checkpoint, inside
-        the call), or a lazy restore into the model is loading (the pool's prefault and the
-        store's background validation would compete with the loader). Needs the optimizer."""
-        if not isinstance(self._source, TorchState) or self.optimizer is None:
-            return False
-        return self._source.may_grow() or restoring(self.state)
-
-    def _prepare_hooks(self) -> list[Any]:
-        """Hooks that prepare at the end of the next optimizer step (the state exists then, and a
-        lazy restore is complete: its step pre-hook waited for it), or right after an eager
-        ``load_state_dict`` gave the optimizer its state (``load_latest`` before the first step)."""
-        opt = self.optimizer
-        hooks = [opt.register_step_post_hook(lambda *_: self._prepare())]
-        if hasattr(opt, "register_load_state_dict_post_hook"):  # torch >= 2.2
-            hooks.append(opt.register_load_state_dict_post_hook(lambda _: self._after_load()))
-        return hooks
-
-    def _after_load(self) -> None:
-        if not self._source.may_grow() and not restoring(self.state):
-            self._prepare()
-
-    def _prepare(self) -> None:
-        """Opens the store and makes the chunk pool for the state as it is now (once). A failure
-        is logged: the first checkpoint tries again and reports it as its own."""
-        if self._prepared or self._orch is None:
-            return
-        # Invariant: the hooks stay registered (torch iterates its step hooks live: removing one
-        # inside it fails); _prepared makes them no-ops, _drop_prepare_hooks removes them later.
-        self._prepared = True
-        try:
-            snap = self._source.snapshot()
-            took = self._orch.prepare(plan(snap.arrays), self.metadata, snap.tree, self._epoch())
-            log.info("pccheck: store and chunk pool prepared in %.3f s", took)
-        except PCCheckError as exc:
-            log.warning("pccheck: preparing the store before the first checkpoint failed (%s); the first "
-                        "checkpoint tries again", exc)
-
-    def _drop_prepare_hooks(self) -> None:
-        hooks, self._prep_hooks = self._prep_hooks, []
-        for h in hooks:
-            h.remove()
-
     # -- the training loop's API -----------------------------------------------------------------
 
     def maybe_checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
@@ -343,7 +298,8 @@ class Checkpointer:
             return False
         if isinstance(self._source, TorchState):
             wait_for_pending(self.state)  # never snapshot a model a lazy restore is still filling
-        self._prepared = True  # not prepared yet: start() opens the store and makes the pool
+        with self._prep_lock:  # a wait_ready() on another thread finishes its prepare first
+            self._prepared = True  # not prepared yet: start() opens the store and makes the pool
         self._drop_prepare_hooks()
         if self._spread is not None:
             self._spread.mark(step)
@@ -402,6 +358,27 @@ class Checkpointer:
         if self._orch is not None:
             self._orch.ensure_copied()
         self._memory.ensure_copied()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Prepares the first checkpoint now and blocks until it is ready: the store open and
+        every page of the DRAM chunk pool faulted in. Optional: without it the pool is faulted
+        in on a native thread from the moment it is made (at construction, or once the state is
+        final: after ``load_latest`` or the first optimizer step), and a checkpoint taken before
+        that ends waits for the chunks it needs (``backpressure_s``). Call it (from any thread)
+        where waiting costs nothing, e.g. while a data loader warms up.
+
+        Returns True once ready (at once for a replica that never writes); False if ``timeout``
+        seconds passed first (``timeout=0``: just ask), or if the state is not final yet: the
+        optimizer has no state before its first step, or a lazy restore is still loading (the
+        store and pool are then made at the end of the next optimizer step). Raises the
+        :class:`StorageError` of a store that cannot be opened or a pool that cannot be made."""
+        if self._orch is None:
+            return True
+        if not self._prepared:
+            if self._defer_prepare():
+                return False
+            self._prepare(raise_errors=True)
+        return self._orch.wait_ready(timeout)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._spread is not None:
@@ -500,7 +477,8 @@ class Checkpointer:
             self._memory.close(then=self._close_engine)
 
     def _close_engine(self) -> None:
-        self._prepared = True
+        with self._prep_lock:
+            self._prepared = True
         self._drop_prepare_hooks()
         if self._hook is not None:
             self._hook.remove()

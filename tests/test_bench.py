@@ -279,7 +279,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     out = tmp_path / "restart.json"
     systems = ["pccheck_eager", "torch_load", "pccheck_lazy_build_first"]  # the last: Checkpointer, then load
     assert restart.main(["--quick", "--size", "16MiB", "--iters", "5", "--quiet-wait", "0", "--first-after", "2",
-                         "--systems",
+                         "--model", "client", "--threads", "1", "--systems",
                          ",".join(systems), "--json", str(out), "--dir", str(tmp_path / "scratch")]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     assert doc["command"].startswith("python -m bench.restart --quick") and doc["cache"] in ("fadvise", "drop_caches")
@@ -290,6 +290,11 @@ def test_restart_quick_and_a_failing_system(tmp_path):
         run = doc["results"][name]["runs"][0]
         assert run["restart"]["loaded_step"] == run["durable_step"] == 10
     assert doc["results"]["pccheck_eager"]["runs"][0]["restart"]["first_checkpoint"]["outcome"] == "committed"
+    assert doc["config"]["model"] == "client" and doc["config"]["threads"] == 1  # issue 31's client setting
+    for name in ("pccheck_eager", "pccheck_lazy_build_first"):  # the pool's readiness, from Checkpointer.wait_ready
+        first = doc["results"][name]["runs"][0]["restart"]["first_checkpoint"]
+        assert isinstance(first["pool_ready_at_first"], bool) and first["backpressure_s"] >= 0, name
+        assert doc["results"][name]["summary"]["pool_ready_at_first"] in (0, 1), name
     png = out.with_suffix(".png")
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     cfg = restart.Config(nbytes=1 << 20, quiet_wait_s=0)
@@ -389,3 +394,25 @@ def test_overhead_spread_row_runs_every_system(tmp_path):
     assert s["pccheck_spread"]["stall_s"] >= 0 and s["none"]["slowdown"] > 0
     with pytest.raises(SystemExit):
         overhead.main(["--spread", "2", "--intervals", "10,20"])  # one interval only
+
+
+def test_sharded_floor_bracket_and_page_cache_residency(tmp_path):
+    """bench.sharded: the repeat's floor is the mean of the raw reads before and after its load, the
+    target judged on the median and on the worst repeat; ``resident_fraction`` sees a file just read."""
+    from bench.modes import sharded
+
+    runs = [{"saves": [{"block_s": 0.3, "durable_s": 1.0}], "load_s": 0.9, "floor_s": 0.6, "floor_after_s": 1.0,
+             "load_warm_s": 0.3},
+            {"saves": [{"block_s": 0.3, "durable_s": 1.0}], "load_s": 1.0, "floor_s": 0.8, "floor_after_s": 0.8,
+             "load_warm_s": 0.3}]
+    s = sharded._summary(runs)
+    assert s["spread"]["load_over_floor"]["max"] == pytest.approx(1.25)
+    assert s["spread"]["load_over_floor_before"]["max"] == pytest.approx(1.5)
+    t = sharded._targets({"pccheck": {"summary": s}})[-1]
+    assert t["worst"] == pytest.approx(1.25) and t["met_every_repeat"] is False
+    f = tmp_path / "d" / "f.bin"
+    f.parent.mkdir()
+    f.write_bytes(b"\1" * (1 << 20))
+    f.read_bytes()
+    frac = sharded.resident_fraction(f.parent)
+    assert frac is None or frac > 0.5  # just written and read: in the page cache

@@ -105,18 +105,17 @@ def save(spec: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
 
 
 def _pool_touched(ck: Any, timeout: float = 120.0) -> float:
-    """Seconds waited, after the Checkpointer is built, until its DRAM chunk pool is faulted in.
+    """Seconds waited, after the Checkpointer is built, until it is ready (``Checkpointer.wait_ready``:
+    the store open and its DRAM chunk pool faulted in).
 
     The constructor opens the store and starts the pool's first touch on a native thread, off the
     training thread (engine.cpp); a training job runs its first ``interval`` steps meanwhile. This
     bench has no such steps (its saves follow one another at once), so without this wait its first
     two saves would wait for the prefaulter (back-pressure 1.1-1.9 s and 0.2-0.4 s in the issue-32
-    runs), which no later checkpoint of a job pays. Untimed; the engine's free queue holds every
-    chunk once all are faulted in (nothing is in flight yet)."""
-    engine = ck._orch.engine  # bench-only look inside: the library exposes no readiness call
+    runs), which no later checkpoint of a job pays. Untimed."""
     t0 = time.perf_counter()
-    while engine.free_chunks() < engine.num_chunks and time.perf_counter() - t0 < timeout:
-        time.sleep(0.01)
+    if not ck.wait_ready(timeout):
+        raise RuntimeError(f"the Checkpointer was not ready within {timeout:g} s")
     return time.perf_counter() - t0
 
 

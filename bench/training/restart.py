@@ -5,7 +5,13 @@ Run::
     python -m bench.restart [--size 1GiB] [--repeats 3] [--systems pccheck_eager,pccheck_lazy,...]
                             [--iter-time 0.05] [--interval 10] [--iters 50] [--blocks 8]
                             [--cache fadvise|drop_caches] [--first-after 1] [--json bench/results/restart.json]
-                            [--dir bench/_scratch] [--quick]
+                            [--model bench|client] [--threads N] [--dir bench/_scratch] [--quick]
+
+Issue 31's client setting (1 GiB, Linear(3342, 3342) + LayerNorm + ReLU blocks, one torch thread,
+the first checkpoint 10 steps after the restart, 60 steps in all)::
+
+    python -m bench.restart --systems pccheck_eager,pccheck_eager_build_first,pccheck_lazy_build_first \
+        --model client --threads 1 --first-after 10 --iters 50 --repeats 5
 
 The workload (:mod:`bench.training.restart_child`): ``--blocks`` x (Linear(d, d) + LayerNorm(d)) with fused
 AdamW, ``--size`` of state in all (the parameters a third of it). **The GPU is emulated**: an
@@ -42,7 +48,9 @@ on the reopened store; peers: their saver, next to nothing), ``first_step``; the
 steps, e.g. the interval, where a training loop takes it), the time it blocked training
 (the call's wall time, plus pccheck's ``cow_wait_s``, which falls in the next step; pccheck's own
 account, ``stall_s + prepare_s + blocked_copy_s + cow_wait_s`` from ``ck.stats()``, is beside it as
-``stats_block_s``: it leaves out what the call spends opening the store). Then it trains
+``stats_block_s``: it leaves out what the call spends opening the store; beside it, pccheck's
+``backpressure_s`` and whether the chunk pool was faulted in when the call began,
+``pool_ready_at_first`` from ``Checkpointer.wait_ready(0)``, and if not, ``pool_ready_after_s``). Then it trains
 ``--iters`` steps with checkpoints every ``--interval`` steps: the it/s after a restart. A *fresh*
 child does the same without a load into an empty directory: the it/s of a fresh start. Reported:
 medians over ``--repeats``. Before each timed child the run waits (up to ``--quiet-wait`` s) until
@@ -104,6 +112,8 @@ class Config:
     timeout_s: float = 600.0
     quiet_wait_s: float = 30.0
     first_after: int = 1
+    model: str = "bench"
+    threads: int | None = None
 
 
 # -- the children ----------------------------------------------------------------------------------------
@@ -112,7 +122,7 @@ def child_spec(role: str, system: str, workdir: Path, cfg: Config) -> dict[str, 
     """The JSON object a child of ``role`` (train, restart, fresh) is started with."""
     return {"role": role, "system": system, "dir": str(workdir), "nbytes": cfg.nbytes, "blocks": cfg.blocks,
             "batch": cfg.batch, "iter_time": cfg.iter_time, "interval": cfg.interval, "iters": cfg.iters,
-            "first_after": cfg.first_after,
+            "first_after": cfg.first_after, "model": cfg.model, "threads": cfg.threads,
             "path_first": pccheck_path_first(), "root": str(_BENCH_DIR.parent)}
 
 
@@ -229,6 +239,12 @@ def _summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out["steady_block_s"] = med(lambda r: r["restart"]["first_checkpoint"].get("steady_block_s"))
     first, steady = out["phases_s"]["first_checkpoint"], out["steady_block_s"]
     out["first_vs_steady_block"] = first / steady if first is not None and steady else None
+    fcs = [r["restart"]["first_checkpoint"] for r in runs]
+    out["first_vs_steady_runs"] = [f["block_s"] / f["steady_block_s"] if f.get("steady_block_s") else None
+                                   for f in fcs]
+    out["first_backpressure_s"] = med(lambda r: r["restart"]["first_checkpoint"].get("backpressure_s"))
+    # pccheck: how many repeats found the chunk pool faulted in when the first checkpoint began
+    out["pool_ready_at_first"] = sum(1 for f in fcs if f.get("pool_ready_at_first"))
     out["it_s_restart"] = med(lambda r: r["restart"]["it_s"])
     out["it_s_fresh"] = med(lambda r: r["fresh"]["it_s"])
     out["fresh_to_first_step_s"] = med(lambda r: r["fresh"]["to_first_step_s"])
@@ -285,7 +301,7 @@ def run(cfg: Config, systems: Sequence[str], repeats: int, base_dir: Path,
     return {
         "benchmark": "bench.restart", "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "machine": machine_label(host), "host": host, "config": dataclasses.asdict(cfg),
-        "state_bytes": state_bytes(cfg.nbytes, cfg.blocks),
+        "state_bytes": state_bytes(cfg.nbytes, cfg.blocks, cfg.model),
         "repeats": repeats, "savers": {s: SAVERS[s] for s in systems},
         "cache": ", ".join(caches) or "-", "results": results, "targets": _targets(results),
         "versions": next((r["restart"]["versions"] for rs in runs.values() for r in rs), {}),
@@ -383,6 +399,11 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--first-after", type=int, default=1,
                    help="steps after the restart at which the first checkpoint is taken (default 1: right after "
                         "the first step; the interval: where a training loop would take it)")
+    p.add_argument("--model", choices=("bench", "client"), default="bench",
+                   help="bench: Linear + LayerNorm blocks; client: + ReLU, d solved for d^2 + 3d (3342 at 1 GiB in 8 "
+                        "blocks: issue 31's client) (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads in every child (issue 31's client: 1; default: torch's own)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one child may take (default 600)")
     p.add_argument("--json", type=Path, default=None,
                    help="result JSON, the PNG beside it (default bench/results/restart.json; quick restart-quick.json)")
@@ -408,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = _parse_args(args)
     cfg = Config(nbytes=a.size, blocks=a.blocks, iter_time=a.iter_time, interval=a.interval, iters=a.iters,
-                 cache=a.cache, timeout_s=a.timeout, quiet_wait_s=a.quiet_wait, first_after=a.first_after)
+                 cache=a.cache, timeout_s=a.timeout, quiet_wait_s=a.quiet_wait, first_after=a.first_after,
+                 model=a.model, threads=a.threads)
     t0 = time.perf_counter()
     res = {"command": shlex.join(["python", "-m", "bench.restart", *args]),
            **run(cfg, a.systems, a.repeats, a.dir)}

@@ -36,6 +36,7 @@ import importlib  # noqa: E402  (after the clock, on purpose)
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
@@ -62,28 +63,40 @@ _LIBRARIES = {"pccheck_eager": "pccheck", "pccheck_lazy": "pccheck", "torch_load
 
 # -- the workload ---------------------------------------------------------------------------------------
 
-def block_width(nbytes: int, blocks: int) -> int:
+def block_width(nbytes: int, blocks: int, model: str = "bench") -> int:
     """d such that ``blocks`` x (Linear(d, d) + LayerNorm(d)) with AdamW holds about ``nbytes``:
-    3 float32 copies (parameter, exp_avg, exp_avg_sq) of d^2 + 3d per block."""
-    return max(8, int((nbytes / (12 * blocks)) ** 0.5))
+    3 float32 copies (parameter, exp_avg, exp_avg_sq) of d^2 + 3d per block. ``bench`` rounds
+    d^2 alone (3344 at 1 GiB in 8 blocks), ``client`` solves d^2 + 3d exactly (3342: issue 31's
+    client)."""
+    per_block = nbytes / (12 * blocks)
+    if model == "client":
+        return max(8, int(((9 + 4 * per_block) ** 0.5 - 3) / 2))
+    return max(8, int(per_block ** 0.5))
 
 
-def state_bytes(nbytes: int, blocks: int) -> int:
+def state_bytes(nbytes: int, blocks: int, model: str = "bench") -> int:
     """Bytes of the model's and the optimizer's tensors :func:`make_blocks` makes (AdamW's step
     counters left out: 4 bytes each)."""
-    d = block_width(nbytes, blocks)
+    d = block_width(nbytes, blocks, model)
     return 3 * 4 * blocks * (d * d + 3 * d)
 
 
-def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float) -> "Workload":
-    """The model, its fused AdamW and one (emulated GPU) iteration; see the module docstring."""
+def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float, model_kind: str = "bench",
+                threads: int | None = None) -> "Workload":
+    """The model, its fused AdamW and one (emulated GPU) iteration; see the module docstring.
+    ``model_kind`` ``client`` adds a ReLU to every block (issue 31's client); ``threads``:
+    ``torch.set_num_threads`` (None: torch's default)."""
     import torch
 
     from bench.harness.workloads import LR, Workload
 
-    d = block_width(nbytes, blocks)
+    if threads:
+        torch.set_num_threads(threads)
+    d = block_width(nbytes, blocks, model_kind)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.LayerNorm(d))
+    relu = [torch.nn.ReLU] if model_kind == "client" else []
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.LayerNorm(d),
+                                                      *(f() for f in relu))
                                   for _ in range(blocks)])
     for p in model.parameters():  # set once: what the (emulated) backward would leave
         p.grad = torch.full_like(p, 1e-3)
@@ -96,10 +109,12 @@ def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float) -> "Work
         time.sleep(iter_time)  # the host waiting for the (emulated) GPU's backward
         opt.step()             # every byte of parameters and optimizer state updated in place
 
+    act = " + ReLU" if relu else ""
     return Workload("blocks", model, opt, step,
-                    f"GPU EMULATED: {blocks} x (Linear({d}, {d}) + LayerNorm({d})), real forward of a batch "
+                    f"GPU EMULATED: {blocks} x (Linear({d}, {d}) + LayerNorm({d}){act}), real forward of a batch "
                     f"of {batch} (no_grad), sleep {iter_time * 1e3:g} ms, fused AdamW.step() over "
-                    f"{state_bytes(nbytes, blocks) / (1 << 20):.0f} MiB of float32 state (parameters a third of it)")
+                    f"{state_bytes(nbytes, blocks, model_kind) / (1 << 20):.0f} MiB of float32 state (parameters a third "
+                    f"of it), torch threads {torch.get_num_threads()}")
 
 
 # -- saving (bench.systems' training-loop systems) ----------------------------------------------------------
@@ -212,7 +227,8 @@ def load(system: str, wl: "Workload", workdir: Path) -> tuple[int, Any]:
 # -- the roles -----------------------------------------------------------------------------------------------
 
 def _build(spec: Mapping[str, Any]) -> "Workload":
-    return make_blocks(spec["nbytes"], spec["blocks"], spec["batch"], spec["iter_time"])
+    return make_blocks(spec["nbytes"], spec["blocks"], spec["batch"], spec["iter_time"],
+                       spec.get("model", "bench"), spec.get("threads"))
 
 
 def train(spec: Mapping[str, Any]) -> None:
@@ -234,6 +250,25 @@ def _first_checkpoint(ls: "LoopSystem", step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     ls.checkpoint(step)
     return {"call_s": time.perf_counter() - t0}
+
+
+def _pool_watch(ls: "LoopSystem") -> dict[str, Any]:
+    """Whether the saver's chunk pool is faulted in as the first checkpoint starts
+    (``Checkpointer.wait_ready(0)``, pccheck only); if not, a thread times how much longer it takes
+    (``pool_ready_after_s``, filled in once it is)."""
+    ck = getattr(ls, "ck", None)
+    if ck is None:
+        return {}
+    out: dict[str, Any] = {"pool_ready_at_first": ck.wait_ready(0)}
+    if not out["pool_ready_at_first"]:
+        t0 = time.perf_counter()
+
+        def watch() -> None:
+            if ck.wait_ready(120.0):
+                out["pool_ready_after_s"] = time.perf_counter() - t0
+
+        threading.Thread(target=watch, daemon=True).start()
+    return out
 
 
 def _window(wl: "Workload", ls: "LoopSystem", first: int, iters: int) -> dict[str, Any]:
@@ -266,6 +301,7 @@ def _blocking(ls: "LoopSystem", first: Mapping[str, Any], window_calls: Mapping[
     stats = ck.stats().as_dict()["checkpoints"]
     c = stats[0]
     parts = {k: c[k] for k in ("stall_s", "prepare_s", "blocked_copy_s", "cow_wait_s")}
+    first = {**first, "backpressure_s": c["backpressure_s"], "copy_s": c["copy_s"]}
     cow = {x["step"]: x["cow_wait_s"] for x in stats[1:]}
     steady = [call + cow[s] for s, call in window_calls.items() if s in cow]
     return {**first, **parts, "stats_block_s": sum(parts.values()), "block_s": first["call_s"] + c["cow_wait_s"],
@@ -306,10 +342,11 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
     after = spec.get("first_after", 1)
     for _ in range(after - 1):  # the first checkpoint comes `first_after` steps after the restart
         wl.step()
+    pool = _pool_watch(ls)  # before the call, untimed
     first = _first_checkpoint(ls, step + after)
     out.update(_window(wl, ls, step + after + 1, spec["iters"]))
     ls.drain()
-    out["first_checkpoint"] = _blocking(ls, first, out["window_calls_s"])
+    out["first_checkpoint"] = {**_blocking(ls, first, out["window_calls_s"]), **pool}
     marks["first_checkpoint"] = out["first_checkpoint"]["block_s"]
     ls.close()
     return {"role": spec["role"], "system": spec["system"], "phases": marks, **out, "versions": _versions()}

@@ -250,6 +250,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("chunk_size", &Engine::chunk_size)
       .def_property_readonly("num_chunks", &Engine::num_chunks)
       .def("free_chunks", &Engine::free_chunks)
+      .def_property_readonly("prefaulted_chunks", &Engine::prefaulted_chunks)
+      .def("wait_prefaulted", &Engine::wait_prefaulted, py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pool_address", &Engine::pool_address)
       .def_property_readonly("pool_bytes", &Engine::pool_bytes)
       .def("chunk_address", &Engine::chunk_address)

@@ -87,7 +87,11 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
   void* p = ::mmap(nullptr, pool_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw NativeError(errno, "cannot allocate the DRAM chunk pool");
   pool_ = static_cast<uint8_t*>(p);
-  ::madvise(pool_, pool_len_, MADV_HUGEPAGE);  // fewer TLB misses in memcpy; advisory
+  // No MADV_HUGEPAGE (issue 31): on these KVM guests (THP "madvise", free page reporting on) the
+  // first touch of a fresh 2 GiB pool took 7.6-8.0 s with it (0.25 GiB/s) against 1.1-1.5 s in
+  // 4 KiB pages, and a memcpy into the faulted pool ran at 13-14.5 GiB/s either way
+  // (docs/notes/issue-31-thp.py, bench/results/issue31-pool-first-touch-thp.txt). A restarted
+  // job's first checkpoint waited for that first touch.
   for (uint32_t i = 0; i < writer_threads; i++) writers_.emplace_back([this] { writer_loop(); });
   // First touch is slow on these machines (0.25-1.3 GB/s for fresh pages): pay it once, not per
   // checkpoint, and off the caller's thread (a Checkpointer is built, or reopened after a
@@ -105,8 +109,27 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
       for (size_t off = 0; off < chunk_size_; off += kPiece)
         prefault(chunk_ptr(i) + off, std::min(kPiece, chunk_size_ - off));
       free_chunks_.push(i);
+      {
+        std::lock_guard<std::mutex> g(prefault_mu_);
+        prefaulted_.fetch_add(1, std::memory_order_release);
+      }
+      prefault_cv_.notify_all();
     }
   });
+}
+
+bool Engine::wait_prefaulted(double timeout_s) {
+  std::unique_lock<std::mutex> g(prefault_mu_);
+  auto done = [this] {
+    return prefaulted_.load(std::memory_order_acquire) == num_chunks_ ||
+           stop_prefault_.load(std::memory_order_relaxed);
+  };
+  if (timeout_s < 0) {
+    prefault_cv_.wait(g, done);
+  } else {
+    prefault_cv_.wait_for(g, std::chrono::duration<double>(timeout_s), done);
+  }
+  return prefaulted_.load(std::memory_order_acquire) == num_chunks_;
 }
 
 Engine::~Engine() { close(); }
@@ -114,7 +137,11 @@ Engine::~Engine() { close(); }
 void Engine::close() {
   if (closed_) return;
   closed_ = true;
-  stop_prefault_.store(true, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> g(prefault_mu_);  // a waiter sees the stop (wait_prefaulted)
+    stop_prefault_.store(true, std::memory_order_relaxed);
+  }
+  prefault_cv_.notify_all();
   if (prefaulter_.joinable()) prefaulter_.join();  // before the pool can be unmapped
   tasks_.close();
   for (auto& t : writers_) t.join();

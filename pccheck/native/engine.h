@@ -142,6 +142,11 @@ class Engine {
   uint64_t chunk_size() const { return chunk_size_; }
   uint32_t num_chunks() const { return num_chunks_; }
   uint32_t free_chunks();  // only meaningful while idle
+  // Chunks the prefaulter has faulted in (and put in the free queue) so far; num_chunks() once done.
+  uint32_t prefaulted_chunks() const { return prefaulted_.load(std::memory_order_acquire); }
+  // Blocks until every chunk is faulted in (true), the engine closes, or timeout_s passes (false;
+  // timeout_s < 0: no limit). Safe while jobs run: it never touches the free queue.
+  bool wait_prefaulted(double timeout_s);
   uintptr_t pool_address() const { return reinterpret_cast<uintptr_t>(pool_); }
   uint64_t pool_bytes() const { return pool_len_; }
   uintptr_t chunk_address(uint32_t id) const { return pool_address() + uint64_t(id) * chunk_size_; }
@@ -166,6 +171,10 @@ class Engine {
   std::vector<std::thread> writers_;
   std::thread prefaulter_;                  // faults the pool in, chunk by chunk (see the constructor)
   std::atomic<bool> stop_prefault_{false};
+  // Invariant: prefaulted_ only grows, under prefault_mu_ (so a waiter cannot miss the last notify).
+  std::atomic<uint32_t> prefaulted_{0};
+  std::mutex prefault_mu_;
+  std::condition_variable prefault_cv_;
   bool closed_ = false;
 };
 

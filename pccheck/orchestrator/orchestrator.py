@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-
 from ..errors import ConfigError, PCCheckError, SnapshotError, StorageError, storage_error_from_oserror
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
@@ -266,6 +265,13 @@ class Orchestrator:
         self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
         self._fit_pool(layout.data_len)
         return time.perf_counter() - t0
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the store is open and the pool faulted in (False: timed out, or not prepared)."""
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed")
+        ready = self.engine is not None and self.store.native is not None
+        return ready and bool(self.engine.wait_prefaulted(-1.0 if timeout is None else max(0.0, timeout)))
 
     def retire_if_allowed(self) -> None:
         """Deletes older store generations once the newest has a durable commit and the retention
