@@ -58,7 +58,7 @@ class Nodes:
             self.lines[n].append(line.strip())
 
     def _tagged(self, n: int, tag: str) -> list[list[str]]:
-        return [l.split()[1:] for l in list(self.lines[n]) if l.startswith(tag + " ")]
+        return [l.split()[1:] for l in list(self.lines[n]) if l == tag or l.startswith(tag + " ")]
 
     def losses(self, n: int) -> dict[int, float]:
         return {int(a): float(b) for a, b in self._tagged(n, "LOSS")}
@@ -86,6 +86,18 @@ class Nodes:
             assert time.monotonic() - t0 < timeout, f"no step {step}: {self.lines}"
             assert all(p.poll() is None for p in self.procs), [p.stderr.read()[-3000:] for p in self.procs]
             time.sleep(0.02)
+        self.kill()
+
+    def tag_when(self, n: int, tag: str, timeout: float = 180) -> list[str]:
+        """The fields of node ``n``'s first ``tag`` line, once it printed one."""
+        t0 = time.monotonic()
+        while not (found := self._tagged(n, tag)):
+            assert time.monotonic() - t0 < timeout, f"node {n} printed no {tag}: {self.lines}"
+            time.sleep(0.02)
+        return found[0]
+
+    def kill(self) -> None:
+        """SIGKILLs every process of both nodes (agents and ranks) still alive."""
         pids = [int(x[0]) for n in range(2) for x in self._tagged(n, "PID")]
         for p in self.procs:
             os.killpg(p.pid, signal.SIGKILL)
@@ -165,6 +177,43 @@ def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, refe
     job = Nodes(tmp_path, "--resume", "--final")
     job.wait()
     assert _check(job, reference, {"disk"}) == STEPS // 4 * 4  # the newest disk checkpoint
+    _compare_final(tmp_path, reference)
+
+
+def _committed_steps(directory: Path) -> set[int]:
+    """The steps of every committed slot of the store in ``directory`` (meta and manifest checked)."""
+    from pccheck.persist.recovery import slot_manifests
+
+    return {man.step for _, file in store_files(directory) for _, man in slot_manifests(file, read_store(file))}
+
+
+@pytest.mark.slow  # three two-node jobs (~40-60 s on 2 vCPUs): `make test-slow`
+def test_sender_killed_mid_transfer_then_peer_killed_while_serving(tmp_path, reference):
+    """Two faults of the wire, on two simulated nodes (replicas=2, memory every step):
+    1. rank 1 is SIGKILLed after the first 4 KiB of its replica of step 6 went out: node 0 never
+       commits that replica (it holds older ones only); then every process is killed and node 1
+       lost (its directories wiped);
+    2. the resume: rank 0 serves rank 1 the newest intact replica and is SIGKILLed after its
+       first chunk: rank 1's load_latest raises a PCCheckError and its model keeps its initial
+       values (nothing of the half-received replica is loaded);
+    3. the job restarts: rank 0 from its own memory, rank 1 from node 0's replica, at the newest
+       step replicated before the kill (older than 6), bit for bit to the end."""
+    job = Nodes(tmp_path, "--sleep", "0.3", "--die-mid-send", "1:6")
+    assert job.tag_when(1, "MIDSEND") == ["6"]
+    job.kill()
+    held = _committed_steps(tmp_path / "node-0" / "mem" / "replica-1")
+    assert held and max(held) < 6, held  # the half-sent replica was never committed
+    shutil.rmtree(tmp_path / "node-1")
+    job = Nodes(tmp_path, "--resume", "--die-mid-serve", "0")
+    job.tag_when(0, "MIDSERVE")
+    failed = job.tag_when(1, "RESTOREFAILED")
+    assert job.tag_when(1, "UNTOUCHED") == ["True"], failed
+    assert not job.losses(1) and not job._tagged(1, "START")
+    job.kill()
+    job = Nodes(tmp_path, "--resume", "--final")
+    job.wait()
+    start = _check(job, reference, {"memory", "peer"})
+    assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start == max(held)
     _compare_final(tmp_path, reference)
 
 
