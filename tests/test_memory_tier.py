@@ -217,6 +217,26 @@ def test_sender_killed_mid_transfer_then_peer_killed_while_serving(tmp_path, ref
     _compare_final(tmp_path, reference)
 
 
+@pytest.mark.slow  # three two-node jobs (~40-60 s on 2 vCPUs): `make test-slow`
+def test_fsdp2_state_node_loss_resumes_from_the_peer_bit_for_bit(tmp_path):
+    """FSDP2 (DTensor shards on a CPU mesh, gloo) through the memory tier, replicas=2, every step:
+    SIGKILL of every process after step 6, node 1 lost (its memory and disk wiped): rank 0 resumes
+    from its own memory, rank 1 from node 0's replica of its shards (and rank 0's copy of the
+    tensors only rank 0 stores), bit for bit against an uninterrupted run."""
+    ref_job = Nodes(tmp_path / "ref", "--fsdp", "--final")
+    ref_job.wait()
+    ref = {"losses": [ref_job.losses(n) for n in range(2)],
+           "final": [torch.load(tmp_path / "ref" / f"final-{r}.pt", weights_only=True) for r in range(2)]}
+    job = Nodes(tmp_path / "run", "--fsdp", "--sleep", "0.3")
+    job.kill_when(6)
+    shutil.rmtree(tmp_path / "run" / "node-1")
+    job = Nodes(tmp_path / "run", "--fsdp", "--resume", "--final")
+    job.wait()
+    start = _check(job, ref, {"memory", "peer"})
+    assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start >= 4, start
+    _compare_final(tmp_path / "run", ref)
+
+
 @pytest.mark.slow  # a longer round: `make test-slow`
 def test_two_nodes_every_rank_killed_resumes_from_own_memory(tmp_path, reference):
     """SIGKILL of every process twice: both ranks resume from their own memory, bit for bit,
