@@ -348,9 +348,8 @@ def test_restore_plan_nearest_tier_fallbacks_and_missing_ranks():
     ({"step": 1, "counter": 0, "data": 0}, "counter"),
     ({"step": 1, "counter": 1, "data": -4096}, "data"),
     ({"step": 1, "counter": 1, "data": 1 << 50}, "data"),
-    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1, 2], "manifest": "{}"}, "checksum list"),
-    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1], "manifest": 5}, "manifest"),
-    ({"step": 1, "counter": 1, "data": 4096, "crcs": [1], "manifest": "not json"}, "JSON"),
+    ({"step": 1, "counter": 1, "data": 4096, "manifest": 5}, "manifest"),
+    ({"step": 1, "counter": 1, "data": 4096, "manifest": "not json"}, "JSON"),
 ])
 def test_replica_headers_are_untrusted(doc, why):
     from pccheck.errors import CorruptCheckpointError
@@ -367,3 +366,62 @@ def test_memory_dir_refuses_lazy_and_zero_copy(tmp_path, kw):
     pccheck.Checkpointer({"w": np.arange(8.0)}, tmp_path / "ck", interval=1).close()
     with pytest.raises(ConfigError, match="memory_dir= loads eagerly"):
         pccheck.load_latest(tmp_path / "ck", memory_dir=tmp_path / "mem", **kw)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_array_checker_checks_each_array_as_its_chunks_land(chunk):
+    """The pull's progressive check (ArrayChecker as recv_bytes's on_chunk): any chunk size, arrays
+    spanning chunks, empty arrays; a flipped byte or a transfer cut short is reported at finish()."""
+    from types import SimpleNamespace as NS
+
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.persist.reader import crc32c
+    from pccheck.tiers.memory.replicate import ArrayChecker
+
+    buf = np.random.default_rng(0).integers(0, 255, 100_000, dtype=np.uint8)
+    arrays = [NS(offset=0, nbytes=10_000, name="a"), NS(offset=12_288, nbytes=50_000, name="b"),
+              NS(offset=70_000, nbytes=0, name="z"), NS(offset=70_000, nbytes=30_000, name="c")]
+    man = NS(arrays=arrays, crcs=[crc32c(memoryview(buf[a.offset:a.offset + a.nbytes])) for a in arrays])
+
+    def feed(data: np.ndarray, upto: int) -> ArrayChecker:
+        check = ArrayChecker(man, data)
+        for off in range(0, upto, chunk):
+            check(off, min(chunk, upto - off))
+        return check
+
+    feed(buf, buf.nbytes).finish()
+    bad = buf.copy()
+    bad[20_000] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="'b' checksum mismatch"):
+        feed(bad, bad.nbytes).finish()
+    with pytest.raises(CorruptCheckpointError, match="'c' was not received whole"):
+        feed(buf, 80_000).finish()
+
+
+def test_expected_crcs_that_do_not_match_are_never_committed(tmp_path):
+    """A replica's store is told the manifest's crc32c (StartArgs.expect_crcs): the writers' own
+    checksums must match, else the checkpoint fails before its commit and the store keeps the
+    older one (no checksum pass of the replica's own on the receiver)."""
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.orchestrator.args import StartArgs
+    from pccheck.orchestrator.copy_engine import CpuCopyEngine
+    from pccheck.orchestrator.options import EngineOptions
+    from pccheck.orchestrator.orchestrator import Orchestrator
+    from pccheck.persist.layout import plan
+    from pccheck.persist.reader import crc32c
+
+    arrays = {"w": np.arange(5000, dtype=np.float32), "b": np.ones(7, dtype=np.int64)}
+    right = {k: crc32c(memoryview(v).cast("B")) for k, v in arrays.items()}
+    errors: list = []
+    orch = Orchestrator(tmp_path / "store", plan(arrays), EngineOptions(max_concurrent=1, writer_threads=1,
+                                                                         chunk_size=1 << 16, storage="mmap"),
+                        copy_engine=CpuCopyEngine(threads=1), on_error=errors.append)
+    try:
+        orch.start(1, arrays, {}, StartArgs(expect_crcs=right))
+        orch.wait()
+        orch.start(2, arrays, {}, StartArgs(expect_crcs={**right, "b": right["b"] ^ 1}))
+        orch.wait()
+    finally:
+        orch.close()
+    assert len(errors) == 1 and isinstance(errors[0], CorruptCheckpointError), errors
+    assert _committed_steps(tmp_path / "store") == {1}

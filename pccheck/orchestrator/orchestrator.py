@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 
-from ..errors import ConfigError, PCCheckError, SnapshotError, StorageError, storage_error_from_oserror
+from ..errors import (ConfigError, CorruptCheckpointError, PCCheckError, SnapshotError, StorageError,
+                      storage_error_from_oserror)
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
@@ -89,6 +90,7 @@ class _Flight:
     arrays: Any = None
     copied_s: float = 0.0  # from the start until every byte was in DRAM chunks
     extra_stats: Mapping[str, Any] = field(default_factory=dict)
+    expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
 
     def check(self) -> str | None:
         """The snapshot's version check, once, after the last read of live memory and before
@@ -330,7 +332,8 @@ class Orchestrator:
             self._inflight.release()
             raise
         fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
-                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays)
+                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
+                     expect=args.expect_crcs)
         if args.copied is not None:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
@@ -502,6 +505,9 @@ class Orchestrator:
             native.release_slot(job.slot)
             code = -job.error
             raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
+        if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), job.crcs)) != dict(fl.expect):
+            native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
+            raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
         manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
                                   epoch=fl.epoch)
         try:
