@@ -87,6 +87,7 @@ def _restores(a: argparse.Namespace, rank: int, model, opt) -> dict:  # noqa: AN
             out["node_loss_tier"] = r[0].tier
             _fresh(opt, r)
             raw.append(_raw_link(rank, a.size))
+        out.update(_unit_costs(rank, a.size))
         out["node_loss_peer_all_s"], out["raw_link_all_s"], out["node_loss_part_all_s"] = peer, raw, parts
         out["node_loss_part_s"] = statistics.median(p for p in parts if p is not None) if all(parts) else None
         out["node_loss_peer_s"], out["raw_link_s"] = statistics.median(peer), statistics.median(raw)
@@ -150,6 +151,35 @@ def _profiled(rank: int, fn):  # noqa: ANN001, ANN202
         prof.runcall(fn)
         prof.dump_stats(where)
     return run
+
+
+def _unit_costs(rank: int, size: int) -> dict:
+    """CPU-seconds of the passes a replicated memory checkpoint is made of, for ``size`` bytes on
+    this machine: one memcpy into touched memory, one crc32c (pccheck's native), and one gloo
+    send/recv on loopback (each end's process CPU, user + system). The loop's floor is their sum
+    over what one iteration must do (docs/notes/issue-29.md)."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from pccheck.persist.reader import crc32c
+
+    src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+    out: dict = {}
+    for name, fn in (("memcpy_cpu_s", lambda: np.copyto(dst, src)), ("crc32c_cpu_s", lambda: crc32c(memoryview(src)))):
+        costs = []
+        for _ in range(3):
+            c0 = time.process_time()
+            fn()
+            costs.append(time.process_time() - c0)
+        out[name] = min(costs)
+    costs = []
+    for _ in range(3):
+        dist.barrier()
+        c0 = time.process_time()
+        _raw_link(rank, size)
+        costs.append(time.process_time() - c0)
+    out["link_cpu_s"] = min(costs)  # this end of one transfer (rank 0 sends, rank 1 receives)
+    return out
 
 
 def _raw_link(rank: int, size: int) -> float:
@@ -313,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_link_s": _median(runs.get("memory", []), "raw_link_s", rank=1),
         "node_loss_part_s": _median(runs.get("memory", []), "node_loss_part_s", rank=1),
     }
+    units = {k: _median(runs.get("memory", []), k) for k in ("memcpy_cpu_s", "crc32c_cpu_s", "link_cpu_s")}
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
@@ -335,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"benchmark": "tiers", "gpu": "emulated (host waits iter_time, then an AdamW step updates all state)",
            "nodes": 2, "ranks_per_node": 1, "size_bytes_per_rank": a.size, "iter_time_s": a.iter_time,
            "iters": a.iters, "warmup": a.warmup, "repeats": a.repeats, "iter_s": it, "slowdown": slow,
-           "cpu_per_iter_s": cpu, "nproc": os.cpu_count(),
+           "cpu_per_iter_s": cpu, "nproc": os.cpu_count(), "unit_cpu_s": units,
            "restore_s": rest, "ratios": ratios, "per_repeat": per_repeat, "configs": configs,
            "command": "python -m bench.tiers " + " ".join(argv if argv is not None else sys.argv[1:]),
            "targets": {"loop_slowdown_memory_replicas2": "<= 1.05", "crash_restore_memory_over_disk": "<= 0.2",

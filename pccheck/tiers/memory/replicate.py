@@ -43,7 +43,7 @@ from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import ReplicationError, gather_json, poll_key, private_store, recv_bytes, send_bytes
+from .wire import gather_json, poll_key, private_store, recv_bytes, send_bytes
 
 __all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
 
