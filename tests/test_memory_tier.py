@@ -233,7 +233,8 @@ def test_fsdp2_state_node_loss_resumes_from_the_peer_bit_for_bit(tmp_path):
     job = Nodes(tmp_path / "run", "--fsdp", "--resume", "--final")
     job.wait()
     start = _check(job, ref, {"memory", "peer"})
-    assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start >= 4, start
+    # replication lags by at most 3 steps (1 in flight, QUEUE = 2 waiting)
+    assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start >= 2, start
     _compare_final(tmp_path / "run", ref)
 
 

@@ -75,7 +75,8 @@ class _HeldSet(CheckpointSet):
 
 
 def _own(r: Restored, rank: int) -> Member:
-    arrays = tuple(ArrayEntry(n, a.dtype, tuple(a.shape), 0, a.nbytes, r.torch_dtypes.get(n)) for n, a in r.state.items())
+    arrays = tuple(ArrayEntry(n, a.dtype, tuple(a.shape), 0, a.nbytes, r.torch_dtypes.get(n))
+                   for n, a in r.state.items())
     man = Manifest(r.step, r.counter, 0, arrays, (0,) * len(arrays), r.metadata, r.tree, r.epoch)
     return Member(rank, SimpleNamespace(path=r.path, generation=r.generation), r.slot, man)  # type: ignore[arg-type]
 
@@ -107,10 +108,12 @@ def _peer(rank: int, doc: Any, r: Restored) -> Member:
             raise CorruptCheckpointError(f"rank {rank} published an array {name!r} of {nbytes} bytes")
         arrays.append(ArrayEntry(name, dtype, tuple(shape), 0, nbytes, d[1]))
     man = Manifest(r.step, 0, 0, tuple(arrays), (0,) * len(arrays), {}, {"shards": doc["shards"]}, r.epoch)
-    return Member(rank, SimpleNamespace(path=Path(f"rank-{rank}:memory"), generation=0), -1, man)  # type: ignore[arg-type]
+    where = SimpleNamespace(path=Path(f"rank-{rank}:memory"), generation=0)  # for messages only
+    return Member(rank, where, -1, man)  # type: ignore[arg-type]
 
 
-def _serve(pg: Any, held: dict[str, np.ndarray], asks: list[tuple[int, list[str]]], errors: list[BaseException]) -> None:
+def _serve(pg: Any, held: dict[str, np.ndarray], asks: list[tuple[int, list[str]]],
+           errors: list[BaseException]) -> None:
     """Sends each asking rank its arrays, in the order asked, each preceded by its crc32c."""
     for dst, names in asks:
         try:
