@@ -299,7 +299,7 @@ def _median(runs: list[list[dict]], key: str, rank: int | None = None) -> float 
     return statistics.median(vals) if vals else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="state per rank")
     p.add_argument("--iter-time", type=float, default=0.2)
@@ -316,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.worker:
         worker(a)
         return 0
