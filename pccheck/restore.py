@@ -86,24 +86,12 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if zero_copy or not verify:
             raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
                               "load it without zero_copy= or verify=False")
-        if use_memory:
-            raise ConfigError("the memory tier does not hold sharded (DTensor) state yet: load without memory_dir=")
         state = TorchState(model, optimizer, extra_state) if model is not None else None
+        if use_memory:
+            return _sharded_from_memory(directory, memory_dir, group, state, map_location)
         return load_sharded(directory, group, state, map_location, decode=nested_state)
     if use_memory:
-        from .tiers.memory import default_memory_dir, load_nearest
-
-        root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
-        try:
-            r = load_nearest(directory, root, group, verify=verify)
-        except (NoCheckpointError, CorruptCheckpointError) as exc:
-            if remote is None:
-                raise
-            from .tiers.remote.load import load_remote
-
-            log.warning("pccheck: no step every rank can obtain from memory, peers or disk (%s); loading "
-                        "from the remote tier %s", exc, remote)
-            r = load_remote(str(remote), group)
+        r = _from_memory(directory, memory_dir, group, remote, verify)
     elif group is not None and rank_dir(directory, group.rank).is_dir():
         r = agree_and_load(directory, group, verify=verify)
     else:
@@ -111,6 +99,41 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         if group is not None:  # replicated="rank0": everyone read rank 0's store; same step?
             _check_same_step(group, r.step)
     return _as_loaded(r, model, optimizer, extra_state, map_location)
+
+
+def _from_memory(directory: Path, memory_dir: Any, group: Group | None, remote: str | None,
+                 verify: bool) -> Restored:
+    """Each rank's own part of the newest step every rank can obtain (pccheck.tiers.memory), the
+    remote tier when none is (with ``remote=``)."""
+    from .tiers.memory import default_memory_dir, load_nearest
+
+    root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
+    try:
+        return load_nearest(directory, root, group, verify=verify)
+    except (NoCheckpointError, CorruptCheckpointError) as exc:
+        if remote is None:
+            raise
+        from .tiers.remote.load import load_remote
+
+        log.warning("pccheck: no step every rank can obtain from memory, peers or disk (%s); loading "
+                    "from the remote tier %s", exc, remote)
+        return load_remote(str(remote), group)
+
+
+def _sharded_from_memory(directory: Path, memory_dir: Any, group: Group | None, state: TorchState | None,
+                         map_location: Any) -> Restored:
+    """A sharded (DTensor) state through the memory tier: every rank's own slot from its nearest
+    tier, the chunks it lacks from the ranks that stored them (pccheck.tiers.memory.sharded);
+    when no step can be built that way (another world size, every tier gone), the disk store's
+    resharded load (pccheck.sharded.load)."""
+    from .tiers.memory.sharded import build_sharded
+
+    try:
+        r = _from_memory(directory, memory_dir, group, None, True)
+        return build_sharded(r, group, state, map_location, decode=nested_state)
+    except (NoCheckpointError, CorruptCheckpointError) as exc:  # every rank alike: the plans and the vote agree
+        log.warning("pccheck: no sharded step from the memory tier (%s); loading the disk store %s", exc, directory)
+        return load_sharded(directory, group, state, map_location, decode=nested_state)
 
 
 def _remote_or_local(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,

@@ -1,13 +1,25 @@
 """One rank of a small DDP job run by torchrun, for the memory tier tests (two simulated nodes).
 
 Usage: torchrun ... _tier_train.py BASE STEPS [--resume] [--final] [--sleep S] [--disk-interval K]
+                                      [--die-mid-send NODE:STEP] [--die-mid-serve NODE] [--fsdp]
 Node n (torchrun's GROUP_RANK) keeps its disk store under BASE/node-n/disk and its memory tier
-under BASE/node-n/mem. With --single (python, no torchrun): one process, BASE/node-0, no replicas. Prints "PID p", "START step tier" and "LOSS step value" lines, flushed.
+under BASE/node-n/mem. With --single (python, no torchrun): one process, BASE/node-0, no replicas.
+Prints "PID p", "START step tier" and "LOSS step value" lines, flushed. --fsdp: the model is
+FSDP2 (``fully_shard`` on a CPU mesh of both ranks) with a buffer, instead of DDP; --final then
+saves its full tensors (gathered).
+
+Faults (either flag makes both nodes send in 4 KiB wire chunks, so a transfer has many chunks):
+--die-mid-send NODE:STEP: the rank of NODE SIGKILLs itself after sending the first wire chunk
+of its replica of STEP (prints "MIDSEND STEP" first). --die-mid-serve NODE: the rank of NODE
+SIGKILLs itself after sending the first chunk of a replica it serves to a restoring peer (prints
+"MIDSERVE"); a rank whose load_latest then fails prints "RESTOREFAILED <error type>" and
+"UNTOUCHED <whether its model still holds its initial values>", and exits 3.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -16,6 +28,42 @@ import torch
 import torch.distributed as dist
 
 from _leave import leave
+
+
+def _faults(argv: list[str], node: int) -> None:
+    """Test instrumentation: the faults of the module docstring, patched into the memory tier."""
+    from pccheck.tiers.memory import nearest, replicate, wire
+
+    wire.WIRE_CHUNK = replicate.WIRE_CHUNK = 4096  # every node alike: the header's chunk count agrees
+    if "--die-mid-send" in argv:
+        who, step = map(int, argv[argv.index("--die-mid-send") + 1].split(":"))
+        if node == who:
+            sending: dict[str, int] = {}
+            send, send_bytes = replicate.Replicator._send, replicate.send_bytes
+
+            def _send(self, info, seq):  # noqa: ANN001, ANN202
+                sending["step"] = info.step
+                return send(self, info, seq)
+
+            def _send_bytes(pg, dst, view, tag, timeout):  # noqa: ANN001, ANN202
+                if sending.get("step") == step:
+                    send_bytes(pg, dst, view[:wire.WIRE_CHUNK], tag, timeout)
+                    print(f"MIDSEND {step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                send_bytes(pg, dst, view, tag, timeout)
+
+            replicate.Replicator._send, replicate.send_bytes = _send, _send_bytes
+    if "--die-mid-serve" in argv and node == int(argv[argv.index("--die-mid-serve") + 1]):
+        serve = nearest.send_bytes
+
+        def _serve(pg, dst, view, tag, timeout):  # noqa: ANN001, ANN202
+            if view.nbytes > wire.WIRE_CHUNK:  # the replica's data, not its manifest
+                serve(pg, dst, view[:wire.WIRE_CHUNK], tag, timeout)
+                print("MIDSERVE", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            serve(pg, dst, view, tag, timeout)
+
+        nearest.send_bytes = _serve
 
 
 def main(argv: list[str]) -> None:
@@ -36,17 +84,36 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(128, 16))
+    fsdp = "--fsdp" in argv
+    if fsdp:  # DTensor parameters (Shard(0)); the buffer and AdamW's steps are plain tensors: rank 0 stores them
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model.register_buffer("scale", torch.tensor([0.5, 2.0]))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[3], mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if "--die-mid-send" in argv or "--die-mid-serve" in argv:
+        _faults(argv, node)
     start, tier = 0, "none"
     if "--resume" in argv:
+        initial = [t.detach().clone() for t in model.state_dict().values()]
         try:
             r = pccheck.load_latest(disk, model=model, optimizer=optim, memory_dir=mem)
             start, tier = r.step, r.tier
         except pccheck.NoCheckpointError as exc:
             print(f"NOCHECKPOINT {exc}", flush=True)
+        except pccheck.PCCheckError as exc:
+            same = all(torch.equal(a, b) for a, b in zip(initial, model.state_dict().values()))
+            print(f"RESTOREFAILED {type(exc).__name__} {exc}", flush=True)
+            print(f"UNTOUCHED {same}", flush=True)
+            sys.stdout.flush()
+            os._exit(3)
     if start == 0:
         torch.manual_seed(1000 + rank)  # each rank's dropout stream; on resume it comes from the checkpoint
-    ddp = model if single else torch.nn.parallel.DistributedDataParallel(model)
+    ddp = model if single or fsdp else torch.nn.parallel.DistributedDataParallel(model)
     ck = pccheck.Checkpointer(model, optim, path=disk, interval=disk_interval, max_concurrent=2,
                               chunk_size=64 << 10, memory_interval=1, memory_dir=mem, replicas=1 if single else 2)
     print(f"START {start} {tier}", flush=True)
@@ -54,6 +121,8 @@ def main(argv: list[str]) -> None:
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(32, 16, generator=g)
         loss = torch.nn.functional.mse_loss(ddp(x), torch.cos(x))
+        if fsdp:
+            loss = loss * model.scale[0]
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
@@ -63,7 +132,8 @@ def main(argv: list[str]) -> None:
     ck.close()
     print(f"TIERS {ck.stats().tiers}", flush=True)
     if "--final" in argv:
-        torch.save(model.state_dict(), f"{base}/final-{rank}.pt")
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        torch.save(full, f"{base}/final-{rank}.pt")
     if single:
         sys.stdout.flush()
         os._exit(0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import socket
@@ -70,16 +71,28 @@ def _restores(a: argparse.Namespace, rank: int, model, opt) -> dict:  # noqa: AN
     if a.config == "memory":
         mem, disk = Path(a.shm) / f"mem-node{rank}", base / "disk"
         r = [None]
+        _fresh(opt, r)
         out["crash_memory_s"] = _timed_load(lambda: r.__setitem__(0, pccheck.load_latest(
             disk, model=model, optimizer=opt, memory_dir=mem)))
         out["crash_memory_tier"] = r[0].tier
         if rank == 1:
             shutil.rmtree(mem / "rank-1")
-        out["node_loss_peer_s"] = _timed_load(lambda: r.__setitem__(0, pccheck.load_latest(
-            disk, model=model, optimizer=opt, memory_dir=mem)))
-        out["node_loss_tier"] = r[0].tier
-        out["raw_link_s"] = _raw_link(rank, a.size)
+        peer, raw, parts = [], [], []
+        for _ in range(a.restore_repeats):  # interleaved: drift hits both alike
+            _fresh(opt, r)
+            with _RestoreLog() as phases:
+                peer.append(_timed_load(_profiled(rank, lambda: r.__setitem__(0, pccheck.load_latest(
+                    disk, model=model, optimizer=opt, memory_dir=mem)))))
+            parts.append(phases.part_s)
+            out["node_loss_tier"] = r[0].tier
+            _fresh(opt, r)
+            raw.append(_raw_link(rank, a.size))
+        out.update(_unit_costs(rank, a.size))
+        out["node_loss_peer_all_s"], out["raw_link_all_s"], out["node_loss_part_all_s"] = peer, raw, parts
+        out["node_loss_part_s"] = statistics.median(p for p in parts if p is not None) if all(parts) else None
+        out["node_loss_peer_s"], out["raw_link_s"] = statistics.median(peer), statistics.median(raw)
     elif a.config == "disk":
+        _fresh(opt, [None])
         out["crash_disk_s"] = _timed_load(lambda: pccheck.load_latest(base / "disk", model=model, optimizer=opt))
     elif a.config == "dcp":
         import torch.distributed.checkpoint as dcp
@@ -87,6 +100,85 @@ def _restores(a: argparse.Namespace, rank: int, model, opt) -> dict:  # noqa: AN
         sd = {"model": model.state_dict(), "optim": opt.state_dict()}
         out["node_loss_dcp_s"] = _timed_load(lambda: dcp.load(sd, checkpoint_id=str(base / f"dcp{a.last % 2}"),
                                                               process_group=a.dcp_pg))
+    return out
+
+
+class _RestoreLog(logging.Handler):
+    """Catches load_nearest's "restored" record: this rank's own part of the restore (its pull or
+    load and every check, before the vote, whose wait is the slowest rank's part)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.part_s: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "restored step" in record.msg and "its part" in record.msg:
+            self.part_s = float(record.args[3])
+
+    def __enter__(self) -> "_RestoreLog":
+        log = logging.getLogger("pccheck")
+        self._level = log.level
+        log.addHandler(self)
+        log.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        log = logging.getLogger("pccheck")
+        log.removeHandler(self)
+        log.setLevel(self._level)
+
+
+def _fresh(opt, held: list) -> None:  # noqa: ANN001
+    """A restore as a fresh process makes it: the optimizer without state and the last load's
+    arrays freed before the clock starts (freeing 170 MiB of AdamW moments is not a restore's)."""
+    import gc
+
+    opt.state.clear()
+    held[0] = None
+    gc.collect()
+
+
+def _profiled(rank: int, fn):  # noqa: ANN001, ANN202
+    """``fn``, under cProfile on rank 1 when ``TIERS_PROFILE`` names a file (its stats go there)."""
+    where = os.environ.get("TIERS_PROFILE")
+    if not where or rank != 1:
+        return fn
+
+    def run() -> None:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.runcall(fn)
+        prof.dump_stats(where)
+    return run
+
+
+def _unit_costs(rank: int, size: int) -> dict:
+    """CPU-seconds of the passes a replicated memory checkpoint is made of, for ``size`` bytes on
+    this machine: one memcpy into touched memory, one crc32c (pccheck's native), and one gloo
+    send/recv on loopback (each end's process CPU, user + system). The loop's floor is their sum
+    over what one iteration must do (docs/notes/issue-29.md)."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from pccheck.persist.reader import crc32c
+
+    src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+    out: dict = {}
+    for name, fn in (("memcpy_cpu_s", lambda: np.copyto(dst, src)), ("crc32c_cpu_s", lambda: crc32c(memoryview(src)))):
+        costs = []
+        for _ in range(3):
+            c0 = time.process_time()
+            fn()
+            costs.append(time.process_time() - c0)
+        out[name] = min(costs)
+    costs = []
+    for _ in range(3):
+        dist.barrier()
+        c0 = time.process_time()
+        _raw_link(rank, size)
+        costs.append(time.process_time() - c0)
+    out["link_cpu_s"] = min(costs)  # this end of one transfer (rank 0 sends, rank 1 receives)
     return out
 
 
@@ -152,14 +244,15 @@ def worker(a: argparse.Namespace) -> None:
     for step in range(1, a.warmup + 1):
         iteration(step)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     last = a.warmup + a.iters
     for step in range(a.warmup + 1, last + 1):
         iteration(step)
     elapsed = time.perf_counter() - t0  # the loop's own time: what training sees
+    cpu = time.process_time() - cpu0    # every thread of this rank, user + system (gloo's, the kernel's TCP)
     if future is not None:
         future.result()
-    out = {"rank": rank, "iter_s": elapsed / a.iters}
+    out = {"rank": rank, "iter_s": elapsed / a.iters, "cpu_per_iter_s": cpu / a.iters}
     if ck is not None:
         out["tiers"] = ck.stats().tiers
         ck.close()
@@ -183,7 +276,8 @@ def run_job(config: str, a: argparse.Namespace, scratch: Path, shm: Path) -> lis
         d.mkdir(parents=True)
     cmd = [sys.executable, "-m", "bench.tiers", "--worker", "--config", config, "--port", str(_port()),
            "--dir", str(scratch), "--size", str(a.size), "--iter-time", str(a.iter_time), "--iters", str(a.iters),
-           "--warmup", str(a.warmup), "--shm", str(shm)]
+           "--warmup", str(a.warmup), "--shm", str(shm),
+           "--restore-repeats", str(a.restore_repeats)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=BENCH_DIR.parent,
                               env={**os.environ, "RANK": str(r), "PCCHECK_NODE": str(r), "GLOO_SOCKET_IFNAME": "lo",
                                                    "TORCH_CPP_LOG_LEVEL": "ERROR"})
@@ -201,64 +295,96 @@ def run_job(config: str, a: argparse.Namespace, scratch: Path, shm: Path) -> lis
 
 def _median(runs: list[list[dict]], key: str, rank: int | None = None) -> float | None:
     vals = [max(o[key] for o in outs) if rank is None else outs[rank][key] for outs in runs if key in outs[0]]
+    vals = [v for v in vals if v is not None]
     return statistics.median(vals) if vals else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="state per rank")
     p.add_argument("--iter-time", type=float, default=0.2)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--restore-repeats", type=int, default=3,
+                   help="node-loss restores and raw sends per memory job (interleaved; the job reports medians)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated subset of " + ",".join(CONFIGS) + " (the ratios need all four)")
     p.add_argument("--json", type=Path, default=RESULTS / "tiers.json")
     p.add_argument("--shm", default="/dev/shm", help="where the memory tier's stores go")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.worker:
         worker(a)
         return 0
-    runs: dict[str, list[list[dict]]] = {c: [] for c in CONFIGS}
+    configs = [c for c in CONFIGS if c in a.configs.split(",")]
+    runs: dict[str, list[list[dict]]] = {c: [] for c in configs}
     shm = Path(tempfile.mkdtemp(prefix="pcc-tiers-", dir=a.shm))
     disk = Path(tempfile.mkdtemp(prefix="pcc-tiers-"))  # the root file system, outside the repository
     try:
         for rep in range(a.repeats):  # round-robin: drift hits every configuration alike
-            for config in CONFIGS:
+            for config in configs:
                 runs[config].append(run_job(config, a, disk / config, shm / config))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    it = {c: statistics.median(max(o["iter_s"] for o in outs) for outs in runs[c]) for c in CONFIGS}
-    slow = {c: it[c] / it["none"] for c in CONFIGS}
+    it = {c: statistics.median(max(o["iter_s"] for o in outs) for outs in runs[c]) for c in configs}
+    slow = {c: it[c] / it["none"] for c in configs} if "none" in it else {}
+    cpu = {c: statistics.median(statistics.mean(o["cpu_per_iter_s"] for o in outs) for outs in runs[c])
+           for c in configs}  # CPU-seconds one rank spends per iteration (2 ranks share the machine's CPUs)
     rest = {
-        "crash_memory_s": _median(runs["memory"], "crash_memory_s"),
-        "crash_disk_s": _median(runs["disk"], "crash_disk_s"),
-        "node_loss_peer_s": _median(runs["memory"], "node_loss_peer_s", rank=1),
-        "node_loss_dcp_s": _median(runs["dcp"], "node_loss_dcp_s"),
-        "raw_link_s": _median(runs["memory"], "raw_link_s", rank=1),
+        "crash_memory_s": _median(runs.get("memory", []), "crash_memory_s"),
+        "crash_disk_s": _median(runs.get("disk", []), "crash_disk_s"),
+        "node_loss_peer_s": _median(runs.get("memory", []), "node_loss_peer_s", rank=1),
+        "node_loss_dcp_s": _median(runs.get("dcp", []), "node_loss_dcp_s"),
+        "raw_link_s": _median(runs.get("memory", []), "raw_link_s", rank=1),
+        "node_loss_part_s": _median(runs.get("memory", []), "node_loss_part_s", rank=1),
     }
+    units = {k: _median(runs.get("memory", []), k) for k in ("memcpy_cpu_s", "crc32c_cpu_s", "link_cpu_s")}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
     ratios = {
-        "loop_slowdown_memory_replicas2": slow["memory"],
-        "crash_restore_memory_over_disk": rest["crash_memory_s"] / rest["crash_disk_s"],
-        "peer_vs_raw_gloo": rest["raw_link_s"] / rest["node_loss_peer_s"],
-        "node_loss_peer_over_dcp_load": rest["node_loss_peer_s"] / rest["node_loss_dcp_s"],
+        "loop_slowdown_memory_replicas2": slow.get("memory"),
+        "crash_restore_memory_over_disk": ratio(rest["crash_memory_s"], rest["crash_disk_s"]),
+        "peer_vs_raw_gloo": ratio(rest["raw_link_s"], rest["node_loss_peer_s"]),
+        "peer_part_vs_raw_gloo": ratio(rest["raw_link_s"], rest["node_loss_part_s"]),
+        "node_loss_peer_over_dcp_load": ratio(rest["node_loss_peer_s"], rest["node_loss_dcp_s"]),
     }
+    # per repeat (each a fresh job): the range behind each median
+    per_repeat = {"peer_vs_raw_gloo": [o[1]["raw_link_s"] / o[1]["node_loss_peer_s"] for o in runs.get("memory", [])],
+                  "peer_part_vs_raw_gloo": [o[1]["raw_link_s"] / o[1]["node_loss_part_s"] for o in runs.get("memory", [])
+                                            if o[1].get("node_loss_part_s")]}
+    if "none" in runs:
+        for c in configs:
+            per_repeat[f"slowdown_{c}"] = [max(o["iter_s"] for o in x) / max(o["iter_s"] for o in n)
+                                          for x, n in zip(runs[c], runs["none"])]
     res = {"benchmark": "tiers", "gpu": "emulated (host waits iter_time, then an AdamW step updates all state)",
            "nodes": 2, "ranks_per_node": 1, "size_bytes_per_rank": a.size, "iter_time_s": a.iter_time,
            "iters": a.iters, "warmup": a.warmup, "repeats": a.repeats, "iter_s": it, "slowdown": slow,
-           "restore_s": rest, "ratios": ratios,
+           "cpu_per_iter_s": cpu, "nproc": os.cpu_count(), "unit_cpu_s": units,
+           "restore_s": rest, "ratios": ratios, "per_repeat": per_repeat, "configs": configs,
+           "command": "python -m bench.tiers " + " ".join(argv if argv is not None else sys.argv[1:]),
            "targets": {"loop_slowdown_memory_replicas2": "<= 1.05", "crash_restore_memory_over_disk": "<= 0.2",
                        "peer_vs_raw_gloo": ">= 0.8",
                        "node_loss_peer_over_remote": "<= 0.1 (remote tier not measured here)"},
            "runs": runs, "host": host_info(RESULTS)}
     write_json(a.json, res)
     print_table(f"2 nodes x 1 rank, {a.size / 2**20:.0f} MiB/rank, t={a.iter_time}s, every iteration (GPU emulated)",
-                ["config", "s/iter", "slowdown"], [[c, f"{it[c]:.4f}", f"{slow[c]:.3f}x"] for c in CONFIGS])
+                ["config", "s/iter", "slowdown", "CPU-s/iter/rank"],
+                [[c, f"{it[c]:.4f}", f"{slow[c]:.3f}x" if c in slow else "-", f"{cpu[c]:.3f}"] for c in configs])
     print_table("restore (s)", ["what", "seconds"], [[k, f"{v:.3f}" if v is not None else "-"] for k, v in rest.items()])
-    print_table("ratios", ["ratio", "value"], [[k, f"{v:.3f}"] for k, v in ratios.items()])
+    print_table("ratios", ["ratio", "value", "per repeat"],
+                [[k, f"{v:.3f}" if v is not None else "-", " ".join(f"{x:.3f}" for x in per_repeat.get(k, []))]
+                 for k, v in ratios.items()])
     print(f"wrote {a.json}")
     return 0
 

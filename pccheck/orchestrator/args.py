@@ -27,6 +27,10 @@ class StartArgs:
     copied early); ``ensure_copied`` never waits for them. ``copied`` is set once every byte is in
     DRAM chunks (or it failed). ``cow_wait`` (seconds the caller already waited for it) and
     ``extra_stats`` (fields of :class:`~pccheck.orchestrator.stats.CheckpointStats`) go to its stats.
+
+    ``expect_crcs`` (array name -> crc32c): the bytes are known to have those checksums (a
+    replica received from a peer); the crc32c the writers compute anyway must match every one,
+    else the checkpoint fails before its commit (CorruptCheckpointError): no pass of its own.
     """
 
     tree: Any = None
@@ -37,3 +41,4 @@ class StartArgs:
     copied: threading.Event | None = None
     cow_wait: float = 0.0
     extra_stats: Mapping[str, Any] | None = None
+    expect_crcs: Mapping[str, int] | None = None

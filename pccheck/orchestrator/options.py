@@ -14,9 +14,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import ConfigError
-from ..persist.store import STORAGE_CHOICES
+from ..persist.store import BLOCK, STORAGE_CHOICES
 
-__all__ = ["AUTO", "EngineOptions", "TUNABLE_LIMITS", "check_int", "check_int_or_auto"]
+__all__ = ["AUTO", "EngineOptions", "TUNABLE_LIMITS", "check_int", "check_int_or_auto", "chunk_geometry"]
 
 AUTO = "auto"
 # The integers "auto" may stand for, with their ranges; the tuner's config obeys the same ones.
@@ -87,3 +87,16 @@ class EngineOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -> tuple[int, int]:
+    """(chunk bytes, chunk count) for the pool: ``dram_budget`` (default 2x the state) carved
+    into chunks of at most ``chunk_size``, each a multiple of 4096."""
+    if chunk_size < BLOCK:
+        raise ConfigError(f"chunk_size must be at least {BLOCK} bytes, got {chunk_size}")
+    state = max(BLOCK, (state_bytes + BLOCK - 1) // BLOCK * BLOCK)
+    budget = 2 * state if dram_budget is None else int(dram_budget)
+    if budget < BLOCK:
+        raise ConfigError(f"dram_budget must be at least {BLOCK} bytes, got {budget}")
+    chunk = min(chunk_size // BLOCK * BLOCK, state, budget // BLOCK * BLOCK)
+    return chunk, max(1, budget // chunk)

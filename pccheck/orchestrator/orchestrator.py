@@ -3,18 +3,17 @@
 Life of a checkpoint (paper §3.1, Fig. 5; FORMAT.md §4 for the commit):
 
 1. ``start`` waits only if N checkpoints are already in flight (recorded as stall).
-2. It takes a counter and a free slot, and the copy engine copies the arrays into chunks; each
-   filled chunk goes to the writer threads at once. When the pool is empty the copy waits for a
-   persisted chunk to come back (back-pressure); it never allocates beyond the budget.
-3. ``start`` returns: the live arrays may change again (with soft copy-on-write, once
-   ``ensure_copied`` has returned: it finishes the copy, or stages what is left into the device
-   reserve, see :mod:`.reserve`).
-4. A background thread waits for the writers, builds the manifest with the array checksums and
-   runs the native commit (barrier, CAS on CHECK_ADDR, barrier, free the replaced slot).
+2. It takes a counter and a free slot, and the copy engine copies the arrays into chunks; each filled
+   chunk goes to the writer threads at once. When the pool is empty the copy waits for a persisted
+   chunk to come back (back-pressure); it never allocates beyond the budget.
+3. ``start`` returns: the live arrays may change again (with soft copy-on-write, once ``ensure_copied``
+   has returned: it finishes the copy, or stages what is left into the device reserve, see :mod:`.reserve`).
+4. A background thread waits for the writers, builds the manifest with the array checksums and runs
+   the native commit (barrier, CAS on CHECK_ADDR, barrier, free the replaced slot).
 
-The orchestrator owns the store (persist/store.py): it opens it from the path, the engine
-options and a retention policy (:mod:`.retention`), makes a new generation when the state
-outgrows the slots, and is the one place that retires older generations.
+The orchestrator owns the store (persist/store.py): it opens it from the path, the engine options
+and a retention policy (:mod:`.retention`), makes a new generation when the state outgrows the
+slots, and is the one place that retires older generations.
 """
 
 from __future__ import annotations
@@ -30,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..errors import ConfigError, PCCheckError, SnapshotError, StorageError, storage_error_from_oserror
+from ..errors import (ConfigError, CorruptCheckpointError, PCCheckError, SnapshotError, StorageError,
+                      storage_error_from_oserror)
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
 from .args import StartArgs
 from .copy_engine import CopyEngine, Sources, abandon
-from .options import EngineOptions
+from .options import EngineOptions, chunk_geometry
 from .reserve import Reserve, resolve_reserve
 from .threads import started_pool
 from .retention import Retention
@@ -88,6 +88,7 @@ class _Flight:
     arrays: Any = None
     copied_s: float = 0.0  # from the start until every byte was in DRAM chunks
     extra_stats: Mapping[str, Any] = field(default_factory=dict)
+    expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
 
     def check(self) -> str | None:
         """The snapshot's version check, once, after the last read of live memory and before
@@ -112,19 +113,6 @@ class CommitInfo:
 
 def _closed_error(exc: PCCheckError) -> None:
     log.error("pccheck: error after close: %s", exc)
-
-
-def chunk_geometry(state_bytes: int, chunk_size: int, dram_budget: int | None) -> tuple[int, int]:
-    """(chunk bytes, chunk count) for the pool: ``dram_budget`` (default 2x the state) carved
-    into chunks of at most ``chunk_size``, each a multiple of 4096."""
-    if chunk_size < BLOCK:
-        raise ConfigError(f"chunk_size must be at least {BLOCK} bytes, got {chunk_size}")
-    state = max(BLOCK, (state_bytes + BLOCK - 1) // BLOCK * BLOCK)
-    budget = 2 * state if dram_budget is None else int(dram_budget)
-    if budget < BLOCK:
-        raise ConfigError(f"dram_budget must be at least {BLOCK} bytes, got {budget}")
-    chunk = min(chunk_size // BLOCK * BLOCK, state, budget // BLOCK * BLOCK)
-    return chunk, max(1, budget // chunk)
 
 
 class Orchestrator:
@@ -336,7 +324,8 @@ class Orchestrator:
             self._inflight.release()
             raise
         fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
-                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays)
+                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
+                     expect=args.expect_crcs)
         if args.copied is not None:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
@@ -508,6 +497,9 @@ class Orchestrator:
             native.release_slot(job.slot)
             code = -job.error
             raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
+        if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), job.crcs)) != dict(fl.expect):
+            native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
+            raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
         manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
                                   epoch=fl.epoch)
         try:

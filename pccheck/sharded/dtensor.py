@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from .geometry import Box, full_box, local_box
 
 __all__ = ["is_dtensor", "has_dtensors", "check_placements", "LocalPart", "local_part", "Destination",
-           "destination", "global_rank"]
+           "destination", "destination_box", "global_rank"]
 
 
 def is_dtensor(x: Any) -> bool:
@@ -99,6 +99,17 @@ class Destination:
     wrap: Callable[[Any], Any]
 
 
+def destination_box(like: Any, global_shape: tuple[int, ...]) -> Box:
+    """The box of a global tensor of ``global_shape`` that :func:`destination` lays out as
+    ``like`` on this rank (nothing allocated)."""
+    if is_dtensor(like) and tuple(like.shape) == tuple(global_shape):
+        coord = like.device_mesh.get_coordinate()
+        if coord is None:
+            raise ConfigError("destination DTensor: this rank is not part of its device mesh")
+        return local_box(global_shape, tuple(like.device_mesh.shape), coord, _shard_dims(like, "destination"))
+    return full_box(global_shape)
+
+
 def destination(like: Any, dtype: Any, global_shape: tuple[int, ...], reuse: Any = None) -> Destination:
     """A destination laid out as ``like`` (a DTensor: its mesh and placements; anything else: a
     plain tensor holding the whole ``global_shape``). Its buffer is ``reuse``'s own memory (the
@@ -110,12 +121,8 @@ def destination(like: Any, dtype: Any, global_shape: tuple[int, ...], reuse: Any
     if is_dtensor(like) and tuple(like.shape) == tuple(global_shape):
         from torch.distributed.tensor import DTensor
 
-        dims = _shard_dims(like, "destination")
         mesh, placements = like.device_mesh, like.placements
-        coord = mesh.get_coordinate()
-        if coord is None:
-            raise ConfigError("destination DTensor: this rank is not part of its device mesh")
-        box = local_box(global_shape, tuple(mesh.shape), coord, dims)
+        box = destination_box(like, global_shape)
         local = None
         if (is_dtensor(reuse) and reuse.dtype == dtype and tuple(reuse.shape) == tuple(global_shape)
                 and reuse.device_mesh == mesh and tuple(reuse.placements) == tuple(placements)):

@@ -33,11 +33,11 @@ from typing import Any
 from ..arrays import TORCH_ONLY, torch_dtype
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..persist.recovery import Restored
-from .dtensor import Destination, destination, is_dtensor
+from .dtensor import Destination, destination, destination_box, is_dtensor
 from .geometry import Box, numel, overlap
 from .index import CheckpointSet, Chunk, Member, TensorInfo, check_visible, find_sets
 
-__all__ = ["Decode", "load_sharded", "newest_is_sharded"]
+__all__ = ["Decode", "load_sharded", "newest_is_sharded", "build_state", "needed_arrays"]
 
 # How a tree's top level becomes the nested state: ``decode(top, arrays, as_tensor, as_shard)``.
 # The tree encoding belongs to the layer above (pccheck.state.torch_state.nested_state), so the
@@ -133,6 +133,41 @@ def _failures(group: Any, why: tuple[str, str] | None) -> list[str]:
     return [f"rank {r}: {w[1]}" if group is not None else w[1] for r, w in enumerate(everyone) if w]
 
 
+def _wanted(tree: Mapping[str, Any], state: Any) -> dict[str, Any]:
+    """The top level of a tree that a load builds: without the shards section (not state), and
+    without the optimizer's when there is no optimizer to put it into (not read at all)."""
+    wanted = {k: v for k, v in tree.items() if k != "shards"}
+    if state is not None and state.optimizer is None:
+        wanted.pop("optimizer", None)
+    return wanted
+
+
+def needed_arrays(cand: CheckpointSet, rank: int, state: Any) -> set[tuple[int, str]]:
+    """(member rank, array) of every saved chunk :func:`build_state` reads for ``rank``: what a
+    loader holding only some members' arrays (the memory tier: its own slot) must fetch first.
+    Nothing is allocated or read; a tree naming a tensor no shards section lists raises."""
+    if not cand.sharded:
+        return set()
+    tree = cand.members[rank if rank < cand.world_size else 0].manifest.tree
+    tensors, layouts = cand.tensors(), _Layouts(state)
+    fqns = list(tensors) if "model" not in tree else _shard_leaves(_wanted(tree, state))
+    out = set()
+    for fqn in fqns:
+        info = tensors.get(fqn)
+        if info is None:
+            raise CorruptCheckpointError(f"the tree names tensor {fqn!r}, which no rank's shards section lists")
+        box = destination_box(layouts.like(fqn, info.shape), info.shape)
+        out |= {(c.rank, c.array) for c in info.chunks if (ov := overlap(c.box, box)) is not None and numel(ov)}
+    return out
+
+
+def build_state(cand: CheckpointSet, rank: int, state: Any, map_location: Any,
+                decode: Decode) -> tuple[dict[str, Any], Any]:
+    """The nested state of ``cand`` as ``rank`` needs it (tensors built, possibly into the
+    model's and optimizer's own memory; nothing applied), and the member whose tree it follows."""
+    return _build(cand, rank, state, map_location, decode)
+
+
 def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any,
            decode: Decode) -> tuple[dict[str, Any], Any]:
     """The nested state of ``cand`` as this rank needs it (tensors built, nothing applied), and
@@ -183,9 +218,7 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any,
                               "with torch.distributed.checkpoint.load(..., storage_reader=pccheck.dcp.Reader(path)), "
                               "or with pccheck.load_latest(path) without model=")
         return build(list(tensors)), member
-    wanted = {k: v for k, v in tree.items() if k != "shards"}  # the shards section is not state
-    if state is not None and state.optimizer is None:
-        wanted.pop("optimizer", None)  # not read at all
+    wanted = _wanted(tree, state)
     built = build(sorted(_shard_leaves(wanted)))  # every tensor the tree refers to, before the rest
     nested = decode(wanted, _MemberArrays(cand, member), as_tensor, built.__getitem__)
     return nested, member

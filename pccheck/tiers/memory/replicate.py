@@ -4,12 +4,14 @@ Transport: a gloo group of pccheck's own (never the training collectives), every
 (``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends
 the same steps, so replicas pair across ranks by (epoch, step) at a restore); at most ``QUEUE``
 wait, beyond that the next memory checkpoint waits (``throttle``). The sender thread puts a
-JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch, counter, the
-manifest, the crc32c of every wire chunk), then sends the slot's data region chunk by chunk.
-Invariant (wire.py): the receiver posts a receive only after it read the header. The receiver
-thread of each source checks each chunk's crc32c as it arrives, then every array's crc32c
-against the manifest, and only then writes the replica into ``replica-<src>/``, a store of two
-slots committed with the protocol of §4 (so a peer holds only committed replicas, the newest two).
+JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch,
+counter, the manifest with the crc32c of every array), then sends the slot's data region chunk by
+chunk (wire.py: a few in flight). Invariant (wire.py): the receiver posts a receive only after it
+read the header. The receiver thread of each source writes the received bytes into
+``replica-<src>/``, a store of two slots committed with the protocol of §4, telling it the
+manifest's crc32c (``StartArgs.expect_crcs``): the writers' own checksums must match every array
+before the commit, so a damaged replica is never committed and a peer holds only committed,
+checked replicas (the newest two) at the cost of no checksum pass of the tier's own on either end.
 Each replica commit adds 1 to ``rc/<step>``; the commit that brings it to world × (replicas - 1)
 appends the step to ``rlog``: the newest step *replicated everywhere*, which every rank follows
 and its memory coordinator keeps (with every newer step: queued, being sent, or needed to pair
@@ -41,9 +43,9 @@ from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import WIRE_CHUNK, ReplicationError, gather_json, poll_key, private_store, recv_bytes, send_bytes
+from .wire import gather_json, poll_key, private_store, recv_bytes, send_bytes
 
-__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "check_arrays", "arrays_of"]
+__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
 
 log = logging.getLogger("pccheck")
 
@@ -100,15 +102,6 @@ def data_end(man: Manifest) -> int:
     return min(man.data_len, (end + 4095) // 4096 * 4096)
 
 
-def check_arrays(man: Manifest, buf: np.ndarray) -> None:
-    """CorruptCheckpointError unless every array lies in ``buf`` and matches its crc32c."""
-    for e, want in zip(man.arrays, man.crcs):
-        if e.offset + e.nbytes > buf.nbytes:
-            raise CorruptCheckpointError(f"array {e.name!r} lies beyond the {buf.nbytes} bytes received")
-        if e.nbytes and crc32c(memoryview(buf[e.offset:e.offset + e.nbytes])) != want:
-            raise CorruptCheckpointError(f"array {e.name!r} checksum mismatch")
-
-
 def arrays_of(man: Manifest, buf: np.ndarray, torch_views: bool = True) -> dict[str, Any]:
     """The arrays of a checked buffer as views (with ``torch_views``, torch views where numpy
     lacks the dtype; else numpy carriers of the raw bits)."""
@@ -125,8 +118,41 @@ def arrays_of(man: Manifest, buf: np.ndarray, torch_views: bool = True) -> dict[
     return out
 
 
-def _chunk_crcs(view: np.ndarray) -> list[int]:
-    return [crc32c(memoryview(view[o:o + WIRE_CHUNK])) for o in range(0, view.nbytes, WIRE_CHUNK)]
+class ArrayChecker:
+    """Checks every array of ``man`` in ``buf`` against its crc32c as the bytes arrive: call it
+    with each received (offset, nbytes), in order (wire.recv_bytes's ``on_chunk``), then
+    :meth:`finish`, which raises CorruptCheckpointError for the first array that did not match.
+    It never raises before: the transfer must be received whole to keep the link in step."""
+
+    def __init__(self, man: Manifest, buf: np.ndarray) -> None:
+        self.buf, self.problem = buf, None
+        self.todo = sorted(((e.offset, e.nbytes, want, e.name) for e, want in zip(man.arrays, man.crcs) if e.nbytes),
+                           reverse=True)  # by offset, popped from the end
+        beyond = [name for off, n, _, name in self.todo if off + n > buf.nbytes]
+        if beyond:
+            self.problem, self.todo = f"array {beyond[0]!r} lies beyond the {buf.nbytes} bytes received", []
+        self.crc, self.at = 0, 0  # the running crc of the array being received, and how far it got
+
+    def __call__(self, off: int, n: int) -> None:
+        end = off + n
+        while self.todo and self.problem is None:
+            a_off, a_n, want, name = self.todo[-1]
+            lo, hi = max(a_off, self.at), min(a_off + a_n, end)
+            if lo < hi:
+                self.crc = crc32c(memoryview(self.buf[lo:hi]), self.crc)
+                self.at = hi
+            if a_off + a_n > end:
+                return  # the rest of this array comes with a later chunk
+            if self.crc != want:
+                self.problem = f"array {name!r} checksum mismatch"
+            self.todo.pop()
+            self.crc = 0
+
+    def finish(self) -> None:
+        if self.problem is None and self.todo:
+            self.problem = f"array {self.todo[-1][3]!r} was not received whole"
+        if self.problem is not None:
+            raise CorruptCheckpointError(self.problem)
 
 
 class Replicator:
@@ -216,7 +242,7 @@ class Replicator:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
                 view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
                 doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
-                       "manifest": raw.decode(), "crcs": _chunk_crcs(view)}
+                       "manifest": raw.decode()}
                 for dst in self.links.peers:
                     if dst in self._dead:
                         continue
@@ -265,19 +291,18 @@ class Replicator:
                 return
 
     def _receive(self, src: int, doc: dict) -> None:
-        man, end, crcs = _parse_header(doc)
+        man, end = _parse_header(doc)
         buf = self._bufs.get(src)
         if buf is None or buf.nbytes < end:
             buf = self._bufs[src] = np.empty(end, dtype=np.uint8)
         view = buf[:end]
         recv_bytes(self.links.pg, src, view, src, TIMEOUT_S)
-        if _chunk_crcs(view) != crcs:
-            raise CorruptCheckpointError(f"step {man.step}: a chunk arrived damaged (crc32c)")
-        check_arrays(man, view)
         arrays = arrays_of(man, view)
         orch = self._store(src, arrays)
-        # Returns once every byte is in DRAM chunks: the buffer may be reused; commits behind.
-        orch.start(man.step, arrays, man.metadata, StartArgs(tree=man.tree, epoch=man.epoch))
+        # Returns once every byte is in DRAM chunks: the buffer may be reused; commits behind,
+        # and only if the writers' crc32c of every array matches the manifest's (expect_crcs).
+        orch.start(man.step, arrays, man.metadata, StartArgs(
+            tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)}))
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
@@ -364,18 +389,15 @@ def _int(doc: dict, key: str, lo: int, hi: int) -> int:
     return v
 
 
-def _parse_header(doc: dict) -> tuple[Manifest, int, list[int]]:
+def _parse_header(doc: dict) -> tuple[Manifest, int]:
     """Checks a replica header (untrusted: bounds on every field) and parses its manifest."""
     step = _int(doc, "step", -(2**63), 2**63 - 1)
     counter = _int(doc, "counter", 1, 2**56 - 1)
     end = _int(doc, "data", 0, MAX_DATA)
-    crcs, raw = doc.get("crcs"), doc.get("manifest")
-    n_chunks = (end + WIRE_CHUNK - 1) // WIRE_CHUNK
-    if not isinstance(crcs, list) or len(crcs) != n_chunks or not all(type(c) is int for c in crcs):
-        raise CorruptCheckpointError("replica header has a bad chunk checksum list")
+    raw = doc.get("manifest")
     if not isinstance(raw, str):
         raise CorruptCheckpointError("replica header lacks the manifest")
     man = parse_manifest(raw.encode(), step=step, counter=counter, data_len_limit=MAX_DATA)
     if data_end(man) != end:
         raise CorruptCheckpointError("replica header's data length disagrees with its manifest")
-    return man, end, crcs
+    return man, end

@@ -309,8 +309,6 @@ def build_memory_tier(ck: Any, engine: EngineOptions, layout: Layout, snap: Any,
         raise ConfigError("the memory tier needs every rank to write its own state: drop replicated='rank0'")
     if ck.options.snapshot.spread_steps != 1:
         raise ConfigError("the memory tier does not take spread checkpoints yet: use spread_steps=1")
-    if isinstance(snap.tree, dict) and "shards" in snap.tree:
-        raise ConfigError("the memory tier does not take sharded (DTensor) state yet: drop memory_interval")
     root = Path(t.memory_dir) if t.memory_dir is not None else default_memory_dir(ck.path)
     data = layout.data_len
     if ck._source.may_grow():  # Adam's state appears at its first step: two moments per parameter

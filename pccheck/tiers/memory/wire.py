@@ -9,18 +9,20 @@ that times out closes the pair for good.
 from __future__ import annotations
 
 import json
+from collections import deque
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ...errors import PCCheckError
 
 __all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
-           "WIRE_CHUNK"]
+           "WIRE_CHUNK", "WINDOW"]
 
 MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
 WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
+WINDOW = 4                   # chunks in flight per transfer (bench: 16 MiB x 1 ran ~1.5x one 256 MiB send)
 
 
 class ReplicationError(PCCheckError, ConnectionError):
@@ -92,20 +94,41 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
 
 
 def send_bytes(pg: Any, dst: int, view: np.ndarray, tag: int, timeout_s: float) -> None:
-    """Sends a uint8 array chunk by chunk (``WIRE_CHUNK``) to group rank ``dst``."""
+    """Sends a uint8 array chunk by chunk (``WIRE_CHUNK``) to group rank ``dst``, ``WINDOW``
+    chunks in flight (a wait per chunk would leave the link idle for a round trip each time)."""
     import torch
     import torch.distributed as dist
 
+    pending: deque = deque()
     for off in range(0, view.nbytes, WIRE_CHUNK):
         t = torch.from_numpy(view[off:off + WIRE_CHUNK])
-        _wait(dist.isend(t, group_dst=dst, group=pg, tag=tag), timeout_s, f"sending to rank {dst}")
+        pending.append(dist.isend(t, group_dst=dst, group=pg, tag=tag))
+        if len(pending) >= WINDOW:
+            _wait(pending.popleft(), timeout_s, f"sending to rank {dst}")
+    while pending:
+        _wait(pending.popleft(), timeout_s, f"sending to rank {dst}")
 
 
-def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float) -> None:
-    """Receives ``into.nbytes`` bytes from group rank ``src`` in the chunks send_bytes used."""
+def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
+               on_chunk: Callable[[int, int], None] | None = None) -> None:
+    """Receives ``into.nbytes`` bytes from group rank ``src`` in the chunks send_bytes used,
+    ``WINDOW`` posted at a time; ``on_chunk(offset, nbytes)`` runs for each chunk as it completes,
+    in order, while the later ones are still arriving (a checksum then overlaps the transfer)."""
     import torch
     import torch.distributed as dist
+
+    pending: deque = deque()
+
+    def done() -> None:
+        work, off, n = pending.popleft()
+        _wait(work, timeout_s, f"receiving from rank {src}")
+        if on_chunk is not None:
+            on_chunk(off, n)
 
     for off in range(0, into.nbytes, WIRE_CHUNK):
         t = torch.from_numpy(into[off:off + WIRE_CHUNK])
-        _wait(dist.irecv(t, group_src=src, group=pg, tag=tag), timeout_s, f"receiving from rank {src}")
+        pending.append((dist.irecv(t, group_src=src, group=pg, tag=tag), off, t.numel()))
+        if len(pending) >= WINDOW:
+            done()
+    while pending:
+        done()
