@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -16,19 +15,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import pccheck
 import pccheck.dcp
-from pccheck.integrations.dcp_store import close_stores
 from pccheck.tiers.remote import layout
 from pccheck.tiers.remote.commit import committed, read_pointer
 from pccheck.tiers.remote.objstore import ObjectStore
-from test_dcp import _empty, _run, _same, _sd
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-        yield
-    close_stores()
+from test_dcp import _empty, _quiet, _run, _same, _sd  # noqa: F401  (_quiet: the autouse fixture)
 
 
 def _manifest(store: ObjectStore, g: int, s: int) -> layout.StepManifest:
