@@ -87,6 +87,8 @@ def test_s3_writer_refuses_a_store_it_cannot_use_at_construction(s3_server, s3_u
         pccheck.dcp.Writer(s3_url)
 
 
+@pytest.mark.slow  # two torchrun-style ranks with FSDP2 plus a loading job (make test-slow); the fast
+# proof of sharded remote loads is test_remote_sharded's 2 -> 1 round
 def test_s3_fsdp2_saved_on_two_ranks_resharded_to_one(s3_url, tmp_path, monkeypatch):
     """FSDP2 + AdamW saved on 2 ranks to s3:// (the third save loses rank 1 in write_data: rank 0
     uploads its part, but no step manifest is written); with the staging directories deleted,
