@@ -69,6 +69,7 @@ import subprocess
 import sys
 import time
 import traceback
+import unittest.mock
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -441,17 +442,14 @@ def _with_s3(run: _Run, body: Callable[[str], None]) -> None:
     the object store stands for another machine, so it must not share the local disk under test."""
     from pccheck.tiers.remote.devserver import DevServer
     where = Path("/dev/shm") / f"pccheck-bench-gpu-s3-{os.getpid()}"
-    server, saved = DevServer(where), {}
+    server = DevServer(where)
     try:
         if not run.guard(run.res["systems"].setdefault("pccheck_remote", {}).setdefault("server", {}), server.start):
             return
-        saved = {k: os.environ.get(k) for k in server.env()}
-        os.environ.update(server.env())
-        body(f"s3://{server.bucket}/gpu")
+        with unittest.mock.patch.dict(os.environ, server.env()):  # the AWS_* variables, restored after
+            body(f"s3://{server.bucket}/gpu")
     finally:
         server.stop()
-        for k, v in saved.items():  # the variables as they were
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         shutil.rmtree(where, ignore_errors=True)
 
 def _disk_bound(run: _Run, state: int) -> dict[str, Any]:

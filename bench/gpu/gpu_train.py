@@ -178,7 +178,7 @@ class PCCheck(System):
         keys = ("copy_s", "backpressure_s", "persist_s", "stall_s", "nbytes")
         return {"memory_tier": {"writer_threads": self.ck._memory._engine.writer_threads, "count": len(recent),
                                 **{f"median_{k}": _med([getattr(c, k) for c in recent]) for k in keys},
-                                "gbps": [c.nbytes / c.persist_s / 1e9 for c in recent if c.persist_s > 0]}}
+                                "gbps": [c.gbps for c in recent]}}
 
     def close(self) -> None:
         self.ck.close(remote_timeout=30)  # the remote tier's last upload: not what the window measures
