@@ -146,6 +146,10 @@ class Spreader:
         self._buffers_lock = threading.Lock()  # _buffers and _grad_pool: the copy, warm and replay threads
         # (group, index) -> free CPU gradient buffers (at most RECORDS each): captures reuse them
         self._grad_pool: dict[tuple[int, int], list[Any]] = {}
+        # Keys that ever had a gradient buffer made (by a capture or by _warm). Invariant: _warm
+        # fills only keys not in it, so buffers in use by a record are never doubled by a warm-up
+        # (free + in use stays <= RECORDS per parameter, the bytes the budget counts).
+        self._grad_made: set[tuple[int, int]] = set()
         self._warming: Future | None = None
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
@@ -254,11 +258,15 @@ class Spreader:
                         old = self._buffers.get((u.group, u.index, key))
                         if old is None or old.shape != t.shape or old.dtype != t.dtype:
                             self._buffers[(u.group, u.index, key)] = buf
+            key = (u.group, u.index)
             if u.param.requires_grad:  # and the gradient pool: RECORDS buffers (what the budget counts)
                 with self._buffers_lock:
-                    have = len(self._grad_pool.get((u.group, u.index), []))
-                for _ in range(RECORDS - have):
-                    self._recycle({(u.group, u.index): torch.zeros(u.param.shape, dtype=u.param.dtype, device="cpu")})
+                    if key in self._grad_made:
+                        continue
+                    self._grad_made.add(key)
+                fresh = [torch.zeros(u.param.shape, dtype=u.param.dtype, device="cpu") for _ in range(RECORDS)]
+                with self._buffers_lock:
+                    self._grad_pool.setdefault(key, []).extend(fresh)
 
     def _buffer(self, u: Unit, key: str | None, t: Any, create: bool = True) -> Any:
         """The shadow buffer of ``u``'s tensor ``key`` (like ``t``): the one held, else a new one
@@ -388,6 +396,7 @@ class Spreader:
         import torch
 
         with self._buffers_lock:
+            self._grad_made.add(key)
             free = self._grad_pool.get(key, [])
             while free:
                 buf = free.pop()
