@@ -123,6 +123,7 @@ def test_two_ranks_sigkill_restart_chain(tmp_path, reference):
             assert torch.equal(final[k], v), (r, k)
 
 
+@pytest.mark.slow  # `make test-slow`: the two-rank chain and the teardown tests cover the same path in `make test`
 def test_four_ranks_resume_after_teardown(tmp_path):
     path = tmp_path / "ck"
     ref = Job(tmp_path / "ref", 4, tmp_path, "--final", str(tmp_path / "ref-{r}.pt"))
