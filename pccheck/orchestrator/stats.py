@@ -82,7 +82,7 @@ class CheckpointStats:
     replay_s: float = 0.0
     replay_cpu_s: float = 0.0  # the replay thread's own CPU time (replay_s is wall time)
     # where a spread's cow_wait_s went, by cause: "previous" (begin waited for the previous
-    # spread's replay), "parts" (part copies), "replay" (the replay's back-pressure: `records`
+    # spread's replay), "parts" (part copies), "replay" (the replay's back-pressure: RECORDS
     # steps of gradients were waiting), "grads" (the step's gradient copies); None if not spread
     spread_waits: dict[str, float] | None = None
     # spread_steps="auto": the decision behind spread_steps (None for a fixed spread_steps)

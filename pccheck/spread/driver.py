@@ -45,7 +45,7 @@ __all__ = ["Spreader", "SpreadResult", "identity"]
 
 log = logging.getLogger("pccheck")
 
-REPLAY_NICE = 10  # the replay thread's nice value: see _replay_loop
+REPLAY_NICE = 0  # the replay thread's nice value: see _replay_loop
 COPY_THREADS = 2  # two threads reach ~20 GB/s memcpy on touched pages here, one ~11 GB/s
 # The training thread's waits of a spread, by cause (_Spread.waits; CheckpointStats.spread_waits)
 WAITS = ("previous", "parts", "replay", "grads")
@@ -114,23 +114,18 @@ class _Spread:
 class Spreader:
     """Drives spread checkpoints for one model and optimizer (``Checkpointer(spread_steps=k)``)."""
 
-    def __init__(self, optimizer: Any, pace: Callable[[int, float], None] | None = None,
-                 records: int = RECORDS) -> None:
+    def __init__(self, optimizer: Any, pace: Callable[[int, float], None] | None = None) -> None:
         check_replayable(optimizer)
         self.optimizer = optimizer
-        # Steps whose captured gradients may wait for the replay at once (plan.records_for: RECORDS
-        # under a DRAM budget, which reserves that many steps' gradients; else MAX_STEPS, so that a
-        # spread never waits for the replay inside its own steps).
-        self.records = max(1, int(records))
         self._pace = pace  # the copy engine's rate (an emulated link), applied to part and gradient copies
         self.active: _Spread | None = None
         self._buffers: dict[tuple[int, int, str | None], Any] = {}  # (group, index, key) -> CPU tensor
         self._last_done: tuple[threading.Event, ...] = ()  # the previous spread's hold and copied
         self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pccheck-spread-copy")
-        # Parts and step records for the replay thread, in order. At most ``records`` steps'
+        # Parts and step records for the replay thread, in order. At most RECORDS steps'
         # gradients wait for it (the pre-hook blocks, and that wait counts as stall, when it lags).
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._records = threading.Semaphore(self.records)
+        self._records = threading.Semaphore(RECORDS)
         # Gradients are copied in the pre-hook itself, before the update, for SGD (its foreach
         # Nesterov path adds the momentum into .grad in place during the update) and once a
         # gradient changed under its background copy; else beside the update.
@@ -149,11 +144,11 @@ class Spreader:
         # that first allocated (page-faulted) its buffers measures the kernel, not the link.
         self._part_copies: deque[tuple[int, float]] = deque(maxlen=32)
         self._buffers_lock = threading.Lock()  # _buffers and _grad_pool: the copy, warm and replay threads
-        # (group, index) -> free CPU gradient buffers (at most ``records`` each): captures reuse them
+        # (group, index) -> free CPU gradient buffers (at most RECORDS each): captures reuse them
         self._grad_pool: dict[tuple[int, int], list[Any]] = {}
         # Keys that ever had a gradient buffer made (by a capture or by _warm). Invariant: _warm
         # fills only keys not in it, so buffers in use by a record are never doubled by a warm-up
-        # (free + in use stays <= records per parameter, the bytes the budget counts).
+        # (free + in use stays <= RECORDS per parameter, the bytes the budget counts).
         self._grad_made: set[tuple[int, int]] = set()
         self._warming: Future | None = None
         self._pre = optimizer.register_step_pre_hook(self._before_step)
@@ -264,7 +259,7 @@ class Spreader:
                         if old is None or old.shape != t.shape or old.dtype != t.dtype:
                             self._buffers[(u.group, u.index, key)] = buf
             key = (u.group, u.index)
-            if u.param.requires_grad:  # and the gradient pool: RECORDS buffers (the steady need of a spread)
+            if u.param.requires_grad:  # and the gradient pool: RECORDS buffers (what the budget counts)
                 with self._buffers_lock:
                     if key in self._grad_made:
                         continue
@@ -311,7 +306,7 @@ class Spreader:
         ready = _stream_event(optimizer)
         grads: dict[tuple[int, int], Future] = {}
         t0 = time.perf_counter()
-        self._records.acquire()  # at most ``records`` steps' gradients wait for the replay
+        self._records.acquire()  # at most RECORDS steps' gradients wait for the replay
         sp.waits["replay"] += time.perf_counter() - t0
         try:
             for part in copied:
@@ -397,7 +392,7 @@ class Spreader:
     def _grad_buffer(self, key: tuple[int, int] | None, like: Any) -> Any:
         """A free CPU buffer for a gradient like ``like``: a pooled one of its layout, else a new one.
         Reusing them spares each capture the allocation and page faults of a fresh tensor (~G·(k+1)/2
-        bytes per spread); the pool never holds more than ``records`` per parameter (_recycle)."""
+        bytes per spread); the pool never holds more than RECORDS per parameter (_recycle)."""
         import torch
 
         with self._buffers_lock:
@@ -411,14 +406,14 @@ class Spreader:
 
     def _recycle(self, grads: dict[tuple[int, int], Any] | None) -> None:
         """Gives a replayed record's gradient buffers back to the pool (replay thread). Invariant:
-        only after the replay of their step is over; at most ``records`` records are alive at once,
-        so the pool holds at most that many buffers per parameter."""
+        only after the replay of their step is over; at most RECORDS records are alive at once,
+        so the pool holds at most RECORDS buffers per parameter."""
         if not grads:
             return
         with self._buffers_lock:
             for key, buf in grads.items():
                 free = self._grad_pool.setdefault(key, [])
-                if len(free) < self.records:
+                if len(free) < RECORDS:
                     free.append(buf)
 
     def _copy_part(self, part: list[Unit], ready: Any = None) -> None:
@@ -444,13 +439,12 @@ class Spreader:
             self._part_copies.append((nbytes, time.perf_counter() - t_part))
 
     def _replay_loop(self) -> None:
-        # The replay runs at nice 10 (REPLAY_NICE; a higher value only ever raises a thread's nice,
-        # Linux keeps it per thread): it takes idle CPU, and under contention yields to training.
-        # That only pays while the training thread never waits for it: with the back-pressure of
-        # two steps (RECORDS) and one CPU hog on 2 vCPUs the nice-10 replay got ~1/10 of a CPU and
-        # training sat in the pre-hook (0.17 s per checkpoint); at nice 0 it took that CPU from
-        # training instead (loop 1.39x). So without a DRAM budget a spread may keep every one of
-        # its steps waiting (records = MAX_STEPS), and the replay catches up in the background.
+        # The replay runs at the training's own priority (REPLAY_NICE 0; a higher value only ever
+        # raises a thread's nice, Linux keeps it per thread). It was nice 10, meant to leave the
+        # CPU to training, but the training thread waits for it anyway once RECORDS steps are
+        # queued (back-pressure), and at nice 10 any other busy process (a data loader, a
+        # neighbour) takes the CPU first: with one CPU hog on 2 vCPUs the replay got ~1/10 of a
+        # CPU and training sat in the pre-hook (docs/notes/issue-33.md has the measurements).
         try:
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, max(REPLAY_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
@@ -496,7 +490,7 @@ class Spreader:
                 sp.failure.append(f"the spread checkpoint's replay failed: {exc!r}")
             finally:
                 if kind == "step":
-                    # Invariant (budget_split counts records steps): this step's gradient copies
+                    # Invariant (budget_split counts RECORDS steps): this step's gradient copies
                     # are dropped before the pre-hook may capture another step's.
                     item = grads = futures = rest = None
                     self._records.release()

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import ConfigError
 from ..orchestrator.stats import SpreadDecision
 from .driver import Spreader, SpreadResult, identity
-from .plan import RECORDS, auto_steps, modelled_stall, records_for, split_budget
+from .plan import RECORDS, auto_steps, modelled_stall, split_budget
 from .replay import check_replayable
 
 __all__ = ["SpreadMode", "budget_split", "check_spread", "grad_bytes", "substitute"]
@@ -90,8 +90,7 @@ class SpreadMode:
         self._warmed = False  # the shadow buffers were warmed once (poll)
         self._polled: Any = None  # the newest finished checkpoint poll has seen
         self._active_decision: SpreadDecision | None = None  # the active spread's (begin)
-        self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None),
-                                 records=records_for(grad_budget, grad_bytes(optimizer)))
+        self.spreader = Spreader(optimizer, getattr(copy_engine, "pace", None))
         self._calls: deque[float] = deque(maxlen=16)  # perf_counter of recent maybe_checkpoint calls (reported)
         self._last_step: int | None = None
         self._steps_at_call = 0
@@ -225,9 +224,8 @@ class SpreadMode:
         step_time = self.spreader.step_time()
         overlapped = not self.spreader.sync_grads
         replay, replay_source = self._replay_step(finished, step_time)
-        records = self.spreader.records
-        args = (last.nbytes, grads, bandwidth, window, step_time, overlapped, replay, records)
-        best = auto_steps(*args[:5], self.grad_budget, overlapped=overlapped, replay_step_s=replay, records=records)
+        args = (last.nbytes, grads, bandwidth, window, step_time, overlapped, replay)
+        best = auto_steps(*args[:5], self.grad_budget, overlapped=overlapped, replay_step_s=replay)
         k, reason = best, "model"
         # Hysteresis: move only for a clear gain (10% and 1 ms of modelled stall), not on noise.
         if self.k is not None and best != self.k and not (

@@ -32,11 +32,10 @@ from typing import Any
 from ..errors import ConfigError
 
 __all__ = ["Unit", "units", "split", "stall", "stall_overlapped", "replay_backpressure", "modelled_stall",
-           "auto_steps", "split_budget", "records_for", "MAX_STEPS", "RECORDS"]
+           "auto_steps", "split_budget", "MAX_STEPS", "RECORDS"]
 
-# Steps whose captured gradients may wait for the replay at once under a DRAM budget (the
-# driver's pre-hook blocks beyond it): such a spread holds at most RECORDS x one step's gradient
-# bytes, what split_budget reserves. Without a budget, records_for allows MAX_STEPS.
+# Steps whose captured gradients may wait for the replay at once (the driver's pre-hook blocks
+# beyond it): a spread holds at most RECORDS x one step's gradient bytes.
 RECORDS = 2
 MAX_STEPS = 8  # the paper's optimum is 7-8; beyond it the gradient traffic outweighs the saving
 
@@ -120,23 +119,12 @@ def stall_overlapped(k: int, state_bytes: float, grad_bytes: float, bandwidth: f
     return total
 
 
-def records_for(grad_budget: int | None, grad_bytes: int) -> int:
-    """Steps of captured gradients a spread may hold for the replay at once: MAX_STEPS without a
-    DRAM budget (a spread of k <= MAX_STEPS steps never waits for its replay; the gradients, at
-    most (k+1)/2 steps' worth, come on top of the pool, like the pool's own default), else as
-    many as ``grad_budget`` holds, at least RECORDS (what split_budget reserves)."""
-    if grad_budget is None:
-        return MAX_STEPS
-    return max(RECORDS, min(MAX_STEPS, grad_budget // max(1, grad_bytes)))
-
-
-def replay_backpressure(k: int, iter_time: float, step_time: float, replay_step_s: float,
-                        records: int = RECORDS) -> float:
+def replay_backpressure(k: int, iter_time: float, step_time: float, replay_step_s: float) -> float:
     """Seconds the training thread waits for the CPU replay of a spread over ``k`` steps: the
     captured steps arrive one per iteration (the first after ``iter_time`` t, then every t + u),
     one replay thread works through them in order, step j's over j/k of the state (``replay_step_s``
     R: one step's replay over the whole state), and the capture of step j waits until step
-    j - ``records`` has been replayed (at most that many steps' gradients wait). Each wait delays the
+    j - RECORDS has been replayed (at most RECORDS steps' gradients wait). Each wait delays the
     later captures. 0 while the replay keeps up (j/k·R <= t + u for every j, roughly)."""
     if k < 2 or replay_step_s <= 0:
         return 0.0
@@ -144,23 +132,22 @@ def replay_backpressure(k: int, iter_time: float, step_time: float, replay_step_
     done: list[float] = []
     for j in range(1, k + 1):
         now += iter_time if j == 1 else iter_time + step_time
-        if j > records and done[j - records - 1] > now:  # back-pressure: too many steps wait
-            waited += done[j - records - 1] - now
-            now = done[j - records - 1]
+        if j > RECORDS and done[j - RECORDS - 1] > now:  # back-pressure: too many steps wait
+            waited += done[j - RECORDS - 1] - now
+            now = done[j - RECORDS - 1]
         server = max(server, now) + replay_step_s * j / k
         done.append(server)
     return waited
 
 
 def modelled_stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
-                   step_time: float = 0.0, overlapped: bool = True, replay_step_s: float = 0.0,
-                   records: int = RECORDS) -> float:
+                   step_time: float = 0.0, overlapped: bool = True, replay_step_s: float = 0.0) -> float:
     """The stall of a snapshot spread over ``k`` steps: :func:`stall` for k = 1 (one step, no
     gradients) and where the gradients are copied before the update, else :func:`stall_overlapped`;
     for k > 1 plus :func:`replay_backpressure` at ``replay_step_s`` (0: the replay is taken to keep up)."""
     if k == 1:
         return stall(k, state_bytes, grad_bytes, bandwidth, iter_time)
-    replay = replay_backpressure(k, iter_time, step_time, replay_step_s, records)
+    replay = replay_backpressure(k, iter_time, step_time, replay_step_s)
     if not overlapped:
         return stall(k, state_bytes, grad_bytes, bandwidth, iter_time) + replay
     return stall_overlapped(k, state_bytes, grad_bytes, bandwidth, iter_time, step_time) + replay
@@ -168,11 +155,11 @@ def modelled_stall(k: int, state_bytes: float, grad_bytes: float, bandwidth: flo
 
 def auto_steps(state_bytes: float, grad_bytes: float, bandwidth: float, iter_time: float,
                step_time: float = 0.0, grad_budget: float | None = None, overlapped: bool = True,
-               replay_step_s: float = 0.0, records: int = RECORDS) -> int:
+               replay_step_s: float = 0.0) -> int:
     """The k in 1..MAX_STEPS with the least :func:`modelled_stall`, the smallest k among equals
     (within 1 ms), leaving out every k > 1 when the captured gradients of the steps that may wait
     for the replay at once (RECORDS) exceed ``grad_budget``."""
-    args = (state_bytes, grad_bytes, bandwidth, iter_time, step_time, overlapped, replay_step_s, records)
+    args = (state_bytes, grad_bytes, bandwidth, iter_time, step_time, overlapped, replay_step_s)
     best, best_stall = 1, modelled_stall(1, *args)
     if grad_budget is not None and RECORDS * grad_bytes > grad_budget:
         return best
