@@ -416,3 +416,29 @@ def test_sharded_floor_bracket_and_page_cache_residency(tmp_path):
     f.read_bytes()
     frac = sharded.resident_fraction(f.parent)
     assert frac is None or frac > 0.5  # just written and read: in the page cache
+
+
+def test_gockpt_replay_floor_runs_a_spreads_replay_work_one_step_per_call():
+    """replay_floor: step j of k updates the first j/k of a shadow of the state (AdamW's step
+    counters show which), one step per call after the checkpoint call, all drained at the end."""
+    import torch
+
+    from bench.modes import gockpt
+
+    _model, opt, _step = gockpt.make_workload(4096 * 12, 0.0)
+    floor = gockpt.ReplayFloor(opt, 4, 10)
+    live = [p for g in opt.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in live]
+    assert floor.call(10) is False    # a checkpoint call: the replay begins
+    floor.call(11)
+    floor.call(12)                    # steps 1 and 2 have arrived
+    floor.drain()                     # the rest arrive and the replay ends
+    steps = [float(floor.optimizer.state[p]["step"]) for p in floor.shadow]
+    n = len(steps)
+    # after the workload's first live step (1): parameter i took step j whenever i < j/k of them
+    assert steps == [1 + sum(1 for j in range(1, 5) if i < round(j * n / 4)) for i in range(n)]
+    assert steps[0] == 5 and steps[-1] == 2
+    assert all(torch.equal(p, b) for p, b in zip(live, before))  # the live state is never touched
+    floor.call(20)                    # the next checkpoint call starts another replay
+    floor.drain()
+    assert float(floor.optimizer.state[floor.shadow[0]]["step"]) == 1 + 2 * 4

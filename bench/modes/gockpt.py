@@ -13,7 +13,12 @@ go through the same link. Systems, each in a fresh process state (a new model) a
 - ``pccheck_k1``: ``Checkpointer(..., copy_engine=ThrottledCopyEngine(B))``: the whole snapshot in
   one step (the paper's Async-O analog);
 - ``pccheck_spread``: the same with ``spread_steps=--spread``;
-- ``dcp_async``: ``dcp.async_save`` of the same state (its staging is a CPU copy: not held to B).
+- ``dcp_async``: ``dcp.async_save`` of the same state (its staging is a CPU copy: not held to B);
+- ``replay_floor``: no checkpoint, only the CPU work of a spread's replay beside the loop: from
+  each checkpoint call on, a thread at the replay's priority (``pccheck.spread.driver.REPLAY_NICE``)
+  runs step j of k (``--floor-k``; the fixed ``--spread`` if given) over j/k of a CPU copy of the
+  state, one step per iteration as the captured steps arrive. What it costs the loop is the floor
+  of any spread on this host: the replay re-runs (k+1)/2 whole-state optimizer steps per checkpoint.
 
 Per system, triples of cycles of ``--interval`` c iterations, in one process: A begins a
 checkpoint (its call timed), B runs on while the checkpoint's background work ends (whatever
@@ -46,7 +51,7 @@ from bench.harness.common import fmt, format_size, host_info, machine_label, par
     pyplot, save_figure, scratch_dir, write_json
 from bench.harness.probes import wait_quiet
 
-SYSTEMS = ("none", "pccheck_k1", "pccheck_spread", "dcp_async")
+SYSTEMS = ("none", "pccheck_k1", "pccheck_spread", "dcp_async", "replay_floor")
 N_PARAMS = 16
 _BENCH_DIR = BENCH_DIR
 
@@ -89,6 +94,9 @@ def _make_system(system: str, cfg: dict[str, Any], model: Any, opt: Any, step: A
 
         saver = make_loop_system("dcp_async", Workload("gockpt", model, opt, step, ""), workdir, 3 * cycle, None)
         return None, saver, saver.after_step, saver.drain
+    if system == "replay_floor":
+        floor = ReplayFloor(opt, cfg["floor_k"], 3 * cycle)
+        return None, None, floor.call, floor.drain
 
     def call(s: int) -> bool:
         return False
@@ -172,6 +180,62 @@ def child_main(spec: dict[str, Any]) -> int:
 # A child loads the parent's pccheck (the checkout's or the installed one), then bench from the checkout.
 _CHILD_BOOT = ("import json, sys; spec = json.loads(sys.argv[1]); sys.path[:1] = spec['path_first']; "
                "sys.path.append(spec['root']); from bench.modes.gockpt import child_main; sys.exit(child_main(spec))")
+
+
+class ReplayFloor:
+    """``replay_floor``'s calls (the module doc): a shadow AdamW (:attr:`optimizer`) over clones of
+    ``opt``'s parameters, state and gradients; each call at a multiple of ``every`` starts a replay
+    of k steps, every later call lets one more step run (step j updates the first j/k parameters:
+    the others' gradients are None, so AdamW leaves them out)."""
+
+    def __init__(self, opt: Any, k: int, every: int) -> None:
+        import threading
+
+        import torch
+
+        live = [p for g in opt.param_groups for p in g["params"]]
+        self.shadow = [torch.nn.Parameter(p.detach().clone()) for p in live]
+        self.grads = [p.grad.detach().clone() for p in live]
+        self.optimizer = torch.optim.AdamW(self.shadow, lr=opt.defaults["lr"])  # as make_workload's
+        for sp, p in zip(self.shadow, live):
+            self.optimizer.state[sp] = {name: t.clone() for name, t in opt.state[p].items()}
+        self.k, self.every = k, every
+        self._arrived = threading.Semaphore(0)
+        self._worker: threading.Thread | None = None
+
+    def _replay(self) -> None:
+        import os
+        import threading
+
+        from pccheck.spread.driver import REPLAY_NICE
+
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(REPLAY_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+        for j in range(1, self.k + 1):
+            self._arrived.acquire()
+            n = round(j * len(self.shadow) / self.k)
+            for i, sp in enumerate(self.shadow):
+                sp.grad = self.grads[i] if i < n else None
+            self.optimizer.step()
+
+    def call(self, s: int) -> bool:
+        import threading
+
+        if self._worker is not None and self._worker.is_alive():
+            self._arrived.release()  # one more captured step arrives
+        elif s % self.every == 0:
+            self._worker = threading.Thread(target=self._replay, daemon=True)
+            self._worker.start()
+        return False
+
+    def drain(self) -> None:
+        if self._worker is not None:
+            for _ in range(self.k):
+                self._arrived.release()
+            self._worker.join()
+            self._worker = None
+            while self._arrived.acquire(blocking=False):
+                pass
 
 
 def run(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path) -> dict[str, Any]:
@@ -267,6 +331,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
         limit = 1.10 if cfg["iter_time"] < 0.2 else 1.03
         targets.append({"what": f"loop slowdown with spread_steps, t={cfg['iter_time']} s", "limit": limit,
                         "value": out["pccheck_spread"]["slowdown"]})
+    if "replay_floor" in out:  # the replay's CPU alone: no spread on this host can do better
+        targets.append({"what": f"loop slowdown of the replay alone (k = {cfg['floor_k']}), the floor of a "
+                                f"spread here, t={cfg['iter_time']} s", "limit": 1.10 if cfg["iter_time"] < 0.2 else 1.03,
+                        "value": out["replay_floor"]["slowdown"]})
     for t in targets:
         v, lim = t["value"], t["limit"]
         t["met"] = (None if v is None else v <= lim if isinstance(lim, float) else v == 1 if lim == "= 1"
@@ -345,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--quiet-wait", type=float, default=10.0)
+    p.add_argument("--floor-k", type=int, default=5,
+                   help="k of replay_floor's replay when --spread is auto (default 5, what auto picks at ratio 4)")
     p.add_argument("--hog", type=int, default=0,
                    help="busy-looping processes to run beside every run (a noisy neighbour; default 0)")
     p.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "gockpt.json")
@@ -353,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     nbytes = parse_size("32MiB" if args.quick else args.size)
     cfg = make_config(nbytes, args.iter_time, args.ratio, args.spread, args.interval,
-                      2 if args.quick else args.checkpoints, args.quiet_wait, args.hog)
+                      2 if args.quick else args.checkpoints, args.quiet_wait, args.hog, args.floor_k)
     json_path = args.json.with_name(args.json.stem + "-quick.json") if args.quick else args.json
     command = "python -m bench.gockpt " + " ".join(argv if argv is not None else sys.argv[1:])
     return run_and_report(cfg, args.systems.split(","), 1 if args.quick else args.repeats, args.dir, json_path,
@@ -361,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def make_config(nbytes: int, iter_time: float, ratio: float, spread: str, interval: int, checkpoints: int,
-                quiet_wait: float, hogs: int = 0) -> dict[str, Any]:
+                quiet_wait: float, hogs: int = 0, floor_k: int = 5) -> dict[str, Any]:
     """The run's settings: the state rounded to whole AdamW parameters, and the link's B = S/(ratio t)."""
     if ratio < 3 or iter_time <= 0 or interval < 2 or checkpoints < 1:
         raise ValueError("need --ratio >= 3 (S/(B t)), --iter-time > 0, an interval >= 2 and >= 1 checkpoint")
@@ -369,7 +439,8 @@ def make_config(nbytes: int, iter_time: float, ratio: float, spread: str, interv
     elems = max(N_PARAMS, nbytes // 12) // N_PARAMS * N_PARAMS
     return {"nbytes": elems * 12, "grad_bytes": elems * 4, "iter_time": iter_time, "ratio": ratio,
             "link_bps": elems * 12 / (ratio * iter_time), "spread": k, "interval": interval,
-            "checkpoints": checkpoints, "quiet_wait_s": quiet_wait, "timeout_s": 900, "hogs": hogs}
+            "checkpoints": checkpoints, "quiet_wait_s": quiet_wait, "timeout_s": 900, "hogs": hogs,
+            "floor_k": k if isinstance(k, int) else floor_k}
 
 
 def run_and_report(cfg: dict[str, Any], systems: Sequence[str], repeats: int, base: Path, json_path: Path,
