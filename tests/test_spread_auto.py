@@ -202,6 +202,19 @@ def test_auto_takes_the_replay_cost_from_the_last_spreads():
         mode.close()
 
 
+def _spy_on_gradient_buffers(sp: Spreader) -> dict:
+    """{parameter key: data pointers of the buffers its gradient captures went into}, from now on."""
+    captured: dict = {}
+    real = sp._copy_grad
+
+    def spy(g, version, ready=None, key=None):
+        out = real(g, version, ready, key)
+        captured.setdefault(key, set()).add(out.data_ptr())
+        return out
+    sp._copy_grad = spy
+    return captured
+
+
 def test_a_spread_records_where_the_training_thread_waited_and_reuses_gradient_buffers():
     opt = _adamw()
     with _spreader(opt) as sp:
@@ -216,14 +229,7 @@ def test_a_spread_records_where_the_training_thread_waited_and_reuses_gradient_b
         assert all(w >= 0 for w in waits.values()) and sum(waits.values()) <= res.waited_s + 1e-9
         assert res.stats["replay_cpu_s"] >= 0 and res.stats["replay_s"] > 0
         assert sp._grad_pool and all(len(free) <= RECORDS for free in sp._grad_pool.values())
-        captured: dict = {}
-        real = sp._copy_grad
-
-        def spy(g, version, ready=None, key=None):
-            out = real(g, version, ready, key)
-            captured.setdefault(key, set()).add(out.data_ptr())
-            return out
-        sp._copy_grad = spy
+        captured = _spy_on_gradient_buffers(sp)
         for k in (3, 2, 3):
             _spread_once(sp, opt, k)
         # however fast the replay ran (it decides how many buffers a key needed), free + in use
@@ -238,14 +244,7 @@ def test_warming_fills_the_gradient_pool_once_and_captures_then_allocate_nothing
         sp._warming.result(30)
         pooled = {key: {b.data_ptr() for b in free} for key, free in sp._grad_pool.items()}
         assert pooled and all(len(ptrs) == RECORDS for ptrs in pooled.values())
-        captured: dict = {}
-        real = sp._copy_grad
-
-        def spy(g, version, ready=None, key=None):
-            out = real(g, version, ready, key)
-            captured.setdefault(key, set()).add(out.data_ptr())
-            return out
-        sp._copy_grad = spy
+        captured = _spy_on_gradient_buffers(sp)
         _spread_once(sp, opt, 3)
         sp._warming = None
         sp.warm()  # a second warm-up adds nothing: every key already has its buffers
