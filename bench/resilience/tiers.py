@@ -217,21 +217,27 @@ def _unit_costs(rank: int, size: int) -> dict:
             fn()
             costs.append(time.process_time() - c0)
         out[name] = min(costs)
-    costs = []
-    for _ in range(3):
-        dist.barrier()
-        c0 = time.process_time()
-        _raw_link(rank, size)
-        costs.append(time.process_time() - c0)
-    out["link_cpu_s"] = min(costs)  # this end of one transfer (rank 0 sends, rank 1 receives)
+    import torch
+
+    touched = torch.ones(size // 4)  # as the replication's receive buffer, reused every iteration
+    for name, into in (("link_cpu_s", None), ("link_touched_cpu_s", touched)):
+        costs = []
+        for _ in range(3):
+            dist.barrier()
+            c0 = time.process_time()
+            _raw_link(rank, size, into)
+            costs.append(time.process_time() - c0)
+        # this end of one transfer (rank 0 sends, rank 1 receives); link_cpu_s into fresh memory
+        # (its first touch included), link_touched_cpu_s into memory touched before
+        out[name] = min(costs)
     return out
 
 
-def _raw_link(rank: int, size: int) -> float:
+def _raw_link(rank: int, size: int, into=None) -> float:  # noqa: ANN001
     import torch
     import torch.distributed as dist
 
-    t = torch.ones(size // 4) if rank == 0 else torch.empty(size // 4)
+    t = torch.ones(size // 4) if rank == 0 else (torch.empty(size // 4) if into is None else into)
     dist.barrier()
     t0 = time.perf_counter()
     if rank == 0:
@@ -434,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         "node_loss_part_s": _median(runs.get("memory", []), "node_loss_part_s", rank=1),
         "node_loss_remote_s": _median(runs.get("memory", []), "node_loss_remote_s", rank=1),
     }
-    units = {k: _median(runs.get("memory", []), k) for k in ("memcpy_cpu_s", "crc32c_cpu_s", "link_cpu_s")}
+    units = {k: _median(runs.get("memory", []), k)
+             for k in ("memcpy_cpu_s", "crc32c_cpu_s", "link_cpu_s", "link_touched_cpu_s")}
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
