@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -295,7 +296,7 @@ def worker(a: argparse.Namespace) -> None:
     for step in range(1, a.warmup + 1):
         iteration(step)
     dist.barrier()
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0, threads0 = time.perf_counter(), time.process_time(), _threads_cpu()
     last = a.warmup + a.iters
     for step in range(a.warmup + 1, last + 1):
         iteration(step)
@@ -303,7 +304,8 @@ def worker(a: argparse.Namespace) -> None:
     cpu = time.process_time() - cpu0    # every thread of this rank, user + system (gloo's, the kernel's TCP)
     if future is not None:
         future.result()
-    out = {"rank": rank, "iter_s": elapsed / a.iters, "cpu_per_iter_s": cpu / a.iters}
+    out = {"rank": rank, "iter_s": elapsed / a.iters, "cpu_per_iter_s": cpu / a.iters,
+           "threads_per_iter": _per_iter(threads0, _threads_cpu(), a.iters)}  # [CPU-s, minor faults]
     if ck is not None:
         out["tiers"] = ck.stats().tiers
         ck.close()
@@ -315,6 +317,31 @@ def worker(a: argparse.Namespace) -> None:
     print(json.dumps(out, default=str), flush=True)
     dist.destroy_process_group()
     os._exit(0)
+
+
+def _threads_cpu() -> dict[str, list[float]]:
+    """Per thread of this process: [CPU-seconds (user + system), minor page faults] (Linux /proc),
+    keyed by the Python thread's name, every thread Python did not start summed as "native"
+    (gloo's, pccheck's native writers and copy threads, torch's)."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, list[float]] = {}
+    for d in Path("/proc/self/task").iterdir():
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the thread ended
+        name = names.get(int(d.name), "native")
+        acc = out.setdefault(name, [0.0, 0.0])
+        acc[0] += (int(f[11]) + int(f[12])) / tick
+        acc[1] += int(f[7])
+    return out
+
+
+def _per_iter(before: dict[str, list[float]], after: dict[str, list[float]], n: int) -> dict[str, list[float]]:
+    """Per iteration: each thread's [CPU-seconds, minor faults] between two _threads_cpu calls."""
+    return {k: [round((v[0] - before.get(k, [0, 0])[0]) / n, 4), round((v[1] - before.get(k, [0, 0])[1]) / n, 1)]
+            for k, v in sorted(after.items())}
 
 
 def _port() -> int:
