@@ -321,8 +321,8 @@ def worker(a: argparse.Namespace) -> None:
 
 def _threads_cpu() -> dict[str, list[float]]:
     """Per thread of this process: [CPU-seconds (user + system), minor page faults] (Linux /proc),
-    keyed by the Python thread's name, every thread Python did not start summed as "native"
-    (gloo's, pccheck's native writers and copy threads, torch's)."""
+    keyed by the Python thread's name; threads Python did not start (gloo's, pccheck's native
+    writers and copy threads, torch's) as "native:<kernel name>", summed per name."""
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, list[float]] = {}
@@ -331,7 +331,12 @@ def _threads_cpu() -> dict[str, list[float]]:
             f = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # the thread ended
-        name = names.get(int(d.name), "native")
+        name = names.get(int(d.name))
+        if name is None:  # a thread Python did not start: its kernel name (gloo's, pccheck's native ones)
+            try:
+                name = "native:" + (d / "comm").read_text().strip()
+            except OSError:
+                name = "native"
         acc = out.setdefault(name, [0.0, 0.0])
         acc[0] += (int(f[11]) + int(f[12])) / tick
         acc[1] += int(f[7])
