@@ -120,7 +120,7 @@ def _node_loss(a: argparse.Namespace, rank: int, model, opt, out: dict, disk: Pa
         parts.append(phases.part_s)
         out["node_loss_tier"] = r[0].tier
         _fresh(opt, r)
-        t["raw_link"].append(_timed_cpu(lambda: _raw_link(rank, a.size)))
+        t["raw_link"].append(_raw_link(rank, a.size))
         if a.remote_url:
             _fresh(opt, r)
             t["node_loss_remote"].append(_timed_cpu(lambda: r.__setitem__(0, pccheck.load_latest(
@@ -222,31 +222,29 @@ def _unit_costs(rank: int, size: int) -> dict:
 
     touched = torch.ones(size // 4)  # as the replication's receive buffer, reused every iteration
     for name, into in (("link_cpu_s", None), ("link_touched_cpu_s", touched)):
-        costs = []
-        for _ in range(3):
-            dist.barrier()
-            c0 = time.process_time()
-            _raw_link(rank, size, into)
-            costs.append(time.process_time() - c0)
-        # this end of one transfer (rank 0 sends, rank 1 receives); link_cpu_s into fresh memory
-        # (its first touch included), link_touched_cpu_s into memory touched before
-        out[name] = min(costs)
+        # this end of one transfer (rank 0 sends, rank 1 receives); link_cpu_s: rank 1 receives
+        # into fresh memory (its first touch included), link_touched_cpu_s into memory touched
+        # before; the buffers are made before the clock starts
+        out[name] = min(_raw_link(rank, size, into)[1] for _ in range(3))
     return out
 
 
-def _raw_link(rank: int, size: int, into=None) -> float:  # noqa: ANN001
+def _raw_link(rank: int, size: int, into=None) -> tuple[float, float]:  # noqa: ANN001
+    """One gloo send (rank 0) / recv (rank 1) of ``size`` bytes: (wall seconds, this end's
+    CPU-seconds), both counted after the buffers exist (rank 0's filled, rank 1's fresh unless
+    ``into`` is given)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.ones(size // 4) if rank == 0 else (torch.empty(size // 4) if into is None else into)
+    t = into if into is not None else (torch.ones(size // 4) if rank == 0 else torch.empty(size // 4))
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if rank == 0:
         dist.send(t, 1)
     else:
         dist.recv(t, 0)
     dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def worker(a: argparse.Namespace) -> None:
