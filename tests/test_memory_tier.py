@@ -426,3 +426,39 @@ def test_expected_crcs_that_do_not_match_are_never_committed(tmp_path):
         orch.close()
     assert len(errors) == 1 and isinstance(errors[0], CorruptCheckpointError), errors
     assert _committed_steps(tmp_path / "store") == {1}
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, (3 << 20) + 123])
+def test_prefaulter_populates_ahead_and_keeps_what_was_written(nbytes):
+    """The pull's receive buffer (persist.reader.Prefaulter, populate): every byte readable as
+    zero, a piece written after its wait keeps its bytes while later pieces are populated, and a
+    buffer not starting on a page (the fallback) works too."""
+    from pccheck.persist.reader import Prefaulter, fresh_buffer, populate
+
+    buf = fresh_buffer(nbytes)
+    piece = 1 << 20
+    pre = Prefaulter(buf, piece)
+    try:
+        for off in range(0, nbytes, piece):
+            end = min(nbytes, off + piece)
+            pre.wait(end)
+            assert not buf[off:end].any()
+            buf[off:end] = (off // piece) % 251 + 1  # written in order, as recv_bytes does
+    finally:
+        pre.close()
+    for off in range(0, nbytes, piece):
+        assert (buf[off:min(nbytes, off + piece)] == (off // piece) % 251 + 1).all()
+    odd = fresh_buffer(3 * 4096)[5:]  # not page-aligned: MADV_POPULATE_WRITE / a write per page
+    populate(odd, 0, odd.nbytes)
+    assert not odd.any()
+
+
+def test_prefaulter_close_stops_it_early():
+    from pccheck.persist.reader import Prefaulter, fresh_buffer
+
+    buf = fresh_buffer(64 << 20)
+    pre = Prefaulter(buf, 1 << 20)
+    pre.close()
+    pre.wait(buf.nbytes)  # never blocks once closed
+    buf[:] = 7
+    assert (buf[::4096] == 7).all()

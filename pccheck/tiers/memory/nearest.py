@@ -37,11 +37,11 @@ from ...group.distributed import Group
 from ...errors import CorruptCheckpointError, NoCheckpointError
 from ...persist.files import rank_dir
 from ...persist.layout import MAX_MANIFEST_BYTES, parse_manifest
-from ...persist.reader import fresh_buffer
+from ...persist.reader import Prefaulter, fresh_buffer
 from ...persist.recovery import Restored, load_slot, read_store, scan, slot_base, slot_manifests
 from .replicate import MAX_DATA, TIMEOUT_S, ArrayChecker, arrays_of, data_end, read_raw_manifest
 from .paths import memory_rank_dir, replica_dir
-from .wire import ReplicationError, gather_json, recv_bytes, send_bytes
+from .wire import WIRE_CHUNK, ReplicationError, gather_json, recv_bytes, send_bytes
 
 __all__ = ["TIERS", "load_nearest", "MAX_ROUNDS"]
 
@@ -190,21 +190,28 @@ class _Restore:
         end, mlen, counter = (int(x) for x in info[2:5])
         if not (0 <= end <= MAX_DATA and 0 < mlen <= MAX_MANIFEST_BYTES):
             raise CorruptCheckpointError(f"rank {peer} announced a replica of implausible size")
-        raw = np.empty(mlen, dtype=np.uint8)
-        recv_bytes(self.pg, peer, raw, rnd, TIMEOUT_S)
-        data = fresh_buffer(end)  # transparent huge pages: the first touch costs a fraction
+        # Fresh pages, populated a wire chunk at a time by a thread of their own ahead of the
+        # receive (reader.Prefaulter): the first touch (here slower than the transfer itself when
+        # the kernel's copy faults page by page) overlaps the chunks already on the wire.
+        data = fresh_buffer(end)
+        pre = Prefaulter(data, WIRE_CHUNK)
         try:
-            man = parse_manifest(raw.tobytes(), step=key[1], counter=counter, data_len_limit=MAX_DATA)
-            if (man.epoch or 0) != key[0] or data_end(man) != end:
-                raise CorruptCheckpointError(f"rank {peer}'s replica is not the one it announced")
-        except CorruptCheckpointError:
-            recv_bytes(self.pg, peer, data, rnd, TIMEOUT_S)  # the peer sends it anyway: keep the pair in step
-            raise
-        # every array checked as its last chunk lands, while the next chunks are on the wire
-        check = ArrayChecker(man, data) if self.verify else None
-        recv_bytes(self.pg, peer, data, rnd, TIMEOUT_S, on_chunk=check)
-        if check is not None:
-            check.finish()
+            raw = np.empty(mlen, dtype=np.uint8)
+            recv_bytes(self.pg, peer, raw, rnd, TIMEOUT_S)
+            try:
+                man = parse_manifest(raw.tobytes(), step=key[1], counter=counter, data_len_limit=MAX_DATA)
+                if (man.epoch or 0) != key[0] or data_end(man) != end:
+                    raise CorruptCheckpointError(f"rank {peer}'s replica is not the one it announced")
+            except CorruptCheckpointError:  # the peer sends it anyway: keep the pair in step
+                recv_bytes(self.pg, peer, data, rnd, TIMEOUT_S, ready=pre.wait)
+                raise
+            # every array checked as its last chunk lands, while the next chunks are on the wire
+            check = ArrayChecker(man, data) if self.verify else None
+            recv_bytes(self.pg, peer, data, rnd, TIMEOUT_S, on_chunk=check, ready=pre.wait)
+            if check is not None:
+                check.finish()
+        finally:
+            pre.close()  # invariant (populate's): nothing is populated once bytes may have landed
         state = arrays_of(man, data, torch_views=False)  # raw carriers; torch_dtypes says the rest
         return Restored(man.step, state, man.metadata, man.counter, 0, -1, Path(f"peer:rank-{peer}"),
                         {e.name: e.torch_dtype for e in man.arrays if e.torch_dtype}, man.tree, man.epoch,

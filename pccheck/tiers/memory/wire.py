@@ -110,10 +110,13 @@ def send_bytes(pg: Any, dst: int, view: np.ndarray, tag: int, timeout_s: float) 
 
 
 def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
-               on_chunk: Callable[[int, int], None] | None = None) -> None:
+               on_chunk: Callable[[int, int], None] | None = None,
+               ready: Callable[[int], None] | None = None) -> None:
     """Receives ``into.nbytes`` bytes from group rank ``src`` in the chunks send_bytes used,
     ``WINDOW`` posted at a time; ``on_chunk(offset, nbytes)`` runs for each chunk as it completes,
-    in order, while the later ones are still arriving (a checksum then overlaps the transfer)."""
+    in order, while the later ones are still arriving (a checksum then overlaps the transfer).
+    ``ready(end)`` runs before each chunk's receive is posted (a reader.Prefaulter's wait: the
+    chunk's pages populated first, so the kernel's copy does not fault them one by one)."""
     import torch
     import torch.distributed as dist
 
@@ -127,6 +130,8 @@ def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
 
     for off in range(0, into.nbytes, WIRE_CHUNK):
         t = torch.from_numpy(into[off:off + WIRE_CHUNK])
+        if ready is not None:
+            ready(off + t.numel())
         pending.append((dist.irecv(t, group_src=src, group=pg, tag=tag), off, t.numel()))
         if len(pending) >= WINDOW:
             done()
