@@ -410,6 +410,13 @@ def test_sharded_floor_bracket_and_page_cache_residency(tmp_path):
     assert s["spread"]["load_over_floor_before"]["max"] == pytest.approx(1.5)
     t = sharded._targets({"pccheck": {"summary": s}})[-1]
     assert t["worst"] == pytest.approx(1.25) and t["met_every_repeat"] is False
+    # per raw method, the slowest loading rank; the repeat's floor: the fastest method's mean of
+    # its reads before and after the load (not the fastest read of either alone)
+    raw = [{"methods": {"a": 1.0, "b": 0.7}}, {"methods": {"a": 0.9, "b": 0.8}}]
+    assert sharded._floor_methods(raw) == {"a": 1.0, "b": 0.8}
+    run = {"floor_s": 0.8, "floor_methods_s": {"a": 1.0, "b": 0.8}, "floor_after_s": 0.6,
+           "floor_after_methods_s": {"a": 0.6, "b": 1.2}}
+    assert sharded._floor_bracket(run) == pytest.approx(0.8)
     f = tmp_path / "d" / "f.bin"
     f.parent.mkdir()
     f.write_bytes(b"\1" * (1 << 20))

@@ -15,7 +15,8 @@ Roles (``spec["role"]``):
           ``pccheck_dcp`` (``dcp.async_save`` with ``pccheck.dcp.Writer``), ``dcp_fs``
           (``dcp.async_save`` with ``FileSystemWriter``, a directory per save).
 ``floor`` no model: the raw read of exactly the bytes this loading rank's pccheck load reads
-          (``spec["ranges"]``, from the parent), the physical floor of that load (``load_s``).
+          (``spec["ranges"]``, from the parent), cold, by each of a few raw methods
+          (``FLOOR_METHODS``): the physical floor of that load (``load_s``: the fastest).
 ``load``  the newest checkpoint of the system into a fresh model of ``world`` ranks (the parent made
           its files cold): ``load_s``. ``pccheck``: ``load_latest``; ``pccheck_dcp`` /
           ``dcp_fs``: ``dcp.load`` with ``pccheck.dcp.Reader`` / ``FileSystemReader`` into
@@ -157,22 +158,30 @@ def load(spec: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
     return {"load_s": time.perf_counter() - t0, **extra}
 
 
-FLOOR_THREADS, FLOOR_PIECE = 4, 8 << 20
+# The raw read methods of the floor: (name, threads, piece). Each reads exactly this rank's byte
+# ranges, buffered, the threads taking the ranges in file order, in pieces of at most ``piece``
+# bytes. No one method is fastest on every disk: on the issue-32 virtio disk,
+# 4 threads x 8 MiB (the floor's only method before session 15) went out as 0.7-1.0 MB requests
+# (/sys/block/vda/stat), 2-3x as many as the loads' (pccheck 2.5-2.8 MB, DCP 1.9-2.5 MB), and took
+# 1.2-1.4 s where 2 threads took 0.8-0.9 s (a posix_fadvise WILLNEED of every range first went out
+# as 0.8-1.0 MB requests too: not a method here). The floor is the fastest of them.
+FLOOR_METHODS: tuple[tuple[str, int, int], ...] = (
+    ("1 thread, whole ranges", 1, 64 << 20),
+    ("2 threads x 8 MiB", 2, 8 << 20),
+    ("4 threads x 8 MiB", 4, 8 << 20),
+)
 
 
-def floor(spec: dict[str, Any]) -> dict[str, Any]:
-    """The raw read of exactly the byte ranges ``spec["ranges"]`` (this loading rank's chunks, in
-    file order): buffered ``preadv`` of at most FLOOR_PIECE bytes, FLOOR_THREADS threads taking the
-    ranges in order, into buffers touched beforehand; no checksum, no copy, no tensors. The
-    fastest of the raw methods measured for issue 32 (one thread, O_DIRECT: slower)."""
+def _raw_read(ranges: list[tuple[str, int, int]], threads: int, piece: int) -> tuple[float, int]:
+    """Seconds to read ``ranges`` (see FLOOR_METHODS) into buffers touched beforehand (no checksum,
+    no copy, no tensors), timed from a barrier of the loading ranks; the bytes read."""
     import itertools
     import os
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    ranges = [(str(p), int(o), int(n)) for p, o, n in spec["ranges"]]
     fds = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in sorted({p for p, _, _ in ranges})}
-    bufs = [memoryview(bytearray(b"\1" * FLOOR_PIECE)) for _ in range(FLOOR_THREADS)]  # touched already
+    bufs = [memoryview(bytearray(b"\1" * piece)) for _ in range(threads)]  # touched already
     local, handed = threading.local(), itertools.count()
 
     def read(r: tuple[str, int, int]) -> int:
@@ -181,14 +190,14 @@ def floor(spec: dict[str, Any]) -> dict[str, Any]:
             local.buf = bufs[next(handed)]
         done = 0
         while done < nbytes:
-            n = os.preadv(fds[path], [local.buf[:min(FLOOR_PIECE, nbytes - done)]], offset + done)
+            n = os.preadv(fds[path], [local.buf[:min(piece, nbytes - done)]], offset + done)
             if n <= 0:
                 raise OSError(f"{path}: short read at {offset + done}")
             done += n
         return done
 
     try:
-        with ThreadPoolExecutor(FLOOR_THREADS) as pool:
+        with ThreadPoolExecutor(threads) as pool:
             _sync()
             t0 = time.perf_counter()
             total = sum(pool.map(read, ranges))  # the executor's queue is FIFO: file order
@@ -196,7 +205,24 @@ def floor(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {"load_s": elapsed, "bytes_read": total}
+    return elapsed, total
+
+
+def floor(spec: dict[str, Any]) -> dict[str, Any]:
+    """The raw read of exactly the byte ranges ``spec["ranges"]`` (this loading rank's chunks, in
+    file order) by each of FLOOR_METHODS in turn, the checkpoint made cold before each (rank 0,
+    by the parent's ``make_cold``, while the others wait): ``load_s`` the fastest method's
+    seconds, ``methods`` every method's."""
+    from bench.modes.sharded import make_cold
+
+    ranges = [(str(p), int(o), int(n)) for p, o, n in spec["ranges"]]
+    methods, total = {}, 0
+    for name, threads, piece in FLOOR_METHODS:
+        if spec["rank"] == 0:
+            make_cold(Path(spec["dir"]))
+        _sync()
+        methods[name], total = _raw_read(ranges, threads, piece)
+    return {"load_s": min(methods.values()), "methods": methods, "bytes_read": total}
 
 
 def main(spec: dict[str, Any]) -> int:
