@@ -30,8 +30,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import CorruptCheckpointError
-from ...native import _native
-from ...persist.reader import _open, crc32c, crc32c_combine, fresh_buffer
+from ...persist.reader import crc32c, crc32c_combine, fresh_buffer, open_direct, prefault
 from ...persist.recovery import manifest_from, manifest_region, read_store, slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
@@ -62,7 +61,7 @@ class BufferPool:
         self._free: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(count):
             b = fresh_buffer(size)
-            _native.prefault(b)
+            prefault(memoryview(b))
             self._free.put(b)
 
     def take(self) -> np.ndarray:
@@ -150,7 +149,7 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
         base = slot_base(read_store(ref.store_file), ref.slot)
         # part_size and data_len are multiples of 4096 (options, FORMAT.md §5), the slot's base too:
         # every O_DIRECT read below is aligned
-        fd = _open(ref.store_file)
+        fd = open_direct(ref.store_file)
         try:
             for number, (off, n) in enumerate(parts_of(data_len, part_size), start=1):
                 if cancelled():
