@@ -175,7 +175,7 @@ class GroupUploader(RemoteUploader):
 
     def _run(self) -> None:
         _background_priority()
-        self._take_pool()
+        self._warm_pool()
         while not self._closing:
             key = self._ns + f"up/{self._seen + 1}"
             try:

@@ -225,9 +225,17 @@ class RemoteUploader:
             self._pool = BufferPool(self.options.remote_concurrency + 1, self.options.remote_part_size)
         return self._pool
 
+    def _warm_pool(self) -> None:
+        """Allocates the part buffers ahead of the first upload; a failure here is left to that
+        upload, which reports it."""
+        try:
+            self._take_pool()
+        except MemoryError:
+            log.warning("pccheck: the remote tier's part buffers could not be allocated yet")
+
     def _run(self) -> None:
         _background_priority()
-        self._take_pool()
+        self._warm_pool()
         backoff = 0.0
         while True:
             with self._cv:
