@@ -36,8 +36,8 @@ def main(path: str, url: str, mode: str) -> None:
     if mode == "parts":
         orig_part = store.upload_part
 
-        def upload_part(self, rel, upload_id, number, data):
-            etag = orig_part(self, rel, upload_id, number, data)
+        def upload_part(self, rel, upload_id, number, data, **kw):
+            etag = orig_part(self, rel, upload_id, number, data, **kw)
             _kill()  # one part is on the server, the rest never will be
             return etag
         store.upload_part = upload_part

@@ -287,11 +287,11 @@ def test_slot_held_while_its_upload_runs(s3_url, tmp_path, monkeypatch):
     gate, started = threading.Event(), threading.Event()
     orig = objstore.ObjectStore.upload_part
 
-    def stalled(self, rel, upload_id, number, data):
+    def stalled(self, rel, upload_id, number, data, **kw):
         if "/s1-" in rel and number == 1:
             started.set()
             gate.wait(60)
-        return orig(self, rel, upload_id, number, data)
+        return orig(self, rel, upload_id, number, data, **kw)
 
     monkeypatch.setattr(objstore.ObjectStore, "upload_part", stalled)
     n = 7 * MiB  # 28 MiB: four parts; the reader is stalled mid-slot (two part buffers, one sender)
@@ -463,3 +463,48 @@ def test_an_older_commit_reported_late_never_supersedes_a_newer_one(s3_url, tmp_
         assert ck.wait(remote=True, timeout=60)
         assert ck.stats().remote_step == 2
     _assert_step(pccheck.load_latest(s3_url), 2)
+
+
+def test_one_pass_crcs_equal_each_parts_and_each_arrays_own():
+    """upload.py checksums each byte once (pieces cut at array bounds, combined): every part's
+    crc32c and every array's equal the direct ones, with parts cutting arrays, gaps between
+    arrays and zero-size arrays; one flipped byte fails the check."""
+    from pccheck.persist.reader import crc32c
+    from pccheck.tiers.remote.upload import _Crcs
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 5 * 4096, dtype=np.uint8)
+    spans = [(0, 100), (128, 0), (128, 5000), (5120, 0), (5184, 9000), (20000, 480)]  # (offset, nbytes)
+    arrays = [(o, n, crc32c(memoryview(data)[o:o + n])) for o, n in spans]
+    for part in (4096, 8192, 3 * 4096, 5 * 4096):
+        crcs = _Crcs(arrays)
+        got = [crcs.part(o, memoryview(data)[o:o + part]) for o in range(0, len(data), part)]
+        assert got == [crc32c(memoryview(data)[o:o + part]) for o in range(0, len(data), part)]
+        assert crcs.got == [c for _, _, c in arrays]
+        crcs.check("ok")
+    data[6000] ^= 1
+    crcs = _Crcs(arrays)
+    for o in range(0, len(data), 8192):
+        crcs.part(o, memoryview(data)[o:o + 8192])
+    with pytest.raises(pccheck.CorruptCheckpointError, match="does not match"):
+        crcs.check("damaged")
+
+
+def test_the_server_refuses_a_part_that_does_not_match_its_crc32c(s3_url):
+    """Parts go with their crc32c (x-amz-checksum-crc32c, the body unsigned): a body that does
+    not match it is refused by the server, not stored."""
+    from pccheck.errors import RemoteError
+    from pccheck.persist.reader import crc32c
+
+    store = ObjectStore(s3_url)
+    body = memoryview(np.arange(1 << 20, dtype=np.uint8))
+    up = store.start_multipart("data/crc-check", crc32c=True)
+    try:
+        with pytest.raises(RemoteError, match="BadDigest|checksum|Checksum|Digest"):
+            store.upload_part("data/crc-check", up, 1, body, crc32c=crc32c(body) ^ 1)
+        etag = store.upload_part("data/crc-check", up, 1, body, crc32c=crc32c(body))
+        store.complete_multipart("data/crc-check", up, [etag], [crc32c(body)])
+    except BaseException:
+        store.abort_multipart("data/crc-check", up)
+        raise
+    assert store.get("data/crc-check", 2 << 20)[0] == bytes(body)

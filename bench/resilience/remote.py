@@ -13,7 +13,11 @@ serves every row. Rows, each the same loop with a checkpoint every ``--every`` i
 * ``torch.save+upload``: ``torch.save`` + fsync of the state dict on the training thread, then a
   boto3 multipart upload of the file on a background thread (same part size and concurrency;
   one upload at a time, the newest file next);
-* ``raw-client``: boto3 uploading the same bytes from memory, no loop (the best the client does);
+* ``local-beside-raw-upload``: the ``local`` loop while boto3 uploads the state's size from
+  memory again and again beside it (unsigned body, the uploader's nice): the loop's physical floor
+  with that much upload traffic on this machine (the server shares its CPUs), no pccheck upload;
+* ``raw-client``: boto3 uploading the same bytes from memory, no loop, with its default (body
+  hashed for SigV4 over http) and with an unsigned body; the better of the two is its best;
 * ``--upload-only``: no loop; pccheck's ``upload_slot`` from a committed slot against the raw
   client, alternating ``--repeat`` times (is the upload path itself slower than the client?);
 * ``dcp.async_save+FsspecWriter`` (with ``--s3fs-path``): DCP's async save to s3fs, one in flight,
@@ -109,6 +113,11 @@ def row_pccheck(wl: Any, a: argparse.Namespace, work: Path, url: str | None) -> 
         out["committed"] = [h[0] for h in hist]
         out["to_remote_s"] = [h[2] - calls[h[0]] for h in hist if h[0] in calls]
         out["upload_gbps"] = [h[3] / h[4] / 1e9 for h in hist]
+        # where the time until committed remotely goes: save call -> local commit -> the upload
+        # starts (waiting for the one before it) -> committed remotely
+        out["call_to_local_commit_s"] = [h[1] - calls[h[0]] for h in hist if h[0] in calls]
+        out["local_commit_to_upload_start_s"] = [h[2] - h[4] - h[1] for h in hist if h[0] in calls]
+        out["upload_s"] = [h[4] for h in hist if h[0] in calls]
         out["drain_after_loop_s"] = time.time() - t_end
     ck.close()
     shutil.rmtree(where)  # disk: a 1 GiB state's store is 4-5 GiB
@@ -162,24 +171,49 @@ def row_torch_save(wl: Any, a: argparse.Namespace, work: Path, url: str) -> dict
             "to_remote_s": [d[1] - calls[d[0]] for d in done], "upload_gbps": [d[2] / d[3] / 1e9 for d in done]}
 
 
-def raw_client(size: int, url: str, stop: threading.Event | None = None) -> float:
-    import numpy as np
+_RAW_DATA: dict[int, Any] = {}
 
+
+def raw_client(size: int, url: str, stop: threading.Event | None = None, unsigned: bool = False) -> float:
+    """boto3 uploading ``size`` bytes from memory (multipart, PART, CONC): its GB/s. ``unsigned``:
+    the body sent without SigV4's SHA-256 (``payload_signing_enabled=False``, no checksum: the
+    least client CPU boto3 can spend), else boto3's default over http (the body hashed)."""
+    import numpy as np
+    from botocore.config import Config
+
+    from pccheck.tiers.remote.objstore import _View
     from pccheck.tiers.remote.uploader import _background_priority
 
     store = _client()(url, connections=CONC + 4)
-    data = np.ones(size, dtype=np.uint8)
-    view = memoryview(data)
-    key = f"raw/{uuid.uuid4().hex}"
+    cl = store.client
+    if unsigned:
+        cl = boto3_client(cl.meta.config.merge(Config(s3={"payload_signing_enabled": False})))
+    if size not in _RAW_DATA:  # one buffer, touched once, for every upload of this size
+        _RAW_DATA.clear()
+        _RAW_DATA[size] = np.ones(size, dtype=np.uint8)
+    view = memoryview(_RAW_DATA[size])
+    key = store.key(f"raw/{uuid.uuid4().hex}")
     t = time.perf_counter()
-    up = store.start_multipart(key)
+    up = cl.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+
+    def part(i_off: tuple[int, int]) -> str:
+        i, off = i_off
+        return cl.upload_part(Bucket=store.bucket, Key=key, UploadId=up, PartNumber=i + 1,
+                              Body=_View(view[off:off + PART]))["ETag"]
+
     with ThreadPoolExecutor(CONC, initializer=_background_priority if stop is not None else None) as ex:
-        etags = list(ex.map(lambda io: store.upload_part(key, up, io[0] + 1, view[io[1]:io[1] + PART]),
-                            enumerate(range(0, size, PART))))
-    store.complete_multipart(key, up, etags)
-    if stop is not None:
-        store.delete(key)  # disk: the pump uploads again and again
-    return size / (time.perf_counter() - t) / 1e9
+        etags = list(ex.map(part, enumerate(range(0, size, PART))))
+    cl.complete_multipart_upload(Bucket=store.bucket, Key=key, UploadId=up, MultipartUpload={
+        "Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]})
+    gbps = size / (time.perf_counter() - t) / 1e9
+    cl.delete_object(Bucket=store.bucket, Key=key)  # disk: 1 GiB per upload
+    return gbps
+
+
+def boto3_client(config: Any) -> Any:
+    import boto3
+
+    return boto3.session.Session().client("s3", config=config)
 
 
 def cold_loads(wl: Any, url: str, work: Path) -> dict[str, float]:
@@ -231,19 +265,22 @@ def row_local_beside_upload(wl: Any, a: argparse.Namespace, work: Path, url: str
 
     stop = threading.Event()
     size = parse_size(a.size)
+    gbps: list[float] = []
 
     def pump() -> None:
         _background_priority()
         while not stop.is_set():
-            raw_client(size, url, stop)
+            gbps.append(raw_client(size, url, stop, unsigned=True))
 
     th = threading.Thread(target=pump, daemon=True)
     th.start()
     try:
-        return row_pccheck(wl, a, work, None)
+        out = row_pccheck(wl, a, work, None)
     finally:
         stop.set()
         th.join()
+    out["raw_upload_gbps_beside_loop"] = gbps  # the last one may have run past the loop's end
+    return out
 
 
 def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any]:
@@ -259,8 +296,9 @@ def run_once(a: argparse.Namespace, srv: DevServer, work: Path) -> dict[str, Any
         return res
     res["local"] = row_pccheck(wl, a, work, None)
     res["pccheck-remote"] = row_pccheck(wl, a, work, base + "/pccheck")
+    res["local-beside-raw-upload"] = row_local_beside_upload(wl, a, work, base)  # the loop's floor
     res["torch.save+upload"] = row_torch_save(wl, a, work, base)
-    res["raw-client"] = {"upload_gbps": [raw_client(size, base)]}
+    res["raw-client"] = {"upload_gbps": [raw_client(size, base)], "upload_gbps_unsigned": [raw_client(size, base, None, True)]}
     res["cold_load"] = cold_loads(wl, base, work)
     del wl  # the DCP child builds its own state
     dcp_row = row_dcp(a, base + "/dcp")
@@ -281,7 +319,7 @@ def upload_path_only(a: argparse.Namespace, work: Path, base: str) -> dict[str, 
     from pccheck.persist.recovery import read_store
     from pccheck.tiers.remote.upload import BufferPool, SlotRef, upload_slot
 
-    size = parse_size(a.size)
+    size = parse_size(a.size)  # pccheck_upload_slot_gbps vs the best of the raw client's two settings
     where = work / "ck"
     with pccheck.Checkpointer({"w": np.ones(size, dtype=np.uint8)}, where) as ck:
         ck.checkpoint(1)
@@ -290,21 +328,36 @@ def upload_path_only(a: argparse.Namespace, work: Path, base: str) -> dict[str, 
     meta = next(st.meta for st in read_store(file).slots if st.meta and st.meta["step"] == 1)
     ref = SlotRef(file, next(st.slot for st in read_store(file).slots if st.meta == meta), meta["counter"], 1)
     store = _client()(base, connections=CONC + 4)
-    out: dict[str, Any] = {"pccheck_upload_slot_gbps": [], "raw_client_gbps": []}
+    out: dict[str, Any] = {"pccheck_upload_slot_gbps": [], "raw_client_gbps": [], "raw_client_unsigned_gbps": []}
+    pool = BufferPool(CONC + 1, PART)  # the tier allocates its pool once per uploader
     for _ in range(a.repeat):
+        os_drop_cache(file)  # as after an O_DIRECT commit: the slot's pages are not cached
         with ThreadPoolExecutor(CONC, thread_name_prefix="bench-part") as senders:
             t = time.perf_counter()
-            part = upload_slot(store, ref, 1, 0, PART, BufferPool(CONC + 1, PART), senders, lambda: False)
+            part = upload_slot(store, ref, 1, 0, PART, pool, senders, lambda: False)
             out["pccheck_upload_slot_gbps"].append(part.size / (time.perf_counter() - t) / 1e9)
         store.delete(part.data)  # disk: 1 GiB per upload
         out["raw_client_gbps"].append(raw_client(size, base, None))
+        out["raw_client_unsigned_gbps"].append(raw_client(size, base, None, True))
     shutil.rmtree(where)
-    p, r = out["pccheck_upload_slot_gbps"], out["raw_client_gbps"]
+    p = out["pccheck_upload_slot_gbps"]
+    r = [max(x, y) for x, y in zip(out["raw_client_gbps"], out["raw_client_unsigned_gbps"])]  # the best per round
+    ratios = [x / y for x, y in zip(p, r)]
     out["summary"] = {"pccheck_median_gbps": statistics.median(p), "pccheck_range": [min(p), max(p)],
-                      "raw_median_gbps": statistics.median(r), "raw_range": [min(r), max(r)],
-                      "ratio_median": statistics.median(x / y for x, y in zip(p, r)),
-                      "ratio_range": [min(x / y for x, y in zip(p, r)), max(x / y for x, y in zip(p, r))]}
+                      "raw_best_median_gbps": statistics.median(r), "raw_best_range": [min(r), max(r)],
+                      "raw_signed_median_gbps": statistics.median(out["raw_client_gbps"]),
+                      "raw_unsigned_median_gbps": statistics.median(out["raw_client_unsigned_gbps"]),
+                      "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
     return out
+
+
+def os_drop_cache(file: Path) -> None:
+    """Drops ``file``'s cached pages (POSIX_FADV_DONTNEED)."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def summarize_attribution(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -346,8 +399,16 @@ def summarize(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, An
             "to_remote_s": med(to), "to_remote_range": [min(to), max(to)],
             "upload_gbps": med([med(x["upload_gbps"]) for x in d]),
             "cold_load_s": med([x["cold_load_s"] for x in d])}
-    raw = [r["raw-client"]["upload_gbps"][0] for r in runs]
-    out["raw-client"] = {"upload_gbps": med(raw), "upload_range": [min(raw), max(raw)]}
+    raw = [max(r["raw-client"]["upload_gbps"] + r["raw-client"].get("upload_gbps_unsigned", [])) for r in runs]
+    out["raw-client"] = {"upload_gbps": med(raw), "upload_range": [min(raw), max(raw)],
+                         "note": "the best of boto3's default (signed body) and an unsigned body, per run"}
+    floor = [r["local-beside-raw-upload"]["wall_s"] / r["local"]["wall_s"] for r in runs]
+    beside = [med(r["local-beside-raw-upload"]["raw_upload_gbps_beside_loop"]) for r in runs]
+    out["local-beside-raw-upload"] = {"loop_vs_local": med(floor), "loop_vs_local_range": [min(floor), max(floor)],
+                                      "raw_upload_gbps_beside_loop": med(beside)}
+    out["pccheck-remote"]["breakdown_median_s"] = {
+        k: med([med(r["pccheck-remote"][k]) for r in runs]) for k in
+        ("call_to_local_commit_s", "local_commit_to_upload_start_s", "upload_s")}
     pr, ts = out["pccheck-remote"], out["torch.save+upload"]
     loop_local = [r["local"]["wall_s"] for r in runs]
     loop_remote = [r["pccheck-remote"]["wall_s"] for r in runs]
@@ -359,6 +420,9 @@ def summarize(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, An
         "cold_load_vs_torch_download_load": med([r["cold_load"]["pccheck_load_s"] / r["cold_load"]["torch_download_load_s"]
                                                  for r in runs]),
         "loop_remote_vs_local": med([r / l for r, l in zip(loop_remote, loop_local)]),
+        "loop_floor_raw_upload_vs_local": out["local-beside-raw-upload"]["loop_vs_local"],
+        "upload_in_loop_vs_raw_beside_loop": (pr["upload_gbps"] / out["local-beside-raw-upload"]["raw_upload_gbps_beside_loop"]
+                                              if pr["upload_gbps"] else None),
         **_dcp_ratios(out, runs),
         "loop_remote_vs_local_range": [min(r / l for r, l in zip(loop_remote, loop_local)),
                                        max(r / l for r, l in zip(loop_remote, loop_local))],

@@ -36,7 +36,7 @@ from ..native import _native
 from .layout import ArrayEntry
 
 __all__ = ["read_region", "read_array", "read_entry", "crc32c", "crc32c_combine", "prefault", "fresh_buffer",
-           "populate", "Prefaulter"]
+           "populate", "Prefaulter", "open_direct"]
 
 PIECE = 32 << 20
 
@@ -189,6 +189,12 @@ def _open(path: Path) -> int:
         if exc.errno != errno.EINVAL:
             raise
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def open_direct(path: Path) -> int:
+    """A read-only fd on ``path`` with O_DIRECT (plain where the filesystem refuses it): for
+    readers above persist that read a slot once (the remote upload), bypassing the page cache."""
+    return _open(path)
 
 
 def read_region(path: Path, offset: int, length: int,

@@ -39,7 +39,7 @@ from ...persist.recovery import read_store
 from .commit import advance_pointer, commit_step, next_generation
 from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, rank_part_from_json
 from .objstore import NotFound
-from .upload import BufferPool, SlotRef, upload_slot
+from .upload import SlotRef, upload_slot
 from .uploader import RemoteUploader, _background_priority
 
 __all__ = ["GroupUploader", "part_key"]
@@ -175,6 +175,7 @@ class GroupUploader(RemoteUploader):
 
     def _run(self) -> None:
         _background_priority()
+        self._warm_pool()
         while not self._closing:
             key = self._ns + f"up/{self._seen + 1}"
             try:
@@ -217,11 +218,9 @@ class GroupUploader(RemoteUploader):
         backoff = 0.5
         while not self._closing:
             try:
-                if self._pool is None:
-                    self._pool = BufferPool(self.options.remote_concurrency + 1, self.options.remote_part_size)
                 t0 = time.perf_counter()
                 part = upload_slot(self.store, ref, self.generation, self.rank, self.options.remote_part_size,
-                                   self._pool, self._senders, lambda: self._closing)
+                                   self._take_pool(), self._senders, lambda: self._closing)
                 self.store.put_new(part_key(self.generation, step, self.rank),
                                    json.dumps(part.as_json()).encode("utf-8"))
                 with self._cv:

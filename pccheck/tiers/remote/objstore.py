@@ -13,6 +13,7 @@ Invariant: a conditional write that answers 404, 409 or 412 means "lost the race
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import logging
@@ -106,6 +107,29 @@ class Listed:
     size: int
 
 
+def _parts_s3_config(session: Any) -> dict[str, Any]:
+    """The parts client's s3 settings: SigV4 without the body's SHA-256 (``UNSIGNED-PAYLOAD``),
+    unless the profile sets ``payload_signing_enabled`` itself (then it decides).
+
+    Every part carries its crc32c in the signed ``x-amz-checksum-crc32c`` header, which the server
+    checks against the body; botocore itself sends parts so over https whenever a checksum
+    header is present. Over plain http it would hash every byte once more (about 0.8 CPU-seconds
+    per GiB on these machines, a sixth of the upload's own CPU on the client:
+    docs/notes/issue-28.md); an integrity check against transmission errors needs only the crc."""
+    try:
+        profile_s3 = session._session.get_scoped_config().get("s3") or {}
+    except Exception:  # a broken or missing profile: boto3 reports it on the first request
+        profile_s3 = {}
+    if isinstance(profile_s3, dict) and profile_s3.get("payload_signing_enabled") is not None:
+        return {}
+    return {"payload_signing_enabled": False}
+
+
+def _crc_header(crc: int) -> str:
+    """A crc32c as S3's ``x-amz-checksum-crc32c`` value: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+
+
 class ObjectStore:
     """One bucket and prefix. Thread-safe (boto3 clients are); keys are relative to the prefix.
 
@@ -129,7 +153,9 @@ class ObjectStore:
                      # our own crc32c per part and per array (FORMAT.md §12); boto3's would cost a
                      # second pass over every byte on 2 vCPUs
                      request_checksum_calculation="when_required", response_checksum_validation="when_required")
-        self.client = boto3.session.Session().client("s3", config=cfg)
+        session = boto3.session.Session()
+        self.client = session.client("s3", config=cfg)
+        self._parts = session.client("s3", config=cfg.merge(Config(s3=_parts_s3_config(session))))
         self._lock = threading.Lock()
 
     @property
@@ -252,26 +278,38 @@ class ObjectStore:
 
     # -- multipart -------------------------------------------------------------------------------
 
-    def start_multipart(self, rel: str) -> str:
+    def start_multipart(self, rel: str, crc32c: bool = False) -> str:
+        """Starts a multipart upload; with ``crc32c`` every part must carry its crc32c
+        (:meth:`upload_part`, :meth:`complete_multipart`)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        kw = {"ChecksumAlgorithm": "CRC32C"} if crc32c else {}
         try:
-            return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key(rel))["UploadId"])
+            return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key(rel), **kw)["UploadId"])
         except (ClientError, BotoCoreError) as exc:
             raise self._fail(exc, f"starting the upload of {rel}") from None
 
-    def upload_part(self, rel: str, upload_id: str, number: int, data: memoryview) -> str:
+    def upload_part(self, rel: str, upload_id: str, number: int, data: memoryview, crc32c: int | None = None) -> str:
+        """Sends one part; with ``crc32c`` (the crc32c of ``data``) the server checks the body
+        against it, and the body is sent without SHA-256 signing (:func:`_parts_s3_config`)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            return str(self.client.upload_part(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
-                                               PartNumber=number, Body=_View(data))["ETag"])
+            if crc32c is None:
+                return str(self.client.upload_part(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
+                                                   PartNumber=number, Body=_View(data))["ETag"])
+            return str(self._parts.upload_part(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
+                                               PartNumber=number, Body=_View(data),
+                                               ChecksumCRC32C=_crc_header(crc32c))["ETag"])
         except (ClientError, BotoCoreError) as exc:
             raise self._fail(exc, f"uploading part {number} of {rel}") from None
 
-    def complete_multipart(self, rel: str, upload_id: str, etags: list[str]) -> None:
-        """Completes with ``If-None-Match: *``: a data key is written once (§12.1)."""
-        parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+    def complete_multipart(self, rel: str, upload_id: str, etags: list[str], crcs: list[int] | None = None) -> None:
+        """Completes with ``If-None-Match: *``: a data key is written once (§12.1). ``crcs``: the
+        parts' crc32c, for an upload started with ``crc32c=True``."""
+        parts: list[dict[str, Any]] = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+        for p, c in zip(parts, crcs or ()):
+            p["ChecksumCRC32C"] = _crc_header(c)
         with self._conditional(rel, f"completing the upload of {rel}"):
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts}, IfNoneMatch="*")

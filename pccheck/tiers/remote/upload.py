@@ -2,10 +2,15 @@
 
 :func:`upload_slot` never reads training memory: it reads the slot a local commit (FORMAT.md §4)
 made durable, which the uploader holds from reuse until this returns (uploader.py). One thread
-reads the slot front to back into a fixed set of part buffers, computing each part's crc32c and
-each array's crc32c on the way; ``concurrency`` threads send the parts (multipart upload, parts
-in parallel). Memory: ``concurrency + 1`` buffers of ``part_size`` bytes, allocated once per
-uploader and reused.
+reads the slot front to back into a fixed set of part buffers (O_DIRECT where the filesystem
+takes it: the store writes with O_DIRECT, so its pages are not cached and a buffered read would
+copy every byte through the page cache first), and computes each crc32c once: every piece of a
+part that lies in one array (or in the padding between arrays) is checksummed once, and the
+part's crc32c and the array's are combined from the pieces' (crc32c_combine). ``concurrency``
+threads send the parts (multipart upload, parts in parallel), each with its crc32c in the
+signed ``x-amz-checksum-crc32c`` header (objstore.py), so the server checks the bytes it received
+against those read here. Memory: ``concurrency + 1`` buffers of ``part_size`` bytes, allocated
+once per uploader and reused.
 
 Invariant: the data object is completed only when every array's crc32c matches the local
 manifest (a slot damaged on disk is never uploaded as a checkpoint), and at a key no other upload
@@ -24,8 +29,8 @@ from typing import Callable
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError
-from ...persist.reader import crc32c
+from ...errors import ConfigError, CorruptCheckpointError
+from ...persist.reader import crc32c, crc32c_combine, fresh_buffer, open_direct, prefault
 from ...persist.recovery import manifest_from, manifest_region, read_store, slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
@@ -48,14 +53,15 @@ class SlotRef:
 
 
 class BufferPool:
-    """``count`` part buffers of ``size`` bytes, touched once (first touch is slow here, GUIDE §4)."""
+    """``count`` part buffers of ``size`` bytes, page-aligned (O_DIRECT reads straight into them)
+    and touched once (first touch is slow here, GUIDE §4)."""
 
     def __init__(self, count: int, size: int) -> None:
         self.size = size
         self._free: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(count):
-            b = np.empty(size, dtype=np.uint8)
-            b[::4096] = 0
+            b = fresh_buffer(size)
+            prefault(memoryview(b))
             self._free.put(b)
 
     def take(self) -> np.ndarray:
@@ -80,27 +86,35 @@ def _read_manifest(ref: SlotRef) -> tuple[bytes, list[tuple[int, int, int]], int
     return raw, arrays, man.data_len
 
 
-class _ArrayCrcs:
-    """Each array's crc32c, accumulated as the slot's bytes stream past in order."""
+class _Crcs:
+    """Each part's and each array's crc32c from one pass over the slot's bytes, in order.
+
+    A part is cut where arrays begin and end; each piece is checksummed once and folded into the
+    part's crc32c and, if it lies in an array, into that array's (crc32c_combine: a few
+    microseconds per piece, against a second pass over every byte)."""
 
     def __init__(self, arrays: list[tuple[int, int, int]]) -> None:
         self.arrays = arrays
         self.got = [0] * len(arrays)
         self._i = 0
 
-    def feed(self, off: int, view: memoryview) -> None:
-        end = off + len(view)
-        i = self._i
-        while i < len(self.arrays):
-            a_off, a_n, _ = self.arrays[i]
-            lo, hi = max(a_off, off), min(a_off + a_n, end)
-            if hi > lo:
-                self.got[i] = crc32c(view[lo - off:hi - off], self.got[i])
-            if a_off + a_n <= end:
-                i += 1  # done with this array
-            else:
-                break
+    def part(self, off: int, view: memoryview) -> int:
+        """The crc32c of the part ``view`` at ``off``; feeds the arrays it overlaps."""
+        end, pos, crc, i = off + len(view), off, 0, self._i
+        arrays = self.arrays
+        while pos < end:
+            while i < len(arrays) and arrays[i][0] + arrays[i][1] <= pos:
+                i += 1  # done with this array (zero-size ones too: their crc32c is 0)
+            inside = i < len(arrays) and arrays[i][0] <= pos
+            cut = min(end, arrays[i][0] + arrays[i][1]) if inside else (
+                min(end, arrays[i][0]) if i < len(arrays) else end)
+            piece = crc32c(view[pos - off:cut - off])
+            crc = crc32c_combine(crc, piece, cut - pos)
+            if inside:
+                self.got[i] = crc32c_combine(self.got[i], piece, cut - pos)
+            pos = cut
         self._i = i
+        return crc
 
     def check(self, where: str) -> None:
         for (_, _, want), got in zip(self.arrays, self.got):
@@ -109,39 +123,54 @@ class _ArrayCrcs:
                                              "is damaged or was reused; not uploading it")
 
 
+def _read_part(fd: int, view: memoryview, at: int, name: str) -> None:
+    """Reads ``len(view)`` bytes at ``at``; CorruptCheckpointError if the file ends first."""
+    got = 0
+    while got < len(view):
+        r = os.preadv(fd, [view[got:]], at + got)
+        if r <= 0:
+            raise CorruptCheckpointError(f"{name}: short read: the store file is truncated")
+        got += r
+
+
 def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int,
                 pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool]) -> RankPart:
     """Uploads the slot's data region as one object; returns its :class:`RankPart`."""
     raw, arrays, data_len = _read_manifest(ref)
     while len(parts_of(data_len, part_size)) > MAX_PARTS:
         part_size *= 2
+    if part_size > pool.size:  # the buffers hold remote_part_size bytes: a part must fit in one
+        raise ConfigError(f"step {ref.step}'s {data_len} bytes need parts of {part_size} bytes ({MAX_PARTS} parts "
+                          f"at most per upload): set remote_part_size to at least {part_size}")
     key = data_key(generation, ref.step, uuid.uuid4().hex[:16], rank)
-    upload_id = store.start_multipart(key)
-    crcs = _ArrayCrcs(arrays)
+    upload_id = store.start_multipart(key, crc32c=True)
+    crcs = _Crcs(arrays)
     part_crcs: list[int] = []
     futures: list[Future[str]] = []
     done = False
     try:
         base = slot_base(read_store(ref.store_file), ref.slot)
-        with open(ref.store_file, "rb", buffering=0) as f:
+        # part_size and data_len are multiples of 4096 (options, FORMAT.md §5), the slot's base too:
+        # every O_DIRECT read below is aligned
+        fd = open_direct(ref.store_file)
+        try:
             for number, (off, n) in enumerate(parts_of(data_len, part_size), start=1):
                 if cancelled():
                     raise Cancelled()
                 buf = pool.take()  # blocks while every buffer is in flight: memory stays bounded
                 try:
                     view = memoryview(buf)[:n]
-                    got = os.preadv(f.fileno(), [view], base + off) if n else 0
-                    if got != n:
-                        raise CorruptCheckpointError(f"{ref.store_file.name}: short read: the store file is truncated")
-                    part_crcs.append(crc32c(view))
-                    crcs.feed(off, view)
+                    _read_part(fd, view, base + off, ref.store_file.name)
+                    part_crcs.append(crcs.part(off, view))
                 except BaseException:
                     pool.give(buf)
                     raise
-                futures.append(senders.submit(_send, store, key, upload_id, number, view, buf, pool))
+                futures.append(senders.submit(_send, store, key, upload_id, number, view, part_crcs[-1], buf, pool))
+        finally:
+            os.close(fd)
         crcs.check(f"{ref.store_file.name} slot {ref.slot} (step {ref.step})")
         etags = [fut.result() for fut in futures]
-        store.complete_multipart(key, upload_id, etags)
+        store.complete_multipart(key, upload_id, etags, part_crcs)
         done = True
     finally:
         if not done:  # every part ends before the abort (and each gives its buffer back)
@@ -154,10 +183,10 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
     return RankPart(rank, key, data_len, part_size, tuple(part_crcs), raw)
 
 
-def _send(store: ObjectStore, key: str, upload_id: str, number: int, view: memoryview, buf: np.ndarray,
-          pool: BufferPool) -> str:
+def _send(store: ObjectStore, key: str, upload_id: str, number: int, view: memoryview, crc: int,
+          buf: np.ndarray, pool: BufferPool) -> str:
     try:
-        return store.upload_part(key, upload_id, number, view)
+        return store.upload_part(key, upload_id, number, view, crc32c=crc)
     finally:
         pool.give(buf)  # invariant: a buffer is reused only once its part has been sent
 
