@@ -203,7 +203,7 @@ def _unit_costs(rank: int, size: int) -> dict:
     """CPU-seconds of the passes a replicated memory checkpoint is made of, for ``size`` bytes on
     this machine: one memcpy into touched memory, one crc32c (pccheck's native), and one gloo
     send/recv on loopback (each end's process CPU, user + system). The loop's floor is their sum
-    over what one iteration must do (docs/notes/issue-29.md)."""
+    over what one iteration must do (bench/README.md, "Memory tier and peer replicas")."""
     import numpy as np
     import torch.distributed as dist
 

@@ -444,7 +444,7 @@ class Spreader:
         # CPU to training, but the training thread waits for it anyway once RECORDS steps are
         # queued (back-pressure), and at nice 10 any other busy process (a data loader, a
         # neighbour) takes the CPU first: with one CPU hog on 2 vCPUs the replay got ~1/10 of a
-        # CPU and training sat in the pre-hook (docs/notes/issue-33.md has the measurements).
+        # CPU and training sat in the pre-hook (bench/README.md, "Spreading a snapshot", has the measurements).
         try:
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, max(REPLAY_NICE, os.getpriority(os.PRIO_PROCESS, tid)))

@@ -115,7 +115,7 @@ def _parts_s3_config(session: Any) -> dict[str, Any]:
     checks against the body; botocore itself sends parts so over https whenever a checksum
     header is present. Over plain http it would hash every byte once more (about 0.8 CPU-seconds
     per GiB on these machines, a sixth of the upload's own CPU on the client:
-    docs/notes/issue-28.md); an integrity check against transmission errors needs only the crc."""
+    bench/README.md, "Remote tier"); an integrity check against transmission errors needs only the crc."""
     try:
         profile_s3 = session._session.get_scoped_config().get("s3") or {}
     except Exception:  # a broken or missing profile: boto3 reports it on the first request
