@@ -208,22 +208,15 @@ def read_region(path: Path, offset: int, length: int,
     starts = [s for s, _ in spans]
     pieces = [(p, min(PIECE, length - p)) for p in range(0, length, PIECE)]
     fd = _open(path)
-    ready = [threading.Event() for _ in pieces]  # piece k's pages are faulted in
-
-    def prefault() -> None:
-        try:  # invariant (populate's): piece k is read into only once ready[k] is set
-            for k, (p, n) in enumerate(pieces):
-                populate(buf, p, n)
-                ready[k].set()
-        finally:  # never leave a reader waiting: it would fault the pages itself
-            for e in ready:
-                e.set()
+    # the pieces' pages populated in file order, ahead of the readers (Prefaulter's invariant:
+    # a piece is read into only once pre.wait says it is populated)
+    pre = Prefaulter(buf, PIECE)
 
     def work(i: int) -> list[tuple[int, int, int, int]]:
         done = []
         for k in range(i, len(pieces), THREADS):
             p, n = pieces[k]
-            ready[k].wait()
+            pre.wait(p + n)
             got = 0
             while got < n:
                 r = os.preadv(fd, [view[p + got:p + n]], offset + p + got)
@@ -241,11 +234,10 @@ def read_region(path: Path, offset: int, length: int,
         return done
 
     try:
-        with ThreadPoolExecutor(THREADS + 1) as pool:
-            toucher = pool.submit(prefault)
+        with ThreadPoolExecutor(THREADS) as pool:
             parts = [x for part in pool.map(work, range(THREADS)) for x in part]
-            toucher.result()
     finally:
+        pre.close()
         os.close(fd)
     crcs = [0] * len(spans)
     for j, _, crc, n in sorted(parts, key=lambda t: (t[0], t[1])):  # combine in file order
