@@ -28,6 +28,11 @@ save call until the checkpoint is committed remotely (median over committed ones
 throughput, and a cold load from the remote (pccheck ``load_latest("s3://...")`` vs download +
 ``torch.load``; with ``--s3fs-path``, DCP's ``FsspecReader``).
 Speeds on 2 vCPUs are the server's: compare ratios between rows of one run.
+
+``--bucket NAME`` runs every row against an existing server instead (its endpoint and keys from
+the standard AWS variables, e.g. ``AWS_ENDPOINT_URL``; the bucket must exist and allow conditional
+writes): a server on another host is what the loop targets need, since on one machine the
+server's CPU work lands on the training loop (bench/README, "Remote tier").
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ CONC = 4
 
 def _env(srv: DevServer) -> None:
     os.environ.update(srv.env())
+
+
+class ExternalServer:
+    """An S3 server this bench does not start: the bucket given, the AWS variables as they are."""
+
+    def __init__(self, bucket: str) -> None:
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            raise SystemExit("--bucket needs AWS_ENDPOINT_URL (and the server's keys in the AWS variables)")
+        self.bucket = bucket
+
+    def start(self) -> "ExternalServer":
+        return self
+
+    def env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+
+    def stop(self) -> None:
+        """Nothing to stop: the server is not this bench's."""
+
+
+def _server(a: argparse.Namespace, directory: Path) -> "DevServer | ExternalServer":
+    return ExternalServer(a.bucket) if a.bucket else DevServer(directory).start()
 
 
 def _client():
@@ -455,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a directory holding s3fs (pip install --target DIR s3fs) for the DCP row")
     ap.add_argument("--upload-only", action="store_true",
                     help="only the upload path, no loop: pccheck's upload_slot vs the raw client, alternating")
+    ap.add_argument("--bucket", help="use an existing server's bucket (endpoint and keys from the AWS variables) "
+                                     "instead of starting weed mini on 127.0.0.1")
     a = ap.parse_args(argv)
     if a.upload_only:
         return _main_upload_only(a, argv)
@@ -463,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pccheck").setLevel(logging.WARNING)
     runs = []
     with tempfile.TemporaryDirectory(prefix="pccheck-bench-remote-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
-        srv = DevServer(Path(d) / "s3").start()
+        srv = _server(a, Path(d) / "s3")
+        server = {"endpoint": srv.env()["AWS_ENDPOINT_URL"], "bucket": srv.bucket}
         try:
             _env(srv)
             for i in range(a.repeat):
@@ -477,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, a)
     res = {"command": "python -m bench.remote " + " ".join(argv if argv is not None else os.sys.argv[1:]),
            "gpu": "EMULATED (sleep iter_time, then SGD over the state)", "size": parse_size(a.size),
-           "iter_time": a.iter_time, "every": a.every, "iters": a.iters, "part_size": PART, "concurrency": CONC,
+           "server": server, "iter_time": a.iter_time, "every": a.every, "iters": a.iters, "part_size": PART,
+           "concurrency": CONC,
            "runs": runs, "summary": summary, "host": host_info(tempfile.gettempdir())}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
@@ -489,16 +520,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_upload_only(a: argparse.Namespace, argv: list[str] | None) -> int:
     with tempfile.TemporaryDirectory(prefix="pccheck-bench-remote-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
-        srv = DevServer(Path(d) / "s3").start()
+        srv = _server(a, Path(d) / "s3")
         try:
             _env(srv)
             work = Path(d) / "run"
             work.mkdir()
             res = upload_path_only(a, work, f"s3://{srv.bucket}/bench-{uuid.uuid4().hex[:6]}")
+            server = {"endpoint": srv.env()["AWS_ENDPOINT_URL"], "bucket": srv.bucket}
         finally:
             srv.stop()
     res = {"command": "python -m bench.remote " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-           "size": parse_size(a.size), "part_size": PART, "concurrency": CONC, **res,
+           "server": server, "size": parse_size(a.size), "part_size": PART, "concurrency": CONC, **res,
            "host": host_info(tempfile.gettempdir())}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
