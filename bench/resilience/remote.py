@@ -70,7 +70,7 @@ class ExternalServer:
             raise SystemExit("--bucket needs AWS_ENDPOINT_URL (and the server's keys in the AWS variables)")
         self.bucket = bucket
 
-    def start(self) -> "ExternalServer":
+    def start(self) -> ExternalServer:
         return self
 
     def env(self) -> dict[str, str]:
@@ -80,7 +80,7 @@ class ExternalServer:
         """Nothing to stop: the server is not this bench's."""
 
 
-def _server(a: argparse.Namespace, directory: Path) -> "DevServer | ExternalServer":
+def _server(a: argparse.Namespace, directory: Path) -> DevServer | ExternalServer:
     return ExternalServer(a.bucket) if a.bucket else DevServer(directory).start()
 
 
