@@ -139,7 +139,11 @@ def test_checkpoint_or_close_before_k_steps_finish_the_spread_early(tmp_path):
     want4 = state_of(model, opt, sched, scaler)
     ck.wait()                              # finishes the second as step 4 too: no step since the last call
     stats = ck.stats().as_dict()["checkpoints"]
-    assert [c["step"] for c in stats] == [4, 4] and all(c["outcome"] == "committed" for c in stats)
+    # both are step 4: the second may commit first, and the first is then superseded (CHECK_ADDR
+    # never moves back), never lost or failed
+    outcomes = [c["outcome"] for c in stats]
+    assert [c["step"] for c in stats] == [4, 4] and "committed" in outcomes, outcomes
+    assert set(outcomes) <= {"committed", "superseded"}, outcomes
     train_step(model, opt, sched, scaler, 5)
     ck.checkpoint(5)
     train_step(model, opt, sched, scaler, 6)  # the optimizer steps, and no call follows: step unknown
