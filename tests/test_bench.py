@@ -449,3 +449,23 @@ def test_gockpt_replay_floor_runs_a_spreads_replay_work_one_step_per_call():
     floor.call(20)                    # the next checkpoint call starts another replay
     floor.drain()
     assert float(floor.optimizer.state[floor.shadow[0]]["step"]) == 1 + 2 * 4
+
+
+def test_gockpt_thread_cpu_names_threads_and_breaks_the_training_threads_time_down():
+    import threading
+
+    from bench.modes.gockpt import cpu_breakdown, thread_cpu
+
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="pccheck-spread-copy_1")
+    worker.start()
+    try:
+        cpu = thread_cpu()
+    finally:
+        stop.set()
+        worker.join()
+    assert "training" in cpu and "pccheck-spread-copy" in cpu and "pccheck-spread-copy_1" not in cpu
+    assert all(v >= 0 for v in cpu.values())
+    out = cpu_breakdown({"training": 1.0, "gone": 0.5}, {"training": 3.0, "replay": 0.25}, wall=10.0, slept=4.0)
+    assert out["thread_cpu_s"] == {"replay": 0.25, "training": 2.0}  # an ended thread's share is lost
+    assert out["timed_wall_s"] == 10.0 and out["training_off_cpu_s"] == pytest.approx(4.0)

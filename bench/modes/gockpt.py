@@ -139,7 +139,10 @@ def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any
     s += 1
     step()
     ratios, deltas, cycles = [], [], []
+    cpu0 = wall0 = None
     for i in range(triples + 1):    # triple 0: the warm-up ("auto" measures B and t from its checkpoint)
+        if i == 1:  # the timed triples' CPU time by thread, from here
+            cpu0, wall0 = thread_cpu(), time.perf_counter()
         t_a = run_cycle(s + 1, begins=True)
         s += cycle
         call(s)
@@ -153,6 +156,8 @@ def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any
             deltas.append(t_a + t_b - 2 * t_c)
             cycles.append([t_a, t_b, t_c])
     out: dict[str, Any] = {"ratios": ratios, "deltas_s": deltas, "cycles_s": cycles, "iters_per_cycle": cycle}
+    if cpu0 is not None:
+        out.update(cpu_breakdown(cpu0, thread_cpu(), time.perf_counter() - wall0, 3 * cycle * triples * cfg["iter_time"]))
     if ck is not None:
         ck.wait()
         stats = ck.stats().as_dict()["checkpoints"][1:]  # the warm-up's first checkpoint left out
@@ -170,6 +175,40 @@ def run_system(system: str, cfg: dict[str, Any], workdir: Path) -> dict[str, Any
         saver.drain()
         saver.close()
     return out
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of every thread of this process, by thread: its Python name with
+    the trailing pool index cut ("pccheck-spread-copy_1" -> "pccheck-spread-copy"), the main
+    thread as "training", threads Python does not know (native, the hog is another process) as
+    "native", from /proc/self/task/*/stat."""
+    import os
+    import re
+    import threading
+
+    names = {t.native_id: ("training" if t is threading.main_thread() else re.sub(r"[_-]?\d+$", "", t.name))
+             for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        name = names.get(int(tid), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_breakdown(before: dict[str, float], after: dict[str, float], wall: float, slept: float) -> dict[str, Any]:
+    """Where the timed triples' time went: CPU seconds by thread group over ``wall`` seconds, and
+    the training thread's off-CPU time beyond its ``slept`` seconds of emulated forward/backward
+    (waiting for a CPU, or for the checkpoint: ``blocked_s`` says how much of it was the latter).
+    Threads that ended inside the window are missing from ``after`` (their share is lost)."""
+    cpu = {k: round(after[k] - before.get(k, 0.0), 3) for k in sorted(after)}
+    return {"thread_cpu_s": cpu, "timed_wall_s": wall,
+            "training_off_cpu_s": wall - cpu.get("training", 0.0) - slept}
 
 
 def child_main(spec: dict[str, Any]) -> int:
@@ -301,6 +340,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
                                "loop_stall_s": statistics.median(pooled(rs, "deltas_s")),
                                "slowdown_runs": pooled(rs, "ratios")}
         row.update(_spread(pooled(rs, "ratios"), [r["ratios"] for r in rs], "slowdown"))
+        row.update(_cpu_per_checkpoint(rs))
         if system.startswith("pccheck"):
             ks = pooled(rs, "spread_steps")
             k = int(statistics.median(ks))
@@ -341,6 +381,18 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
                     else 0.75 <= v <= 1.25)
     out["targets"] = targets
     return out
+
+
+def _cpu_per_checkpoint(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the repeats of each thread group's CPU seconds per timed triple (one
+    checkpoint), and of the training thread's off-CPU time per triple (run_system's breakdown)."""
+    rs = [r for r in rs if "thread_cpu_s" in r]
+    if not rs:
+        return {}
+    groups = sorted({g for r in rs for g in r["thread_cpu_s"]})
+    per = {g: statistics.median(r["thread_cpu_s"].get(g, 0.0) / len(r["ratios"]) for r in rs) for g in groups}
+    return {"thread_cpu_per_ckpt_s": per,
+            "training_off_cpu_per_ckpt_s": statistics.median(r["training_off_cpu_s"] / len(r["ratios"]) for r in rs)}
 
 
 def _spread(values: list[float], per_repeat: list[list[float]], name: str) -> dict[str, Any]:
