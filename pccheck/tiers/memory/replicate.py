@@ -173,6 +173,7 @@ class Replicator:
         self.replicated: int | None = None    # newest step replicated everywhere (rlog)
         self._stores: dict[int, Orchestrator] = {}
         self._bufs: dict[int, np.ndarray] = {}
+        self._map: tuple[Path, mmap.mmap] | None = None  # the sender's mapping of its store file
         self._recv_stop = threading.Event()
         self._threads = [threading.Thread(target=self._send_loop, name="pccheck-replica-send", daemon=True)]
         self._threads += [threading.Thread(target=self._follow_replicated, name="pccheck-replica-log", daemon=True)]
@@ -239,25 +240,44 @@ class Replicator:
                 return False  # superseded and reused already (cannot happen while held; defence)
             raw = read_raw_manifest(image, info.slot, f.fileno())
             end = data_end(man)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-                view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
-                doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
-                       "manifest": raw.decode()}
-                for dst in self.links.peers:
-                    if dst in self._dead:
-                        continue
-                    try:
-                        self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
-                        send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
-                    except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
-                        log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
-                                  "to it", man.step, dst, exc)
-                        self._dead.add(dst)
-                        if self.coord is not None:
-                            self.coord.degrade()
-                del view
+            mm = self._mapping(info.store_file, f.fileno())
+            view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
+            doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
+                   "manifest": raw.decode()}
+            for dst in self.links.peers:
+                if dst in self._dead:
+                    continue
+                try:
+                    self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
+                    send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
+                    log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
+                              "to it", man.step, dst, exc)
+                    self._dead.add(dst)
+                    if self.coord is not None:
+                        self.coord.degrade()
+            del view
         self.sent_step = info.step
         return True
+
+    def _mapping(self, path: Path, fd: int) -> mmap.mmap:
+        """A private, never written mapping of the store file ``path``, kept from one send to the
+        next (sender thread only): a fresh mapping per send faulted all of the slot's pages in
+        again (4096 faults per 256 MiB). Unwritten pages of a private file mapping are the file's
+        page-cache pages, so it sees every later commit; the slot read is held (never rewritten)
+        while it is queued or sent (MemoryCoordinator). A new store generation gets a new mapping."""
+        if self._map is None or self._map[0] != path:
+            self._unmap()
+            self._map = (path, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+        return self._map[1]
+
+    def _unmap(self) -> None:
+        if self._map is not None:
+            try:
+                self._map[1].close()
+            except BufferError:  # a view is still alive: the mapping goes with its last reference
+                pass
+            self._map = None
 
     # -- receiving --------------------------------------------------------------------------------
 
@@ -316,7 +336,7 @@ class Replicator:
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
                                 copy_engine=CpuCopyEngine(threads=1), on_error=_log_error, retention=_KeepTwo(),
-                                world_size=self.links.world, rank=src, on_commit=committed)
+                                world_size=self.links.world, rank=src, on_commit=committed, populate_store=True)
             self._stores[src] = orch
         return orch
 
@@ -352,6 +372,8 @@ class Replicator:
             self._stopping = True
             self._cv.notify_all()
         self._threads[0].join(deadline_s)
+        if not self._threads[0].is_alive():
+            self._unmap()
         for t in self._threads[2:]:  # the receivers end at their source's end marker
             t.join(deadline_s)
         self._recv_stop.set()

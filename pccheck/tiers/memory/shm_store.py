@@ -206,7 +206,8 @@ class MemoryTier:
             self.coord.epoch = epoch  # the disk tier's: both tiers' manifests pair by (epoch, step)
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
-                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False)
+                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False,
+                                 populate_store=True)
         if self.coord is not None:
             self.coord.start(self.orch)
         if self.links.peers or self.links.sources:
