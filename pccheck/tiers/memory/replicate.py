@@ -43,7 +43,7 @@ from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import gather_json, poll_key, private_store, recv_bytes, send_bytes
+from .wire import KeyWaiter, gather_json, private_store, recv_bytes, send_bytes
 
 __all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
 
@@ -162,6 +162,9 @@ class Replicator:
         self.links, self.root, self.coord = links, root, coord
         self._engine = replace(engine, max_concurrent=1, writer_threads=1)
         self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
+        # one KeyWaiter (a connection of its own) per waiting thread: receivers and the log follower
+        self._waiters = {name: KeyWaiter.connect(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
+                         for name in ["log", *links.sources]}
         self._cv = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._sending = False
@@ -281,18 +284,19 @@ class Replicator:
 
     # -- receiving --------------------------------------------------------------------------------
 
-    def _wait_key(self, key: str, delete: bool = True) -> str | None:
-        v = poll_key(self._kv, key, self._recv_stop)
+    def _wait_key(self, who: int | str, key: str, delete: bool = True) -> str | None:
+        w = self._waiters[who]
+        v = w.wait(key, self._recv_stop)
         if v is not None and delete:
             try:
-                self._kv.delete_key(key)
+                w.store.delete_key(key)
             except Exception:  # noqa: BLE001 - only a little memory in the store
                 pass
         return v
 
     def _recv_loop(self, src: int) -> None:
         seq = 0
-        while (v := self._wait_key(f"{src}>{self.links.rank}/{seq}")) is not None:
+        while (v := self._wait_key(src, f"{src}>{self.links.rank}/{seq}")) is not None:
             seq += 1
             try:
                 doc = json.loads(v)
@@ -352,7 +356,7 @@ class Replicator:
 
     def _follow_replicated(self) -> None:
         i = 1
-        while (v := self._wait_key(f"rlog/{i}", delete=False)) is not None:
+        while (v := self._wait_key("log", f"rlog/{i}", delete=False)) is not None:
             i += 1
             step = int(v)
             if self.replicated is None or step > self.replicated:

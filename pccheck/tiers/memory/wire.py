@@ -18,11 +18,12 @@ import numpy as np
 from ...errors import PCCheckError
 
 __all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
-           "WIRE_CHUNK", "WINDOW"]
+           "WIRE_CHUNK", "WINDOW", "KeyWaiter"]
 
 MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
 WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
 WINDOW = 4                   # chunks in flight per transfer (bench: 16 MiB x 1 ran ~1.5x one 256 MiB send)
+WAIT_SLICE = timedelta(milliseconds=500)  # KeyWaiter: one blocking wait; a thread sees its stop within it
 
 
 class ReplicationError(PCCheckError, ConnectionError):
@@ -61,6 +62,12 @@ def private_store(shared: Any, prefix: str, timeout_s: float) -> Any:
     job's TCPStore when there is one (a TCPStore client serialises its operations, and
     pccheck.distributed's followers hold the shared one in 200 ms blocking waits), else ``shared``.
     Collective only in that every rank must use the same prefix."""
+    return _private(shared, prefix, timeout_s)[0]
+
+
+def _private(shared: Any, prefix: str, timeout_s: float) -> tuple[Any, bool]:
+    """private_store's store, and whether it is a connection of its own (blocking waits on it
+    hold up nobody else)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -69,8 +76,41 @@ def private_store(shared: Any, prefix: str, timeout_s: float) -> Any:
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
         own = dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        return dist.PrefixStore(f"pccheck-tiers/{prefix}", own)
-    return dist.PrefixStore(f"tiers/{prefix}", shared)
+        return dist.PrefixStore(f"pccheck-tiers/{prefix}", own), True
+    return dist.PrefixStore(f"tiers/{prefix}", shared), False
+
+
+class KeyWaiter:
+    """One thread's waits for keys under ``prefix`` (private_store's namespace). On a TCPStore it
+    has a connection of its own and blocks in the server's wait, ``WAIT_SLICE`` at a time (to see
+    ``stop``): the key is seen as soon as it is set, at a few requests a second, where polling
+    every 10 ms cost each waiting thread and the store's server ~0.01 CPU-s per 0.4 s iteration
+    (issue 29, s16). Elsewhere (a store shared with others) it polls (:func:`poll_key`). Use it
+    from one thread only: a blocking wait holds its connection."""
+
+    def __init__(self, store: Any, own: bool) -> None:
+        self.store, self._own = store, own  # own: a connection nobody else uses (blocking waits)
+
+    @classmethod
+    def connect(cls, shared: Any, prefix: str, timeout_s: float) -> "KeyWaiter":
+        """A waiter in private_store's namespace ``prefix``, on a connection of its own if it can."""
+        return cls(*_private(shared, prefix, timeout_s))
+
+    def wait(self, key: str, stop: Any) -> str | None:
+        """The value of ``key`` once it is set, or None once ``stop`` (a threading.Event) is set."""
+        if not self._own:
+            return poll_key(self.store, key, stop)
+        import time
+
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.store.wait([key], WAIT_SLICE)
+                return self.store.get(key).decode()
+            except Exception:  # noqa: BLE001 - the slice ran out (the store raises), or the store went away
+                if time.monotonic() - t0 < WAIT_SLICE.total_seconds() / 2:
+                    stop.wait(0.01)  # not a timeout: do not spin on a store that went away
+        return None
 
 
 def poll_key(store: Any, key: str, stop: Any, interval_s: float = 0.01) -> str | None:
