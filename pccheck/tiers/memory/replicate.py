@@ -35,7 +35,6 @@ import numpy as np
 from ...group.distributed import Group
 from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.args import StartArgs
-from ...orchestrator.copy_engine import CpuCopyEngine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
 from ...orchestrator.retention import Retention
@@ -43,7 +42,7 @@ from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import KeyWaiter, gather_json, private_store, recv_bytes, send_bytes
+from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, send_bytes
 
 __all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
 
@@ -318,15 +317,29 @@ class Replicator:
         man, end = _parse_header(doc)
         buf = self._bufs.get(src)
         if buf is None or buf.nbytes < end:
+            # touched only on the fallback path: the arrays' descriptions otherwise (never read)
             buf = self._bufs[src] = np.empty(end, dtype=np.uint8)
         view = buf[:end]
-        recv_bytes(self.links.pg, src, view, src, TIMEOUT_S)
         arrays = arrays_of(man, view)
         orch = self._store(src, arrays)
-        # Returns once every byte is in DRAM chunks: the buffer may be reused; commits behind,
-        # and only if the writers' crc32c of every array matches the manifest's (expect_crcs).
-        orch.start(man.step, arrays, man.metadata, StartArgs(
-            tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)}))
+        wire: WireCopyEngine = orch.copy_engine
+        layout = plan(arrays)
+        same = [(e.name, e.offset, e.nbytes) for e in layout.entries] == [(e.name, e.offset, e.nbytes)
+                                                                           for e in man.arrays]
+        if orch.engine is not None and same and wire.fits(end, layout.data_len):
+            wire.expect((self.links.pg, src, src, TIMEOUT_S, end))  # received into the pool's chunks
+            log.debug("pccheck: receiving the replica of step %d from rank %d into the pool", man.step, src)
+        else:  # the first replica (no pool yet), or a layout the pool's chunks do not match
+            wire.expect(None)
+            recv_bytes(self.links.pg, src, view, src, TIMEOUT_S)
+        # Returns once every byte is in DRAM chunks; commits behind, and only if the writers'
+        # crc32c of every array matches the manifest's (expect_crcs): a damaged replica is never
+        # committed.
+        try:
+            orch.start(man.step, arrays, man.metadata, StartArgs(
+                tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)}))
+        finally:
+            wire.expect(None)
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
@@ -339,7 +352,7 @@ class Replicator:
                 self._count_replica(info.step)
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
-                                copy_engine=CpuCopyEngine(threads=1), on_error=_log_error, retention=_KeepTwo(),
+                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=_KeepTwo(),
                                 world_size=self.links.world, rank=src, on_commit=committed, populate_store=True)
             self._stores[src] = orch
         return orch
