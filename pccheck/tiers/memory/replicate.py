@@ -159,7 +159,9 @@ class Replicator:
 
     def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
         self.links, self.root, self.coord = links, root, coord
-        self._engine = replace(engine, max_concurrent=1, writer_threads=1)
+        # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
+        # skipped start would leave the sender's bytes unreceived and the pair out of step)
+        self._engine = replace(engine, max_concurrent=1, writer_threads=1, when_busy="block")
         self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
         # one KeyWaiter (a connection of its own) per waiting thread: receivers and the log follower
         self._waiters = {name: KeyWaiter.connect(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
