@@ -462,3 +462,58 @@ def test_prefaulter_close_stops_it_early():
     pre.wait(buf.nbytes)  # never blocks once closed
     buf[:] = 7
     assert (buf[::4096] == 7).all()
+
+
+def test_store_populate_keeps_committed_bytes_and_stops_at_close(tmp_path):
+    """A memory store's mapping is faulted in at open (SlotStore populate=True, native
+    Store.populate): every byte committed before stays as it was, a populate after close does
+    nothing, and a close during a populate ends it (no access to an unmapped range)."""
+    from pccheck.native import _native
+    from pccheck.orchestrator.args import StartArgs
+    from pccheck.orchestrator.copy_engine import CpuCopyEngine
+    from pccheck.orchestrator.options import EngineOptions
+    from pccheck.orchestrator.orchestrator import Orchestrator
+    from pccheck.persist.layout import plan
+
+    arrays = {"w": np.arange(300_000, dtype=np.float32)}
+    opts = EngineOptions(max_concurrent=1, writer_threads=1, chunk_size=1 << 16, storage="mmap")
+    orch = Orchestrator(tmp_path / "s", plan(arrays), opts, copy_engine=CpuCopyEngine(threads=1),
+                        on_error=pytest.fail, populate_store=True)
+    try:
+        orch.start(1, arrays, {}, StartArgs())
+        orch.wait()
+    finally:
+        orch.close()
+    (_, file), = store_files(tmp_path / "s")
+    before = file.read_bytes()
+    st = _native.Store(str(file), "mmap")
+    assert st.populate() == len(before)
+    assert file.read_bytes() == before
+    st.close()
+    assert st.populate() == 0
+    st = _native.Store(str(file), "mmap")
+    t = threading.Thread(target=st.populate)
+    t.start()
+    st.close()
+    t.join(10)
+    assert not t.is_alive() and file.read_bytes() == before
+    assert _committed_steps(tmp_path / "s") == {1}
+
+
+def test_key_waiter_sees_a_key_set_later_and_ends_at_stop():
+    """KeyWaiter (wire.py): a blocking wait on a connection of its own returns a key set by
+    another connection while it waits, and returns None once its stop event is set."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from pccheck.tiers.memory import wire
+
+    srv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", srv.port, is_master=False, timeout=timedelta(seconds=30))
+    waiter = wire.KeyWaiter(dist.PrefixStore("p/", client), own=True)
+    stop = threading.Event()
+    other = dist.PrefixStore("p/", srv)
+    threading.Timer(0.7, lambda: other.set("k", "v")).start()  # after at least one slice ran out
+    assert waiter.wait("k", stop) == "v"
+    threading.Timer(0.2, stop.set).start()
+    assert waiter.wait("never", stop) is None

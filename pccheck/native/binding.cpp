@@ -188,6 +188,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("manifest_offset"), py::arg("data_len"),
            "FORMAT.md §4 steps 3-5. True: this checkpoint is now the durable latest; False: a newer one won.")
       .def("free_slots", &Store::free_slots)
+      .def("populate", &Store::populate, py::call_guard<py::gil_scoped_release>(),
+           "mmap mode: faults every page of the store's mapping in (for tmpfs); returns the bytes done.")
       .def("close", &Store::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")

@@ -1,4 +1,5 @@
 #include "store.h"
+#include "engine.h"  // prefault
 
 #include <errno.h>
 #include <fcntl.h>
@@ -110,8 +111,24 @@ Store::Store(const std::string& path, Mode mode) : path_(path), mode_(mode), fre
 
 Store::~Store() { close(); }
 
+uint64_t Store::populate() {
+  if (mode_ != Mode::kMmap) return 0;
+  constexpr size_t kPiece = size_t(2) << 20;  // the lock (and the process's mmap lock) held briefly
+  uint64_t done = 0;
+  for (size_t off = 0;; off += kPiece) {
+    std::lock_guard<std::mutex> g(populate_mu_);
+    if (closing_.load(std::memory_order_relaxed) || !map_ || off >= map_len_) break;
+    size_t n = std::min(kPiece, map_len_ - off);
+    prefault(map_ + off, n);
+    done += n;
+  }
+  return done;
+}
+
 void Store::close() {
   free_.close();
+  closing_.store(true, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> g(populate_mu_);  // a populate() piece in progress ends first
   if (map_) {
     if (mode_ == Mode::kPmem) pmem_unmap(map_, map_len_);
     else ::munmap(map_, map_len_);

@@ -124,7 +124,7 @@ class Orchestrator:
                  world_size: int = 1, rank: int = 0,
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
-                 device_reserve: int | str | None = None, pool: bool = True) -> None:
+                 device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False) -> None:
         if not engine.resolved:
             raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
         self.engine_options = engine
@@ -147,7 +147,8 @@ class Orchestrator:
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         try:
-            self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced)
+            self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced,
+                                   populate=populate_store)  # tmpfs (memory tier): slots faulted in at open
         except BaseException:
             copy_engine.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
             raise

@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError, StoreLockedError,
@@ -44,8 +45,12 @@ class SlotStore:
     by the orchestrator, which decides when older generations are retired."""
 
     def __init__(self, path: Path, storage: str = "auto", world_size: int = 1, rank: int = 0, *,
-                 hold_replaced: bool = False) -> None:
+                 hold_replaced: bool = False, populate: bool = False) -> None:
         self.path = path
+        # populate: fault every page of each generation's mapping in on a thread of its own when it
+        # opens, in mmap mode (a store on tmpfs: the memory tier), so no checkpoint pays the first
+        # touch of its slot (native Store.populate says why)
+        self.populate = populate
         self.storage = storage
         self.world_size = world_size
         self.rank = rank
@@ -157,6 +162,8 @@ class SlotStore:
             self.native.set_hold_replaced(self.hold_replaced)
         except OSError as exc:
             raise storage_error_from_oserror(exc, f"opening {file}") from None
+        if self.populate and self.native.mode == "mmap":
+            threading.Thread(target=_populate, args=(self.native, file), name="pccheck-populate", daemon=True).start()
         if fallback:
             with self._guard_lock:
                 self._guarded, self._guarded_gen = list(fallback), self.generation
@@ -336,3 +343,14 @@ class SlotStore:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
+
+
+def _populate(native: "_native.Store", file: Path) -> None:
+    """Faults a store's whole mapping in (see SlotStore's ``populate``); stops at its close."""
+    t0 = time.perf_counter()
+    try:
+        done = native.populate()
+    except Exception as exc:  # noqa: BLE001 - an optimisation only: the writers fault pages in themselves
+        log.warning("pccheck: populating %s failed: %s", file, exc)
+        return
+    log.info("pccheck: populated %s (%.1f MiB in %.2f s)", file, done / 2**20, time.perf_counter() - t0)

@@ -35,7 +35,6 @@ import numpy as np
 from ...group.distributed import Group
 from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.args import StartArgs
-from ...orchestrator.copy_engine import CpuCopyEngine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
 from ...orchestrator.retention import Retention
@@ -43,7 +42,7 @@ from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import gather_json, poll_key, private_store, recv_bytes, send_bytes
+from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, send_bytes
 
 __all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
 
@@ -160,8 +159,13 @@ class Replicator:
 
     def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
         self.links, self.root, self.coord = links, root, coord
-        self._engine = replace(engine, max_concurrent=1, writer_threads=1)
+        # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
+        # skipped start would leave the sender's bytes unreceived and the pair out of step)
+        self._engine = replace(engine, max_concurrent=1, writer_threads=1, when_busy="block")
         self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
+        # one KeyWaiter (a connection of its own) per waiting thread: receivers and the log follower
+        self._waiters = {name: KeyWaiter.connect(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
+                         for name in ["log", *links.sources]}
         self._cv = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._sending = False
@@ -173,6 +177,7 @@ class Replicator:
         self.replicated: int | None = None    # newest step replicated everywhere (rlog)
         self._stores: dict[int, Orchestrator] = {}
         self._bufs: dict[int, np.ndarray] = {}
+        self._map: tuple[Path, mmap.mmap] | None = None  # the sender's mapping of its store file
         self._recv_stop = threading.Event()
         self._threads = [threading.Thread(target=self._send_loop, name="pccheck-replica-send", daemon=True)]
         self._threads += [threading.Thread(target=self._follow_replicated, name="pccheck-replica-log", daemon=True)]
@@ -239,40 +244,60 @@ class Replicator:
                 return False  # superseded and reused already (cannot happen while held; defence)
             raw = read_raw_manifest(image, info.slot, f.fileno())
             end = data_end(man)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-                view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
-                doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
-                       "manifest": raw.decode()}
-                for dst in self.links.peers:
-                    if dst in self._dead:
-                        continue
-                    try:
-                        self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
-                        send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
-                    except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
-                        log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
-                                  "to it", man.step, dst, exc)
-                        self._dead.add(dst)
-                        if self.coord is not None:
-                            self.coord.degrade()
-                del view
+            mm = self._mapping(info.store_file, f.fileno())
+            view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
+            doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
+                   "manifest": raw.decode()}
+            for dst in self.links.peers:
+                if dst in self._dead:
+                    continue
+                try:
+                    self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
+                    send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
+                    log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
+                              "to it", man.step, dst, exc)
+                    self._dead.add(dst)
+                    if self.coord is not None:
+                        self.coord.degrade()
+            del view
         self.sent_step = info.step
         return True
 
+    def _mapping(self, path: Path, fd: int) -> mmap.mmap:
+        """A private, never written mapping of the store file ``path``, kept from one send to the
+        next (sender thread only): a fresh mapping per send faulted all of the slot's pages in
+        again (4096 faults per 256 MiB). Unwritten pages of a private file mapping are the file's
+        page-cache pages, so it sees every later commit; the slot read is held (never rewritten)
+        while it is queued or sent (MemoryCoordinator). A new store generation gets a new mapping."""
+        if self._map is None or self._map[0] != path:
+            self._unmap()
+            self._map = (path, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+        return self._map[1]
+
+    def _unmap(self) -> None:
+        if self._map is not None:
+            try:
+                self._map[1].close()
+            except BufferError:  # a view is still alive: the mapping goes with its last reference
+                pass
+            self._map = None
+
     # -- receiving --------------------------------------------------------------------------------
 
-    def _wait_key(self, key: str, delete: bool = True) -> str | None:
-        v = poll_key(self._kv, key, self._recv_stop)
+    def _wait_key(self, who: int | str, key: str, delete: bool = True) -> str | None:
+        w = self._waiters[who]
+        v = w.wait(key, self._recv_stop)
         if v is not None and delete:
             try:
-                self._kv.delete_key(key)
+                w.store.delete_key(key)
             except Exception:  # noqa: BLE001 - only a little memory in the store
                 pass
         return v
 
     def _recv_loop(self, src: int) -> None:
         seq = 0
-        while (v := self._wait_key(f"{src}>{self.links.rank}/{seq}")) is not None:
+        while (v := self._wait_key(src, f"{src}>{self.links.rank}/{seq}")) is not None:
             seq += 1
             try:
                 doc = json.loads(v)
@@ -294,15 +319,29 @@ class Replicator:
         man, end = _parse_header(doc)
         buf = self._bufs.get(src)
         if buf is None or buf.nbytes < end:
+            # touched only on the fallback path: the arrays' descriptions otherwise (never read)
             buf = self._bufs[src] = np.empty(end, dtype=np.uint8)
         view = buf[:end]
-        recv_bytes(self.links.pg, src, view, src, TIMEOUT_S)
         arrays = arrays_of(man, view)
         orch = self._store(src, arrays)
-        # Returns once every byte is in DRAM chunks: the buffer may be reused; commits behind,
-        # and only if the writers' crc32c of every array matches the manifest's (expect_crcs).
-        orch.start(man.step, arrays, man.metadata, StartArgs(
-            tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)}))
+        wire: WireCopyEngine = orch.copy_engine
+        layout = plan(arrays)
+        same = [(e.name, e.offset, e.nbytes) for e in layout.entries] == [(e.name, e.offset, e.nbytes)
+                                                                           for e in man.arrays]
+        if orch.engine is not None and same and wire.fits(end, layout.data_len):
+            wire.expect((self.links.pg, src, src, TIMEOUT_S, end))  # received into the pool's chunks
+            log.debug("pccheck: receiving the replica of step %d from rank %d into the pool", man.step, src)
+        else:  # the first replica (no pool yet), or a layout the pool's chunks do not match
+            wire.expect(None)
+            recv_bytes(self.links.pg, src, view, src, TIMEOUT_S)
+        # Returns once every byte is in DRAM chunks; commits behind, and only if the writers'
+        # crc32c of every array matches the manifest's (expect_crcs): a damaged replica is never
+        # committed.
+        try:
+            orch.start(man.step, arrays, man.metadata, StartArgs(
+                tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)}))
+        finally:
+            wire.expect(None)
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
@@ -315,8 +354,8 @@ class Replicator:
                 self._count_replica(info.step)
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
-                                copy_engine=CpuCopyEngine(threads=1), on_error=_log_error, retention=_KeepTwo(),
-                                world_size=self.links.world, rank=src, on_commit=committed)
+                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=_KeepTwo(),
+                                world_size=self.links.world, rank=src, on_commit=committed, populate_store=True)
             self._stores[src] = orch
         return orch
 
@@ -332,7 +371,7 @@ class Replicator:
 
     def _follow_replicated(self) -> None:
         i = 1
-        while (v := self._wait_key(f"rlog/{i}", delete=False)) is not None:
+        while (v := self._wait_key("log", f"rlog/{i}", delete=False)) is not None:
             i += 1
             step = int(v)
             if self.replicated is None or step > self.replicated:
@@ -352,6 +391,8 @@ class Replicator:
             self._stopping = True
             self._cv.notify_all()
         self._threads[0].join(deadline_s)
+        if not self._threads[0].is_alive():
+            self._unmap()
         for t in self._threads[2:]:  # the receivers end at their source's end marker
             t.join(deadline_s)
         self._recv_stop.set()

@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -88,8 +89,12 @@ class MemoryCoordinator(GroupCoordinator):
 
     extra_slots = 4
 
-    def __init__(self, path: Path, group: Group) -> None:
+    def __init__(self, path: Path, group: Group, shared_store: Any = None, prefix: str = "memory/") -> None:
         super().__init__(path, group)
+        # where a follower thread's KeyWaiter connects: the job's store (the group's is prefixed
+        # already) under the same prefix as the group's store (_prefixed)
+        self.shared_store, self.prefix = shared_store if shared_store is not None else group.store, prefix
+        self._local = threading.local()
         self.replicating = False
         self.replicated: list[int] = []  # the two newest steps replicated everywhere
 
@@ -101,9 +106,14 @@ class MemoryCoordinator(GroupCoordinator):
             self._slots.settle(self.orch, keep)
 
     def _wait_key(self, key: str) -> str | None:
-        from .wire import poll_key
+        """Blocks (KeyWaiter) until ``key`` is set; each follower thread has a connection of its
+        own, so neither the other follower nor on_commit's adds wait behind it."""
+        from .wire import KeyWaiter
 
-        return poll_key(self.group.store, key, self._stop)
+        w = getattr(self._local, "waiter", None)
+        if w is None:
+            w = self._local.waiter = KeyWaiter.connect(self.shared_store, self.prefix, 120.0)
+        return w.wait(key, self._stop)
 
     def degrade(self) -> None:
         """A peer is gone: replication stops counting; the plain group rule keeps the slots."""
@@ -185,7 +195,7 @@ class MemoryTier:
         _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
         self.coord: MemoryCoordinator | None = None
         if group is not None:
-            self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"))
+            self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"), group.store, "memory/")
             self.coord.extra_slots = extra
             self.coord.prepare(self.dir)  # collective: the memory stores' epochs and common step
         self.replicator: Any = None
@@ -206,7 +216,8 @@ class MemoryTier:
             self.coord.epoch = epoch  # the disk tier's: both tiers' manifests pair by (epoch, step)
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
-                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False)
+                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False,
+                                 populate_store=True)
         if self.coord is not None:
             self.coord.start(self.orch)
         if self.links.peers or self.links.sources:

@@ -8,6 +8,7 @@ that times out closes the pair for good.
 
 from __future__ import annotations
 
+import errno
 import json
 from collections import deque
 from datetime import timedelta
@@ -16,13 +17,15 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import PCCheckError
+from ...orchestrator.copy_engine import CpuCopyEngine, Sources, abandon, acquire_chunk_for
 
 __all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
-           "WIRE_CHUNK", "WINDOW"]
+           "WIRE_CHUNK", "WINDOW", "KeyWaiter", "WireCopyEngine"]
 
 MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
 WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
 WINDOW = 4                   # chunks in flight per transfer (bench: 16 MiB x 1 ran ~1.5x one 256 MiB send)
+WAIT_SLICE = timedelta(milliseconds=500)  # KeyWaiter: one blocking wait; a thread sees its stop within it
 
 
 class ReplicationError(PCCheckError, ConnectionError):
@@ -61,6 +64,12 @@ def private_store(shared: Any, prefix: str, timeout_s: float) -> Any:
     job's TCPStore when there is one (a TCPStore client serialises its operations, and
     pccheck.distributed's followers hold the shared one in 200 ms blocking waits), else ``shared``.
     Collective only in that every rank must use the same prefix."""
+    return _private(shared, prefix, timeout_s)[0]
+
+
+def _private(shared: Any, prefix: str, timeout_s: float) -> tuple[Any, bool]:
+    """private_store's store, and whether it is a connection of its own (blocking waits on it
+    hold up nobody else)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -69,8 +78,41 @@ def private_store(shared: Any, prefix: str, timeout_s: float) -> Any:
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
         own = dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        return dist.PrefixStore(f"pccheck-tiers/{prefix}", own)
-    return dist.PrefixStore(f"tiers/{prefix}", shared)
+        return dist.PrefixStore(f"pccheck-tiers/{prefix}", own), True
+    return dist.PrefixStore(f"tiers/{prefix}", shared), False
+
+
+class KeyWaiter:
+    """One thread's waits for keys under ``prefix`` (private_store's namespace). On a TCPStore it
+    has a connection of its own and blocks in the server's wait, ``WAIT_SLICE`` at a time (to see
+    ``stop``): the key is seen as soon as it is set, at a few requests a second, where polling
+    every 10 ms cost each waiting thread and the store's server ~0.01 CPU-s per 0.4 s iteration
+    (issue 29, s16). Elsewhere (a store shared with others) it polls (:func:`poll_key`). Use it
+    from one thread only: a blocking wait holds its connection."""
+
+    def __init__(self, store: Any, own: bool) -> None:
+        self.store, self._own = store, own  # own: a connection nobody else uses (blocking waits)
+
+    @classmethod
+    def connect(cls, shared: Any, prefix: str, timeout_s: float) -> "KeyWaiter":
+        """A waiter in private_store's namespace ``prefix``, on a connection of its own if it can."""
+        return cls(*_private(shared, prefix, timeout_s))
+
+    def wait(self, key: str, stop: Any) -> str | None:
+        """The value of ``key`` once it is set, or None once ``stop`` (a threading.Event) is set."""
+        if not self._own:
+            return poll_key(self.store, key, stop)
+        import time
+
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.store.wait([key], WAIT_SLICE)
+                return self.store.get(key).decode()
+            except Exception:  # noqa: BLE001 - the slice ran out (the store raises), or the store went away
+                if time.monotonic() - t0 < WAIT_SLICE.total_seconds() / 2:
+                    stop.wait(0.01)  # not a timeout: do not spin on a store that went away
+        return None
 
 
 def poll_key(store: Any, key: str, stop: Any, interval_s: float = 0.01) -> str | None:
@@ -137,3 +179,77 @@ def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
             done()
     while pending:
         done()
+
+
+class WireCopyEngine(CpuCopyEngine):
+    """A replica store's copy engine: with a link set (:meth:`expect`), a checkpoint's chunks are
+    *received* into the pool's chunks, as send_bytes sent them (``WIRE_CHUNK`` pieces, ``WINDOW``
+    in flight), and handed to the writers as each lands; without one it copies like the CPU
+    engine. Receiving straight into the (prefaulted) pool saves a memcpy of the whole replica and
+    the receive buffer's first touch. Every byte is still checked: the writers' crc32c must match
+    the manifest's (StartArgs.expect_crcs) before the commit. A link needs the replica's layout to
+    put every array where the sender's manifest has it (:func:`fits`)."""
+
+    name = "wire"
+
+    def __init__(self) -> None:
+        super().__init__(threads=1)
+        self._link: tuple[Any, int, int, float, int] | None = None
+
+    def fits(self, end: int, data_len: int) -> bool:
+        """Whether ``end`` bytes sent in WIRE_CHUNK pieces land whole in this pool's chunks of a
+        stream of ``data_len`` bytes (the caller has checked that the offsets match)."""
+        chunk = self.native_engine.chunk_size if self.native_engine is not None else 0
+        return 0 < end <= data_len and chunk > 0 and (chunk % WIRE_CHUNK == 0 or end <= min(chunk, WIRE_CHUNK))
+
+    def expect(self, link: tuple[Any, int, int, float, int] | None) -> None:
+        """(pg, src, tag, timeout_s, end) for the next copy (receiver thread only), or None."""
+        self._link = link
+
+    def copy(self, job: Any, src: Sources, until: int = 0) -> None:
+        if self._link is None:
+            super().copy(job, src, until)
+            return
+        import ctypes
+
+        pg, peer, tag, timeout_s, end = self._link
+        self._link = None
+        pending: deque = deque()  # (works, k, chunk id), oldest first
+        try:
+            while (k := job.claim()) >= 0:
+                cid = acquire_chunk_for(job, k)
+                n, base = job.chunk_len(k), k * self.native_engine.chunk_size
+                mem = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(self.native_engine.chunk_address(cid)))
+                have = max(0, min(n, end - base))
+                mem[have:] = 0  # beyond the bytes sent: the slot's padding
+                pending.append(([_irecv(pg, peer, mem[o:min(have, o + WIRE_CHUNK)], tag)
+                                 for o in range(0, have, WIRE_CHUNK)], k, cid))
+                if len(pending) >= WINDOW:
+                    _landed(pending, job, peer, timeout_s)
+            while pending:
+                _landed(pending, job, peer, timeout_s)
+        except BaseException:
+            # Invariant: a chunk whose receive may still be posted never goes back to the pool (a
+            # late write would land in another checkpoint's chunk); the pair is broken, and this
+            # replica store takes no more transfers (the receiver stops).
+            for _, k, _ in pending:
+                job.skip(k, errno.EIO)
+            abandon(job, errno.EIO)
+            raise
+
+
+def _irecv(pg: Any, src: int, into: np.ndarray, tag: int) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    return dist.irecv(torch.from_numpy(into), group_src=src, group=pg, tag=tag)
+
+
+def _landed(pending: deque, job: Any, src: int, timeout_s: float) -> None:
+    """Waits for the oldest chunk's receives, then hands it to the writers (it leaves ``pending``
+    only then: if a wait fails, the caller still sees it)."""
+    works, k, cid = pending[0]
+    for w in works:
+        _wait(w, timeout_s, f"receiving from rank {src}")
+    pending.popleft()
+    job.submit(k, cid)
