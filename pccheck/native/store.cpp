@@ -1,5 +1,4 @@
 #include "store.h"
-#include "engine.h"  // prefault
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,6 +16,12 @@
 
 namespace pcc {
 namespace {
+
+#ifdef MADV_POPULATE_WRITE
+constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kPopulateWrite = 23;  // Linux 5.14; older kernels refuse it with EINVAL
+#endif
 
 struct AlignedBuf {
   uint8_t* p = nullptr;
@@ -119,7 +124,10 @@ uint64_t Store::populate() {
     std::lock_guard<std::mutex> g(populate_mu_);
     if (closing_.load(std::memory_order_relaxed) || !map_ || off >= map_len_) break;
     size_t n = std::min(kPiece, map_len_ - off);
-    prefault(map_ + off, n);
+    // Only the kernel's populate, never engine.h prefault's fallback: that one rewrites a byte
+    // per page, which beside a writer (or the CHECK_ADDR CAS) could put back a stale byte.
+    // Where the kernel lacks MADV_POPULATE_WRITE the writers fault the pages in themselves.
+    if (::madvise(map_ + off, n, kPopulateWrite) != 0) break;
     done += n;
   }
   return done;
