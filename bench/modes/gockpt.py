@@ -49,7 +49,7 @@ from typing import Any, Sequence
 from bench.harness.common import BENCH_DIR
 from bench.harness.common import fmt, format_size, host_info, machine_label, parse_size, pccheck_path_first, print_table, \
     pyplot, save_figure, scratch_dir, write_json
-from bench.harness.probes import wait_quiet
+from bench.harness.probes import thread_times, wait_quiet
 
 SYSTEMS = ("none", "pccheck_k1", "pccheck_spread", "dcp_async", "replay_floor")
 N_PARAMS = 16
@@ -181,23 +181,16 @@ def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) of every thread of this process, by thread: its Python name with
     the trailing pool index cut ("pccheck-spread-copy_1" -> "pccheck-spread-copy"), the main
     thread as "training", threads Python does not know (native, the hog is another process) as
-    "native", from /proc/self/task/*/stat."""
-    import os
+    "native" (bench.harness.probes.thread_times)."""
     import re
     import threading
 
     names = {t.native_id: ("training" if t is threading.main_thread() else re.sub(r"[_-]?\d+$", "", t.name))
              for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
-            continue
-        name = names.get(int(tid), "native")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    for tid, _, cpu, _ in thread_times():
+        name = names.get(tid, "native")
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 

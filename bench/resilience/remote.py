@@ -84,6 +84,11 @@ def _server(a: argparse.Namespace, directory: Path) -> DevServer | ExternalServe
     return ExternalServer(a.bucket) if a.bucket else DevServer(directory).start()
 
 
+def _where(srv: DevServer | ExternalServer) -> dict[str, str]:
+    """The server a run used, for its JSON."""
+    return {"endpoint": srv.env()["AWS_ENDPOINT_URL"], "bucket": srv.bucket}
+
+
 def _client():
     from pccheck.tiers.remote.objstore import ObjectStore
 
@@ -493,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="pccheck-bench-remote-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
         srv = _server(a, Path(d) / "s3")
-        server = {"endpoint": srv.env()["AWS_ENDPOINT_URL"], "bucket": srv.bucket}
+        server = _where(srv)
         try:
             _env(srv)
             for i in range(a.repeat):
@@ -526,7 +531,7 @@ def _main_upload_only(a: argparse.Namespace, argv: list[str] | None) -> int:
             work = Path(d) / "run"
             work.mkdir()
             res = upload_path_only(a, work, f"s3://{srv.bucket}/bench-{uuid.uuid4().hex[:6]}")
-            server = {"endpoint": srv.env()["AWS_ENDPOINT_URL"], "bucket": srv.bucket}
+            server = _where(srv)
         finally:
             srv.stop()
     res = {"command": "python -m bench.remote " + " ".join(argv if argv is not None else os.sys.argv[1:]),

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from bench.harness.common import BENCH_DIR, host_info, parse_size, print_table, write_json
+from bench.harness.probes import thread_times
 
 RESULTS = BENCH_DIR / "results"
 CONFIGS = ("none", "memory", "disk", "dcp")
@@ -322,22 +323,11 @@ def _threads_cpu() -> dict[str, list[float]]:
     keyed by the Python thread's name; threads Python did not start (gloo's, pccheck's native
     writers and copy threads, torch's) as "native:<kernel name>", summed per name."""
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, list[float]] = {}
-    for d in Path("/proc/self/task").iterdir():
-        try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # the thread ended
-        name = names.get(int(d.name))
-        if name is None:  # a thread Python did not start: its kernel name (gloo's, pccheck's native ones)
-            try:
-                name = "native:" + (d / "comm").read_text().strip()
-            except OSError:
-                name = "native"
-        acc = out.setdefault(name, [0.0, 0.0])
-        acc[0] += (int(f[11]) + int(f[12])) / tick
-        acc[1] += int(f[7])
+    for tid, comm, cpu, faults in thread_times():
+        acc = out.setdefault(names.get(tid) or f"native:{comm}", [0.0, 0.0])
+        acc[0] += cpu
+        acc[1] += faults
     return out
 
 
