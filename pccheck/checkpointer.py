@@ -168,6 +168,8 @@ class Checkpointer(Preparation):
             self._prepared = not self._defer_prepare()
             self._orch = self._open(engine, layout, snap, group)
             self._memory.start(self._epoch(), layout, snap.arrays, *((group.world_size, group.rank) if group else (1, 0)))
+            if self._prepared:  # the state's size is final: the memory store opens (and populates) now
+                self._memory.prepare(layout, self.metadata, snap.tree)
             if self.soft_cow:
                 self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).

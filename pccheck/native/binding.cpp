@@ -215,6 +215,14 @@ PYBIND11_MODULE(_native, m) {
       .def("release_chunk", &Job::release_chunk, py::arg("chunk"),
            "Return an acquired chunk that will not be submitted (a failed device copy) to the pool.")
       .def("skip", &Job::skip, py::arg("k"), py::arg("err"), "Give up chunk k, failing the job with -err.")
+      .def("in_place_chunk", [](Job& j, uint64_t k) {
+             return reinterpret_cast<uintptr_t>(j.in_place_chunk(k));
+           }, py::arg("k"), py::call_guard<py::gil_scoped_release>(),
+           "In-place jobs: the address of claimed chunk k in the slot (0 when not in place); waits for a "
+           "writer task. Then submit_in_place(k), or skip(k, err) and release_in_place().")
+      .def("submit_in_place", &Job::submit_in_place, py::arg("k"), "Hand chunk k, filled in the slot, to the writers.")
+      .def("release_in_place", &Job::release_in_place, "Give back in_place_chunk's writer task (after skip).")
+      .def_property_readonly("in_place", &Job::in_place)
       .def_property_readonly("error", &Job::error)
       .def_property_readonly("crcs", &Job::crcs)
       .def_property_readonly("slot", &Job::slot)
@@ -231,7 +239,7 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("chunk_size"), py::arg("num_chunks"), py::arg("writer_threads"))
       .def("begin", [](Engine& e, std::shared_ptr<Store> store, uint32_t slot, const py::list& sources,
-                       uint64_t stream_len, bool zero_meta) {
+                       uint64_t stream_len, bool zero_meta, bool in_place) {
              std::vector<ArraySource> srcs;
              srcs.reserve(sources.size());
              for (const py::handle& item : sources) {
@@ -246,9 +254,10 @@ PYBIND11_MODULE(_native, m) {
                s.strides = t[5].cast<std::vector<int64_t>>();
                srcs.push_back(std::move(s));
              }
-             return e.begin(std::move(store), slot, std::move(srcs), stream_len, zero_meta);
+             return e.begin(std::move(store), slot, std::move(srcs), stream_len, zero_meta, in_place);
            },
-           py::arg("store"), py::arg("slot"), py::arg("sources"), py::arg("stream_len"), py::arg("zero_meta") = false)
+           py::arg("store"), py::arg("slot"), py::arg("sources"), py::arg("stream_len"), py::arg("zero_meta") = false,
+           py::arg("in_place") = false)
       .def_property_readonly("chunk_size", &Engine::chunk_size)
       .def_property_readonly("num_chunks", &Engine::num_chunks)
       .def("free_chunks", &Engine::free_chunks)

@@ -80,7 +80,9 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
     : chunk_size_(chunk_size),
       num_chunks_(num_chunks),
       free_chunks_(num_chunks + 1),
-      tasks_(num_chunks + 1) {
+      tasks_(num_chunks + kInPlaceTasks + 1),
+      in_place_tasks_(kInPlaceTasks + 1) {
+  for (uint32_t i = 0; i < kInPlaceTasks; i++) in_place_tasks_.push(i);
   if (chunk_size == 0 || chunk_size % kBlock || num_chunks == 0 || writer_threads == 0)
     throw std::invalid_argument("chunk size must be a positive multiple of 4096, with >= 1 chunk and >= 1 writer");
   pool_len_ = chunk_size * num_chunks;
@@ -147,6 +149,7 @@ void Engine::close() {
   for (auto& t : writers_) t.join();
   writers_.clear();
   free_chunks_.close();
+  in_place_tasks_.close();
   // Nothing reads or writes the pool any more (prefaulter and writers joined; the caller closes
   // only with no job in flight, and a copy engine detaches first): give the memory back now, not
   // when the Python object happens to be collected.
@@ -163,13 +166,18 @@ uint32_t Engine::free_chunks() {
 }
 
 std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
-                                   std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta) {
+                                   std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta,
+                                   bool in_place) {
   if (closed_) throw std::invalid_argument("the engine is closed");
   const Header& h = store->header();
   if (slot >= h.num_slots) throw std::invalid_argument("slot out of range");
   if (stream_len % kBlock || stream_len > h.slot_capacity)
     throw std::invalid_argument("data region does not fit the slot");
+  uint8_t* slot_map = nullptr;
+  if (in_place && !(slot_map = store->mapped(h.slot_offset(slot), stream_len)))
+    throw std::invalid_argument("in place needs an open mmap-mode store");
   auto job = std::make_shared<Job>();
+  job->slot_map_ = slot_map;
   job->engine_ = this;
   job->store_ = std::move(store);
   job->slot_ = slot;
@@ -286,6 +294,37 @@ void Job::submit(uint64_t k, uint32_t chunk) {
 
 void Job::release_chunk(uint32_t chunk) { engine_->free_chunks_.push(chunk); }
 
+int Job::zero_meta_once() {
+  if (!zero_meta_) return 0;
+  std::call_once(meta_once_, [this] { meta_rc_ = store_->zero_meta(slot_); });
+  return meta_rc_;
+}
+
+uint8_t* Job::in_place_chunk(uint64_t k) {
+  if (!slot_map_) return nullptr;
+  if (k >= nchunks_) throw std::out_of_range("chunk index out of range");
+  if (int rc = zero_meta_once()) {
+    skip(k, rc);
+    throw NativeError(-rc, "cannot zero the slot's meta record before filling it in place");
+  }
+  auto w0 = std::chrono::steady_clock::now();
+  uint32_t token;
+  bool ok = engine_->in_place_tasks_.pop(token, -1.0);
+  backpressure_ns_ += static_cast<int64_t>(seconds_since(w0) * 1e9);
+  if (!ok) {  // the engine was closed under us
+    skip(k, -ECANCELED);
+    throw NativeError(ECANCELED, "the engine was closed during an in-place copy");
+  }
+  return slot_chunk(k);
+}
+
+void Job::submit_in_place(uint64_t k) {
+  engine_->tasks_.push(Engine::Task{shared_from_this(), k, Engine::kInPlace});
+  filled();
+}
+
+void Job::release_in_place() { engine_->in_place_tasks_.push(0); }
+
 void Job::skip(uint64_t k, int err) {
   (void)k;
   set_error(err);
@@ -312,6 +351,19 @@ void Job::copy(uint64_t until) {
       skip(static_cast<uint64_t>(k), err_.load());
       continue;
     }
+    if (slot_map_) {  // in place: straight into the slot, the writers only checksum and sync
+      uint8_t* dst;
+      try {
+        dst = in_place_chunk(static_cast<uint64_t>(k));  // skips k itself when it fails
+      } catch (const NativeError&) {
+        continue;
+      }
+      auto t0 = std::chrono::steady_clock::now();
+      fill_into(static_cast<uint64_t>(k), dst);
+      copy_ns_ += static_cast<int64_t>(seconds_since(t0) * 1e9);
+      submit_in_place(static_cast<uint64_t>(k));
+      continue;
+    }
     int64_t id = acquire_chunk(-1.0);
     if (id < 0) {  // the engine was closed under us
       skip(static_cast<uint64_t>(k), -ECANCELED);
@@ -333,12 +385,9 @@ bool Job::wait_copied(double timeout_s) {
 
 void Job::write_chunk(uint64_t k, uint8_t* chunk) {
   if (err_.load() != 0) return;
-  if (zero_meta_) {
-    std::call_once(meta_once_, [this] { meta_rc_ = store_->zero_meta(slot_); });
-    if (meta_rc_ != 0) {
-      set_error(meta_rc_);
-      return;
-    }
+  if (int rc = zero_meta_once()) {
+    set_error(rc);
+    return;
   }
   struct Ctx {
     std::vector<Piece>* pieces;
@@ -385,8 +434,13 @@ std::vector<uint32_t> Job::crcs() const {
 void Engine::writer_loop() {
   Task t;
   while (tasks_.pop(t)) {
-    t.job->write_chunk(t.k, chunk_ptr(t.chunk));
-    free_chunks_.push(t.chunk);  // only after the write: the chunk was its source
+    if (t.chunk == kInPlace) {  // the bytes are in the slot already: checksum and sync them
+      t.job->write_chunk(t.k, t.job->slot_chunk(t.k));
+      in_place_tasks_.push(0);
+    } else {
+      t.job->write_chunk(t.k, chunk_ptr(t.chunk));
+      free_chunks_.push(t.chunk);  // only after the write: the chunk was its source
+    }
     t.job->done(1);
     t.job.reset();  // drop the reference before sleeping on the queue
   }

@@ -12,6 +12,12 @@
 //   job->crcs()        // per-array crc32c, then Store::commit
 // Copy engines that fill chunks themselves (device -> pinned host memory) use the same
 // claim protocol step by step: claim() -> acquire_chunk() -> (fill) -> submit().
+//
+// In place (begin(..., in_place=true), a kMmap store: the memory tier's tmpfs slots): copy()
+// fills each chunk straight into the slot's shared mapping and the writers only checksum and sync
+// it, so a snapshot costs one memcpy instead of two (source -> pool -> slot). An engine that
+// receives bytes itself (a replica off the wire) asks for chunk k's place with in_place_chunk(k)
+// and hands it over with submit_in_place(k). Pool chunks still work beside it (submit()).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -72,6 +78,15 @@ class Job : public std::enable_shared_from_this<Job> {
   void submit(uint64_t k, uint32_t chunk);  // hands a filled chunk to the writers
   void skip(uint64_t k, int err);           // gives up chunk k (e.g. a device copy failed)
   void release_chunk(uint32_t chunk);       // returns an acquired, unsubmitted chunk to the pool
+  // In-place jobs only: the address of claimed chunk k in the slot (chunk_len(k) bytes), once its
+  // meta record is zeroed and a writer task is free (back-pressure: at most kInPlaceTasks chunks
+  // wait for the writers). nullptr when the job is not in place; throws NativeError when zeroing
+  // the meta record failed, or when the engine closed (the chunk is then skipped: the job fails).
+  // The caller MUST submit_in_place(k) or skip(k) + release_in_place().
+  uint8_t* in_place_chunk(uint64_t k);
+  void submit_in_place(uint64_t k);         // hands chunk k, filled in the slot, to the writers
+  void release_in_place();                  // gives back in_place_chunk's writer task (after skip)
+  bool in_place() const { return slot_map_ != nullptr; }
   int error() const { return err_.load(); }  // 0 or a negative errno
   std::vector<uint32_t> crcs() const;  // per array in the order given; valid once finished without error
   double copy_seconds() const { return copy_ns_.load() * 1e-9; }
@@ -90,6 +105,8 @@ class Job : public std::enable_shared_from_this<Job> {
     uint32_t crc;
   };
   void fill_into(uint64_t k, uint8_t* chunk) const;
+  int zero_meta_once();                          // 0, or the errno of zeroing the meta record
+  uint8_t* slot_chunk(uint64_t k) const { return slot_map_ + k * chunk_size_; }
   void write_chunk(uint64_t k, uint8_t* chunk);  // writer thread
   void filled();                                // one chunk left the copy phase
   void done(uint64_t n);                        // n chunks (or the copy phase) finished
@@ -105,14 +122,16 @@ class Job : public std::enable_shared_from_this<Job> {
   uint64_t stream_len_ = 0;  // data region length, a multiple of the block size
   uint64_t chunk_size_ = 0;
   uint64_t nchunks_ = 0;
+  uint8_t* slot_map_ = nullptr;                // in place: the slot's data region in the store's mapping
   std::vector<ArraySource> srcs_;              // sorted by offset, non-overlapping
   std::vector<uint32_t> input_index_;          // srcs_[i] was the input_index_[i]-th array given
   std::vector<std::vector<Piece>> pieces_;     // per chunk: the array bytes it carries
   std::vector<uint32_t> crcs_;
   std::atomic<int> err_{0};
   // Invariant: with zero_meta_, no data byte of this job reaches the slot before the slot's meta
-  // record was zeroed: every write_chunk passes through meta_once_ first (call_once makes the
-  // other writers wait for the one that zeroes), and a failed zeroing fails the job unwritten.
+  // record was zeroed: every write_chunk and every in-place fill (copy(), in_place_chunk) passes
+  // through zero_meta_once() first (call_once makes the others wait for the one that zeroes), and
+  // a failed zeroing fails the job unwritten.
   bool zero_meta_ = false;
   std::once_flag meta_once_;
   int meta_rc_ = 0;
@@ -137,8 +156,15 @@ class Engine {
 
   // zero_meta: the slot came from acquire_slot(t, false); the job zeroes its meta record before
   // the first data write (docs/FORMAT.md §3), on the first writer thread to reach it.
+  // in_place: fill the slot's mapping directly (see the top of this file); kMmap stores only
+  // (std::invalid_argument otherwise). Meant for stores whose pages are populated (tmpfs):
+  // filling a file-backed mapping in place would dirty page cache inside the copy phase.
   std::shared_ptr<Job> begin(std::shared_ptr<Store> store, uint32_t slot,
-                             std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta = false);
+                             std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta = false,
+                             bool in_place = false);
+  // Chunks filled in place that may wait for the writers at once (tokens in in_place_tasks_).
+  static constexpr uint32_t kInPlaceTasks = 64;
+  static constexpr uint32_t kInPlace = 0xffffffffu;  // a Task's chunk id: the bytes are in the slot
   uint64_t chunk_size() const { return chunk_size_; }
   uint32_t num_chunks() const { return num_chunks_; }
   uint32_t free_chunks();  // only meaningful while idle
@@ -167,7 +193,10 @@ class Engine {
   uint8_t* pool_ = nullptr;
   size_t pool_len_ = 0;
   BlockingQueue<uint32_t> free_chunks_;
+  // Invariant: tasks_ never overflows (push fails when full): a task holds either a pool chunk
+  // (at most num_chunks_) or an in-place token (at most kInPlaceTasks), and tasks_ holds both.
   BlockingQueue<Task> tasks_;
+  BlockingQueue<uint32_t> in_place_tasks_;
   std::vector<std::thread> writers_;
   std::thread prefaulter_;                  // faults the pool in, chunk by chunk (see the constructor)
   std::atomic<bool> stop_prefault_{false};

@@ -233,13 +233,18 @@ int Store::acquire_slot(double timeout_s, bool zero_meta) {
 
 void Store::release_slot(uint32_t slot) { free_.push(slot); }
 
+uint8_t* Store::mapped(uint64_t file_off, uint64_t len) const {
+  if (mode_ != Mode::kMmap || !map_ || file_off > map_len_ || len > map_len_ - file_off) return nullptr;
+  return map_ + file_off;
+}
+
 int Store::write_data(const uint8_t* buf, size_t len, uint64_t file_off, void (*overlap)(void*), void* arg) {
   int rc = -EINVAL;
   switch (mode_) {
     case Mode::kODirect:
       return io::pwrite_all_overlapped(fd_, buf, len, file_off, overlap, arg);
     case Mode::kMmap:
-      std::memcpy(map_ + file_off, buf, len);
+      if (buf != map_ + file_off) std::memcpy(map_ + file_off, buf, len);
       rc = io::msync_range(map_ + file_off, len);
       break;
     case Mode::kPmem:

@@ -75,8 +75,15 @@ class Store {
   // Returns a slot whose checkpoint failed before its commit.
   void release_slot(uint32_t slot);
 
+  // kMmap only: the address of file bytes [file_off, file_off + len) in the store's shared mapping,
+  // or nullptr (another mode, a range beyond the file, or a closed store). A job that fills a slot
+  // in place writes there (Engine::begin's in_place); the store must outlive that job's writes.
+  uint8_t* mapped(uint64_t file_off, uint64_t len) const;
+
   // Writes a filled chunk at an absolute file offset, durably for kMmap and kPmem; kODirect
-  // relies on the fdatasync in commit(). Called by writer threads, concurrently.
+  // relies on the fdatasync in commit(). Called by writer threads, concurrently. kMmap: a `buf`
+  // that already is the destination (mapped(file_off, len), a chunk filled in place) is not
+  // copied again, only synced and checksummed.
   // `overlap(arg)` runs exactly once on success, while the write is in flight where the mode
   // allows it (kODirect: kernel AIO), else after it.
   int write_data(const uint8_t* buf, size_t len, uint64_t file_off, void (*overlap)(void*), void* arg);

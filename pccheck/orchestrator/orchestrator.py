@@ -142,6 +142,10 @@ class Orchestrator:
         self._chunk_size, self._dram_budget = int(engine.chunk_size), engine.dram_budget
         self._writer_threads = int(engine.writer_threads)
         self._reserve_request = device_reserve
+        # A populated tmpfs store (the memory tier's) is filled in place: the CPU engine copies
+        # straight into the slot's mapping and the writers only checksum it, one memcpy of the
+        # state instead of two (native engine.h, "In place"; issue 29, s17).
+        self._in_place = populate_store
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
@@ -319,7 +323,8 @@ class Orchestrator:
             raise
         try:
             src = self.copy_engine.sources(arrays, layout)
-            job = self.engine.begin(native, slot, src.native, layout.data_len, zero_meta=True)
+            job = self.engine.begin(native, slot, src.native, layout.data_len, zero_meta=True,
+                                    in_place=self._in_place and native.mode == "mmap")
         except BaseException:
             native.release_slot(slot)
             self._inflight.release()

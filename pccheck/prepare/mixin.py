@@ -5,8 +5,9 @@ Adam's state appears at the first optimizer step and ``load_latest`` gives a fre
 state: sized at construction, the store would get a new generation and the chunk pool would be
 remade inside the first checkpoint call. A lazy restore's loader should not share the memory bus
 with the pool's prefaulter. So a Checkpointer whose state may still grow (or is being restored)
-opens the store and makes the pool from the end of the next optimizer step, or right after an
-eager ``load_state_dict``, or when :meth:`Checkpointer.wait_ready` asks, whichever comes first.
+opens the store and makes the pool (the memory tier's too) from the end of the next optimizer
+step, or right after an eager ``load_state_dict``, or when :meth:`Checkpointer.wait_ready` asks,
+whichever comes first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Preparation:
     state: Any
     metadata: dict[str, Any]
     _orch: Any
+    _memory: Any
     _prepared: bool
     _prep_hooks: list[Any]
     _prep_lock: threading.Lock
@@ -76,7 +78,9 @@ class Preparation:
             self._prepared = True
             try:
                 snap = self._source.snapshot()
-                took = self._orch.prepare(plan(snap.arrays), self.metadata, snap.tree, self._epoch())
+                layout = plan(snap.arrays)
+                took = self._orch.prepare(layout, self.metadata, snap.tree, self._epoch())
+                self._memory.prepare(layout, self.metadata, snap.tree)  # a no-op without a memory tier
             except PCCheckError as exc:
                 if raise_errors:
                     self._prepared = False  # the first checkpoint (or the next call) tries again

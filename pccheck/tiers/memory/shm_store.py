@@ -8,7 +8,8 @@ process, not the machine). It is fed the same snapshots as the disk tier: the sa
 (the optimizer step pre-hook waits for both tiers' copies).
 
 Call order: ``MemoryTier(...)`` (collective in a group: before the disk coordinator prepares)
-→ :meth:`start` (once the job's epoch is known) → :meth:`maybe` per iteration →
+→ :meth:`start` (once the job's epoch is known) → :meth:`prepare` (once the state's size is
+final; else the first checkpoint opens the store) → :meth:`maybe` per iteration →
 :meth:`ensure_copied` before each optimizer step → :meth:`close`.
 
 Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
@@ -223,6 +224,15 @@ class MemoryTier:
         if self.links.peers or self.links.sources:
             self.replicator = Replicator(self.links, self.root, self._engine, epoch or 0, self.coord)
 
+    def prepare(self, layout: Layout, metadata: Mapping[str, Any], tree: Any) -> None:
+        """Opens the memory store and makes its pool now, once the state's size is final (the
+        Checkpointer's preparation), instead of inside the first memory checkpoint: the store's
+        pages are then populated in the background from here on (native ``Store.populate``),
+        before the loop's first iterations rather than beside them."""
+        if self.orch is not None:
+            took = self.orch.prepare(layout, metadata, tree, self.epoch)
+            log.debug("pccheck: memory store prepared in %.3f s", took)
+
     def _on_commit(self, info: CommitInfo) -> None:
         if self.coord is not None:
             self.coord.on_commit(info.step, info.slot)
@@ -287,6 +297,9 @@ class NoMemoryTier:
     enabled = False  # the Checkpointer then builds no memory snapshot arguments at all
 
     def start(self, *args: Any) -> None:
+        pass
+
+    def prepare(self, *args: Any) -> None:
         pass
 
     def maybe(self, *args: Any) -> bool:

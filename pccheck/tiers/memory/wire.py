@@ -183,12 +183,13 @@ def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
 
 class WireCopyEngine(CpuCopyEngine):
     """A replica store's copy engine: with a link set (:meth:`expect`), a checkpoint's chunks are
-    *received* into the pool's chunks, as send_bytes sent them (``WIRE_CHUNK`` pieces, ``WINDOW``
-    in flight), and handed to the writers as each lands; without one it copies like the CPU
-    engine. Receiving straight into the (prefaulted) pool saves a memcpy of the whole replica and
-    the receive buffer's first touch. Every byte is still checked: the writers' crc32c must match
-    the manifest's (StartArgs.expect_crcs) before the commit. A link needs the replica's layout to
-    put every array where the sender's manifest has it (:func:`fits`)."""
+    *received*, as send_bytes sent them (``WIRE_CHUNK`` pieces, ``WINDOW`` in flight), and handed
+    to the writers as each lands; without one it copies like the CPU engine. An in-place job (a
+    tmpfs replica store: ``Job.in_place``) receives straight into the slot's mapping, so a replica
+    costs the kernel's copy alone and the writers only checksum it; otherwise into the pool's
+    (prefaulted) chunks. Every byte is still checked: the writers' crc32c must match the
+    manifest's (StartArgs.expect_crcs) before the commit. A link needs the replica's layout to put
+    every array where the sender's manifest has it (:func:`fits`)."""
 
     name = "wire"
 
@@ -214,12 +215,17 @@ class WireCopyEngine(CpuCopyEngine):
 
         pg, peer, tag, timeout_s, end = self._link
         self._link = None
-        pending: deque = deque()  # (works, k, chunk id), oldest first
+        in_place = job.in_place
+        pending: deque = deque()  # (works, k, pool chunk id or None in place), oldest first
         try:
             while (k := job.claim()) >= 0:
-                cid = acquire_chunk_for(job, k)
                 n, base = job.chunk_len(k), k * self.native_engine.chunk_size
-                mem = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(self.native_engine.chunk_address(cid)))
+                if in_place:
+                    cid, addr = None, job.in_place_chunk(k)  # OSError: k skipped, the job failed
+                else:
+                    cid = acquire_chunk_for(job, k)
+                    addr = self.native_engine.chunk_address(cid)
+                mem = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
                 have = max(0, min(n, end - base))
                 mem[have:] = 0  # beyond the bytes sent: the slot's padding
                 pending.append(([_irecv(pg, peer, mem[o:min(have, o + WIRE_CHUNK)], tag)
@@ -229,11 +235,15 @@ class WireCopyEngine(CpuCopyEngine):
             while pending:
                 _landed(pending, job, peer, timeout_s)
         except BaseException:
-            # Invariant: a chunk whose receive may still be posted never goes back to the pool (a
-            # late write would land in another checkpoint's chunk); the pair is broken, and this
-            # replica store takes no more transfers (the receiver stops).
-            for _, k, _ in pending:
+            # Invariant: memory a receive may still be posted into is never reused: a pool chunk
+            # never goes back to the pool (a late write would land in another checkpoint's chunk),
+            # and an in-place slot is only released into a store that takes no more transfers
+            # (the receiver stops on every failure but a checksum mismatch, which comes only after
+            # every byte landed). The pair is broken: this replica store takes no more.
+            for _, k, cid in pending:
                 job.skip(k, errno.EIO)
+                if cid is None:
+                    job.release_in_place()
             abandon(job, errno.EIO)
             raise
 
@@ -252,4 +262,7 @@ def _landed(pending: deque, job: Any, src: int, timeout_s: float) -> None:
     for w in works:
         _wait(w, timeout_s, f"receiving from rank {src}")
     pending.popleft()
-    job.submit(k, cid)
+    if cid is None:
+        job.submit_in_place(k)
+    else:
+        job.submit(k, cid)
