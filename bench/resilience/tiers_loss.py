@@ -112,7 +112,8 @@ def train_worker(a: argparse.Namespace) -> None:
         dist.all_reduce(token)   # lockstep, like DDP's gradient allreduce
         os.write(side, f"FP {step} {_fingerprint(model, opt)}\n".encode())
         ck.maybe_checkpoint(step)
-    os.write(side, f"KILL {a.kill}\n".encode())
+    # what this rank knew at the kill (newest own memory commit, sent, replicated everywhere, replicas held)
+    os.write(side, f"TIERS {json.dumps(ck.stats().tiers, separators=(',', ':'))}\nKILL {a.kill}\n".encode())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -157,7 +158,7 @@ def _spawn(a: argparse.Namespace, role: str, extra: list[str]) -> list[subproces
 
 def _killed_job(a: argparse.Namespace, kill: int) -> list[dict]:
     """Runs the training job to its kill step; returns per rank what its side file says: the
-    settings, {step: crc} and whether it reached its own SIGKILL (else it was killed here, after
+    settings, {step: crc}, its tiers' newest steps at the kill and whether it reached its own SIGKILL (else it was killed here, after
     the other rank's death, ``KILL_WAIT_S`` at most)."""
     procs = _spawn(a, "train", ["--kill", str(kill)])
     deadline = None
@@ -177,7 +178,8 @@ def _killed_job(a: argparse.Namespace, kill: int) -> list[dict]:
         settings = next((l for l in lines if l[0] == "SETTINGS"), None)
         if settings is None or max(fps, default=0) < kill:
             raise RuntimeError(f"rank {r} did not train to step {kill} (exit {p.returncode}): {err[-3000:]}")
-        out.append({"fps": fps, "self_killed": ["KILL", str(kill)] in lines and p.returncode == -signal.SIGKILL,
+        at_kill = next((json.loads(l[1]) for l in lines if l[0] == "TIERS"), None)
+        out.append({"fps": fps, "at_kill": at_kill, "self_killed": ["KILL", str(kill)] in lines and p.returncode == -signal.SIGKILL,
                     "max_concurrent": int(settings[1]),
                     "memory_in_flight": None if settings[2] == "None" else int(settings[2])})
     return out
@@ -217,6 +219,7 @@ def trial(a: argparse.Namespace, kind: str, kill: int) -> dict:
                                f"the state it trained to (crc {o['fingerprint']} != {t['fps'].get(step)})")
     return {"kill_step": kill, "restored_step": step, "lost": kill - step, "tiers": [o["tier"] for o in restored],
             "verified": True, "self_killed": [t["self_killed"] for t in trained],
+            "at_kill": [t["at_kill"] for t in trained],
             "restore_s": max(o["restore_s"] for o in restored),
             "max_concurrent": trained[0]["max_concurrent"], "memory_in_flight": trained[0]["memory_in_flight"]}
 
@@ -261,9 +264,14 @@ def targets(section: dict) -> dict:
 
 def report(section: dict) -> None:
     """The trials and the summary, as tables."""
-    rows = [[k, x, s, lost, "/".join(tiers)] for k in KINDS for x, s, lost, tiers in section[k]["trials"]]
+    def known(t: dict, key: str) -> str:  # per rank, what it knew at the kill
+        return "/".join(str((r or {}).get(key)) for r in t.get("at_kill", []))
+
+    rows = [[k, t["kill_step"], t["restored_step"], t["lost"], "/".join(t["tiers"]), known(t, "memory"),
+             known(t, "replicated")] for k in KINDS for t in section[k]["detail"]]
     print_table(f"steps lost at memory_interval=1 (max_concurrent {section.get('max_concurrent')}, memory tier "
-                f"in flight {section.get('memory_in_flight')})", ["kind", "X", "restored", "lost", "tiers (rank 0/1)"],
+                f"in flight {section.get('memory_in_flight')})", ["kind", "X", "restored", "lost", "tiers (rank 0/1)", "own memory at kill",
+                 "replicated at kill"],
                 rows)
     print_table("steps lost", ["kind", "median", "max"],
                 [[k, section[k]["median"], section[k]["max"]] for k in KINDS])
