@@ -53,7 +53,7 @@ KINDS = ("crash", "node_loss")
 KILL_WAIT_S = 60.0  # after the first rank died, how long the other may take to reach its own kill
 
 
-def _fingerprint(model, opt) -> int:  # noqa: ANN001
+def _fingerprint(model, opt) -> int:
     """crc32c of every byte of the training state, in a fixed order: per parameter its data, then
     its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``)."""
     from pccheck.persist.reader import crc32c
@@ -73,11 +73,12 @@ def _dirs(a: argparse.Namespace, node: int) -> tuple[Path, Path]:
     return Path(a.dir) / f"node-{node}" / "disk", Path(a.shm) / f"node-{node}" / "mem"
 
 
-def _init(a: argparse.Namespace):  # noqa: ANN202
+def _init(a: argparse.Namespace):
     """This rank's process group, model and optimizer (bench.tiers' state of ``a.size`` bytes)."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
 
     from bench.resilience.tiers import _model
 
