@@ -9,6 +9,8 @@
 - ``tiers.py``: the memory tier (issue 29) on 2 simulated nodes: loop overhead at interval 1 with
   replicas=2 against the disk tier, DCP async_save and none; restore from memory, disk, a peer,
   DCP; the raw gloo link (``bench/results/tiers.json``, whose ``ratios.peer_vs_raw_gloo`` scale reads).
+- ``tiers_loss.py``: steps lost by the memory tier after a process crash or a node loss (kill trials,
+  each restore verified bit for bit; also run by ``tiers.py``, ``--loss-trials``).
 
 Invariants: the model is a pure function of its inputs file; ``--refresh`` takes the measured
 efficiencies only from result files of this repository, named in the inputs.

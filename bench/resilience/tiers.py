@@ -26,6 +26,10 @@ Each rank's CPU-seconds (user + system, every thread) during each node-loss rest
 transfer are recorded too (``*_cpu_all_s``): the two simulated nodes share this machine's CPUs,
 so ``(rank 0's + rank 1's) / nproc`` is the shortest wall time that work can take here.
 
+Steps lost after a process crash and after a node loss (``--loss-trials N`` kill trials of each
+kind, default 3, 0 = none; bench.tiers_loss, whose docstring says how): the ``steps_lost``
+section and its target. ``--configs=`` (empty) runs only these trials.
+
 Writes ``bench/results/tiers.json`` (``--json``).
 """
 
@@ -405,6 +409,8 @@ def _cpu_bound(runs: list[list[dict]]) -> dict[str, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from bench.resilience import tiers_loss
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="state per rank")
     p.add_argument("--iter-time", type=float, default=0.2)
@@ -414,7 +420,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restore-repeats", type=int, default=3,
                    help="node-loss restores and raw sends per memory job (interleaved; the job reports medians)")
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="comma-separated subset of " + ",".join(CONFIGS) + " (the ratios need all four)")
+                   help="comma-separated subset of " + ",".join(CONFIGS) + " (the ratios need all four; empty: "
+                        "only the steps-lost trials)")
     p.add_argument("--json", type=Path, default=RESULTS / "tiers.json")
     p.add_argument("--shm", default="/dev/shm", help="where the memory tier's stores go")
     p.add_argument("--remote", choices=("auto", "on", "off"), default="auto",
@@ -425,15 +432,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
+    tiers_loss.add_arguments(p, 3)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
-    if a.worker:
-        worker(a)
-        return 0
-    configs = [c for c in CONFIGS if c in a.configs.split(",")]
+def _loop(a: argparse.Namespace, configs: list[str]) -> dict[str, list[list[dict]]]:
+    """Every configuration's jobs, ``a.repeats`` rounds (round-robin), each a fresh job."""
     runs: dict[str, list[list[dict]]] = {c: [] for c in configs}
     shm = Path(tempfile.mkdtemp(prefix="pcc-tiers-", dir=a.shm))
     disk = Path(tempfile.mkdtemp(prefix="pcc-tiers-"))  # the root file system, outside the repository
@@ -447,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+    return runs
+
+
+def _summary(a: argparse.Namespace, configs: list[str], runs: dict[str, list[list[dict]]]) -> dict:
+    """The loop's result document: per configuration s/iter, slowdown and CPU; the restores,
+    the ratios with the range behind each, the targets."""
     it = {c: statistics.median(max(o["iter_s"] for o in outs) for outs in runs[c]) for c in configs}
     slow = {c: it[c] / it["none"] for c in configs} if "none" in it else {}
     cpu = {c: statistics.median(statistics.mean(o["cpu_per_iter_s"] for o in outs) for outs in runs[c])
@@ -484,25 +494,53 @@ def main(argv: list[str] | None = None) -> int:
         for c in configs:
             per_repeat[f"slowdown_{c}"] = [max(o["iter_s"] for o in x) / max(o["iter_s"] for o in n)
                                           for x, n in zip(runs[c], runs["none"])]
-    res = {"benchmark": "tiers", "gpu": "emulated (host waits iter_time, then an AdamW step updates all state)",
-           "nodes": 2, "ranks_per_node": 1, "size_bytes_per_rank": a.size, "iter_time_s": a.iter_time,
-           "iters": a.iters, "warmup": a.warmup, "repeats": a.repeats, "iter_s": it, "slowdown": slow,
-           "cpu_per_iter_s": cpu, "nproc": os.cpu_count(), "unit_cpu_s": units,
-           "restore_s": rest, "ratios": ratios, "per_repeat": per_repeat, "configs": configs,
-           "command": "python -m bench.tiers " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "targets": {"loop_slowdown_memory_replicas2": "<= 1.05", "crash_restore_memory_over_disk": "<= 0.2",
-                       "peer_vs_raw_gloo": ">= 0.8",
-                       "node_loss_peer_over_remote": "<= 0.1"},
-           "cpu_bound_s": _cpu_bound(runs.get("memory", [])),
-           "runs": runs, "host": host_info(RESULTS)}
+    return {"iters": a.iters, "warmup": a.warmup, "repeats": a.repeats, "iter_s": it, "slowdown": slow,
+            "cpu_per_iter_s": cpu, "nproc": os.cpu_count(), "unit_cpu_s": units,
+            "restore_s": rest, "ratios": ratios, "per_repeat": per_repeat,
+            "targets": {"loop_slowdown_memory_replicas2": "<= 1.05", "crash_restore_memory_over_disk": "<= 0.2",
+                        "peer_vs_raw_gloo": ">= 0.8",
+                        "node_loss_peer_over_remote": "<= 0.1"},
+            "cpu_bound_s": _cpu_bound(runs.get("memory", [])), "runs": runs}
+
+
+def report(a: argparse.Namespace, res: dict) -> None:
+    """The loop's tables (when it ran), then the steps-lost tables (when the trials ran)."""
+    from bench.resilience import tiers_loss
+
+    it, slow, cpu = res.get("iter_s", {}), res.get("slowdown", {}), res.get("cpu_per_iter_s", {})
+    if it:
+        print_table(f"2 nodes x 1 rank, {a.size / 2**20:.0f} MiB/rank, t={a.iter_time}s, every iteration (GPU emulated)",
+                    ["config", "s/iter", "slowdown", "CPU-s/iter/rank"],
+                    [[c, f"{it[c]:.4f}", f"{slow[c]:.3f}x" if c in slow else "-", f"{cpu[c]:.3f}"] for c in it])
+        print_table("restore (s)", ["what", "seconds"],
+                    [[k, f"{v:.3f}" if v is not None else "-"] for k, v in res["restore_s"].items()])
+        print_table("ratios", ["ratio", "value", "per repeat"],
+                    [[k, f"{v:.3f}" if v is not None else "-",
+                      " ".join(f"{x:.3f}" for x in res["per_repeat"].get(k, []))] for k, v in res["ratios"].items()])
+    if "steps_lost" in res:
+        tiers_loss.report(res["steps_lost"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.resilience import tiers_loss
+
+    a = _parser().parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    configs = [c for c in CONFIGS if c in a.configs.split(",")]
+    res: dict = {"benchmark": "tiers", "gpu": "emulated (host waits iter_time, then an AdamW step updates all state)",
+                 "nodes": 2, "ranks_per_node": 1, "size_bytes_per_rank": a.size, "iter_time_s": a.iter_time,
+                 "configs": configs, "targets": {}}
+    if configs:
+        res.update(_summary(a, configs, _loop(a, configs)))
+    if a.loss_trials > 0:
+        res["steps_lost"] = tiers_loss.run(a)
+        res["targets"].update(tiers_loss.targets(res["steps_lost"]))
+    res["command"] = "python -m bench.tiers " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["host"] = host_info(RESULTS)
     write_json(a.json, res)
-    print_table(f"2 nodes x 1 rank, {a.size / 2**20:.0f} MiB/rank, t={a.iter_time}s, every iteration (GPU emulated)",
-                ["config", "s/iter", "slowdown", "CPU-s/iter/rank"],
-                [[c, f"{it[c]:.4f}", f"{slow[c]:.3f}x" if c in slow else "-", f"{cpu[c]:.3f}"] for c in configs])
-    print_table("restore (s)", ["what", "seconds"], [[k, f"{v:.3f}" if v is not None else "-"] for k, v in rest.items()])
-    print_table("ratios", ["ratio", "value", "per repeat"],
-                [[k, f"{v:.3f}" if v is not None else "-", " ".join(f"{x:.3f}" for x in per_repeat.get(k, []))]
-                 for k, v in ratios.items()])
+    report(a, res)
     print(f"wrote {a.json}")
     return 0
 
