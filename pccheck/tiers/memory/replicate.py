@@ -3,7 +3,9 @@
 Transport: a gloo group of pccheck's own (never the training collectives), every wait bounded
 (``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends
 the same steps, so replicas pair across ranks by (epoch, step) at a restore); at most ``QUEUE``
-wait, beyond that the next memory checkpoint waits (``throttle``). The sender thread puts a
+wait, and the memory checkpoint ``LAG`` before the next one must be replicated everywhere, else
+the next memory checkpoint waits (``throttle``): a node lost at any moment costs at most ``LAG``
+memory checkpoints. The sender thread puts a
 JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch,
 counter, the manifest with the crc32c of every array), then sends the slot's data region chunk by
 chunk (wire.py: a few in flight). Invariant (wire.py): the receiver posts a receive only after it
@@ -51,6 +53,8 @@ log = logging.getLogger("pccheck")
 TIMEOUT_S = 120.0        # one wire chunk, or one collective, at most
 MAX_DATA = 1 << 46       # bytes of one replica a receiver accepts
 QUEUE = 2                # committed memory checkpoints waiting to be sent, at most
+LAG = 2                  # memory checkpoints not replicated everywhere when the next one starts, at most
+COMMIT_GRACE_S = 5.0     # how long a sent replica's step is waited for to be committed everywhere
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,9 @@ class Replicator:
         self._cv = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._sending = False
+        self._sending_step: int | None = None          # the step the sender is sending (under _cv)
+        self._sent_at: dict[int, float] = {}            # step -> monotonic time its send ended (under _cv)
+        self._started: deque[int] = deque(maxlen=LAG)  # the last LAG memory checkpoints started
         self._stopping = False
         self.throttled_s = 0.0                # time memory checkpoints waited for the queue
         self._dead: set[int] = set()          # peers a send to failed: no more sends to them
@@ -194,15 +201,37 @@ class Replicator:
             self._queue.append(info)
             self._cv.notify_all()
 
-    def throttle(self) -> None:
-        """Waits (training thread, before a memory checkpoint) while ``QUEUE`` checkpoints wait
-        to be sent, so replication never falls further behind (bounded: a peer that stopped
-        receiving is dropped by the sender after TIMEOUT_S)."""
+    def throttle(self, step: int) -> None:
+        """Waits (training thread, before the memory checkpoint of ``step``) while ``QUEUE``
+        checkpoints wait to be sent, and while the memory checkpoint ``LAG`` before this one is not
+        replicated everywhere yet but still may be (:meth:`_awaits`).
+
+        Invariant (the steps a node loss costs): when a memory checkpoint starts, every memory
+        checkpoint older than the last ``LAG`` started is replicated everywhere, or never will be
+        (its own commit failed, a peer is dead, or its replica was not committed within
+        ``COMMIT_GRACE_S`` of being sent). With one memory checkpoint in flight, the checkpoint
+        ``LAG`` back has committed here already (its permit is released after on_commit queued
+        it). Bounded: a peer that stopped receiving is dropped by the sender after TIMEOUT_S."""
         t0 = time.perf_counter()
         with self._cv:
-            while len(self._queue) + self._sending > QUEUE and not self._stopping:
-                self._cv.wait(1.0)
+            need = self._started[0] if len(self._started) == LAG else None
+            while not self._stopping and (len(self._queue) + self._sending > QUEUE or self._awaits(need)):
+                self._cv.wait(0.05)
+            self._started.append(step)
+            for old in [s for s in self._sent_at if need is None or s < need]:
+                del self._sent_at[old]
         self.throttled_s += time.perf_counter() - t0
+
+    def _awaits(self, step: int | None) -> bool:
+        """Whether ``step`` is not replicated everywhere yet but still may be (under ``_cv``):
+        this rank has it queued or is sending it, or sent it less than COMMIT_GRACE_S ago (the
+        peers are committing it; the log follower sees it). False once a peer was dropped."""
+        if step is None or self._dead or (self.replicated is not None and self.replicated >= step):
+            return False
+        if self._sending_step == step or any(info.step == step for info in self._queue):
+            return True
+        sent = self._sent_at.get(step)
+        return sent is not None and time.monotonic() - sent < COMMIT_GRACE_S
 
     def _send_loop(self) -> None:
         seq = 0
@@ -213,17 +242,21 @@ class Replicator:
                 if not self._queue:
                     break
                 info = self._queue.popleft()
-                self._sending = True
+                self._sending, self._sending_step = True, info.step
+            sent = False
             try:
                 log.debug("pccheck: sending step %d", info.step)
-                if self._send(info, seq):
+                sent = self._send(info, seq)
+                if sent:
                     seq += 1
                 log.debug("pccheck: sent step %d", info.step)
             except Exception:
                 log.exception("pccheck: replicating the memory checkpoint of step %d failed", info.step)
             finally:
                 with self._cv:
-                    self._sending = False
+                    self._sending, self._sending_step = False, None
+                    if sent:  # its peers are committing it now (throttle may wait for that)
+                        self._sent_at[info.step] = time.monotonic()
                     self._cv.notify_all()
         for dst in self.links.peers:  # tells each receiver that nothing more comes
             if dst not in self._dead:
@@ -375,7 +408,9 @@ class Replicator:
             i += 1
             step = int(v)
             if self.replicated is None or step > self.replicated:
-                self.replicated = step
+                with self._cv:  # throttle waits for it
+                    self.replicated = step
+                    self._cv.notify_all()
                 if self.coord is not None:
                     self.coord.set_replicated(step)
 

@@ -244,7 +244,7 @@ class MemoryTier:
         if self.orch is None or step % self.interval:
             return False
         if self.replicator is not None:
-            self.replicator.throttle()  # replication at most QUEUE checkpoints behind
+            self.replicator.throttle(int(step))  # replication at most LAG memory checkpoints behind
         snap = snapshot()
         try:
             return self.orch.start(int(step), snap.arrays, metadata, StartArgs(
