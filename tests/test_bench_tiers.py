@@ -35,3 +35,22 @@ def test_one_tiny_trial_of_each_kind_reports_verified_steps_lost(tmp_path):
     assert lost["crash"]["trials"][0][3] == ["memory", "memory"]
     assert lost["node_loss"]["trials"][0][3] == ["memory", "peer"]  # rank 1's part came from node 0
     assert "steps lost" in p.stdout
+    assert not out.with_suffix(".png").exists()  # no loop configurations: nothing to draw
+
+
+def test_the_figure_is_drawn_from_a_result_and_refuses_one_without_the_loop(tmp_path):
+    """bench.tiers_plot: both panels from a result's slowdown and restore times (a PNG written);
+    a result of the kill trials alone draws nothing and says so (exit 1)."""
+    from bench.resilience import tiers_plot
+
+    res = {"slowdown": {"none": 1.0, "memory": 1.2, "disk": 1.01, "dcp": 1.6}, "size_bytes_per_rank": 1 << 28,
+           "iter_time_s": 0.2, "restore_s": {"crash_memory_s": 0.25, "crash_disk_s": 2.9, "node_loss_peer_s": 0.3,
+                                             "node_loss_remote_s": None, "raw_link_s": 0.28}}
+    src = tmp_path / "tiers.json"
+    src.write_text(json.dumps(res))
+    assert tiers_plot.main([str(src)]) == 0
+    png = src.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    (tmp_path / "loss.json").write_text(json.dumps({"steps_lost": {}}))
+    assert tiers_plot.main([str(tmp_path / "loss.json"), str(tmp_path / "x.png")]) == 1
+    assert not (tmp_path / "x.png").exists()

@@ -517,3 +517,41 @@ def test_key_waiter_sees_a_key_set_later_and_ends_at_stop():
     assert waiter.wait("k", stop) == "v"
     threading.Timer(0.2, stop.set).start()
     assert waiter.wait("never", stop) is None
+
+
+def test_throttle_waits_for_the_checkpoint_lag_back_while_it_can_still_replicate():
+    """Replicator.throttle (the node-loss bound): the memory checkpoint of step s waits until the
+    one LAG (2) checkpoints back is replicated everywhere while that can still happen (queued,
+    being sent, or sent within COMMIT_GRACE_S), and never for a step that will not come (not
+    offered: its checkpoint failed; sent too long ago; a peer dropped)."""
+    import time
+    from collections import deque
+
+    from pccheck.tiers.memory import replicate
+
+    r = replicate.Replicator.__new__(replicate.Replicator)  # the throttle's state only: no links
+    r._cv, r._queue, r._sending, r._sending_step = threading.Condition(), deque(), False, None
+    r._sent_at, r._started, r._stopping, r._dead = {}, deque(maxlen=replicate.LAG), False, set()
+    r.replicated, r.throttled_s = None, 0.0
+    r.throttle(1)
+    r.throttle(2)  # nothing LAG back yet
+    with r._cv:
+        r._sent_at[1] = time.monotonic()  # step 1 sent: the peers are committing it
+    waiter = threading.Thread(target=r.throttle, args=(3,))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # waits for step 1 to be replicated everywhere
+    with r._cv:
+        r.replicated = 1
+        r._cv.notify_all()
+    waiter.join(10)
+    assert not waiter.is_alive() and list(r._started) == [2, 3]
+    r.throttle(4)  # step 2 was never offered (its commit failed): no wait
+    with r._cv:
+        r._sent_at[3] = time.monotonic() - replicate.COMMIT_GRACE_S - 1  # sent long ago, never committed
+    t0 = time.monotonic()
+    r.throttle(5)
+    with r._cv:
+        r._sending, r._sending_step, r._dead = True, 4, {1}  # still sending 4 (LAG back), but a peer was dropped
+    r.throttle(6)
+    assert time.monotonic() - t0 < replicate.COMMIT_GRACE_S and list(r._started) == [5, 6]

@@ -9,6 +9,7 @@
 - ``tiers.py``: the memory tier (issue 29) on 2 simulated nodes: loop overhead at interval 1 with
   replicas=2 against the disk tier, DCP async_save and none; restore from memory, disk, a peer,
   DCP; the raw gloo link (``bench/results/tiers.json``, whose ``ratios.peer_vs_raw_gloo`` scale reads).
+- ``tiers_plot.py``: the figure of a ``tiers.py`` result (``python -m bench.tiers_plot FILE.json``).
 - ``tiers_loss.py``: steps lost by the memory tier after a process crash or a node loss (kill trials,
   each restore verified bit for bit; also run by ``tiers.py``, ``--loss-trials``).
 

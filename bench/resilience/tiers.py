@@ -541,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     res["host"] = host_info(RESULTS)
     write_json(a.json, res)
     report(a, res)
-    print(f"wrote {a.json}")
+    from bench.resilience.tiers_plot import plot
+
+    drawn = plot(res, a.json.with_suffix(".png"))
+    print(f"wrote {a.json}" + (f" and {a.json.with_suffix('.png').name}" if drawn else ""))
     return 0
 
 
