@@ -142,13 +142,9 @@ def restore_worker(a: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def _port() -> int:
-    from bench.resilience.tiers import _port as port
-
-    return port()
-
-
 def _spawn(a: argparse.Namespace, role: str, extra: list[str]) -> list[subprocess.Popen]:
+    from bench.resilience.tiers import _port
+
     cmd = [sys.executable, "-m", "bench.tiers_loss", "--worker", role, "--port", str(_port()), "--dir", a.dir,
            "--shm", a.shm, "--side", a.side, "--size", str(a.size), "--iter-time", str(a.iter_time), *extra]
     return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=BENCH_DIR.parent,

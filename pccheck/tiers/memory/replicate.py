@@ -164,8 +164,11 @@ class Replicator:
     def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
         self.links, self.root, self.coord = links, root, coord
         # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
-        # skipped start would leave the sender's bytes unreceived and the pair out of step)
-        self._engine = replace(engine, max_concurrent=1, writer_threads=1, when_busy="block")
+        # skipped start would leave the sender's bytes unreceived and the pair out of step). One
+        # pool chunk: replicas are received in place, into the slot (even where the own tier holds
+        # a device snapshot's pool, a replica store never needs one).
+        self._engine = replace(engine, max_concurrent=1, writer_threads=1, when_busy="block",
+                               dram_budget=int(engine.chunk_size))
         self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
         # one KeyWaiter (a connection of its own) per waiting thread: receivers and the log follower
         self._waiters = {name: KeyWaiter.connect(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)

@@ -15,8 +15,9 @@ final; else the first checkpoint opens the store) → :meth:`maybe` per iteratio
 Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
 6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
 newest replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` per source rank whose
-replicas this rank holds (replicas - 1 of them); in process memory a chunk pool of ``MEM_POOL``
-bytes per store and one receive buffer of the state per source.
+replicas this rank holds (replicas - 1 of them); in process memory a chunk pool per store (one
+``MEM_CHUNK`` for host state, which is copied in place; a whole snapshot's for device state, in the
+own store only) and one receive buffer of the state per source.
 """
 
 from __future__ import annotations
@@ -43,13 +44,12 @@ from ...persist.recovery import store_files
 from .paths import MEMORY_ROOT, default_memory_dir, memory_rank_dir, replica_dir
 
 __all__ = ["MemoryTier", "MemoryCoordinator", "build_memory_tier", "default_memory_dir", "memory_rank_dir", "replica_dir",
-           "memory_need", "check_room", "MEMORY_ROOT", "MEM_POOL"]
+           "memory_need", "check_room", "MEMORY_ROOT", "MEM_CHUNK"]
 
 log = logging.getLogger("pccheck")
 
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
-MEM_POOL = 4 * MEM_CHUNK
 REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
 MAX_WRITERS = 16       # the memory tier's writer threads: at most this many (half the host's cores)
 
@@ -171,13 +171,14 @@ class MemoryTier:
         self._on_error = on_error
         self.epoch: int | None = None
         self.orch: Orchestrator | None = None
-        # One in flight. Host state: written through a small pool (tmpfs takes memcpy speed, there
-        # is no device link to overlap). Device state (``device_bytes`` > 0): a pool that holds the
+        # One in flight. Host state: copied in place, straight into the tmpfs slot (the Orchestrator
+        # begins its jobs in_place on a populated mmap store), so the pool is never used: one chunk,
+        # the least an engine has. Device state (``device_bytes`` > 0): a pool that holds the
         # whole snapshot, so the copy off the device ends at the link's speed and the next optimizer
         # step does not wait for the tmpfs writes (soft copy-on-write). With 4 chunks an H200 run
         # measured the step waiting 0.45-0.65 s per iteration for 8.8 GiB (bench/results/gpu/RUNS.md).
         chunk = min(MEM_CHUNK, int(engine.chunk_size))
-        budget = 4 * chunk
+        budget = chunk
         if device_bytes:
             chunk = int(engine.chunk_size)
             budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
