@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 
+from . import shutdown
 from .group.distributed import GroupCoordinator, detect_group
 from .errors import ConfigError, PCCheckError, StorageError
 from .lazy import wait_for_pending
@@ -135,6 +136,7 @@ class Checkpointer(Preparation):
         self._errors: list[PCCheckError] = []
         self._err_lock = threading.Lock()
         self._hook: Any = None
+        self._forget_exit: Callable[[], None] = lambda: None
         self._prep_hooks: list[Any] = []  # see _defer_prepare
         self._prepared = True
         self._prep_lock = threading.Lock()  # see Preparation._prepare
@@ -179,6 +181,8 @@ class Checkpointer(Preparation):
                                       tuned=self.settings["spread_steps"])
         if not self._prepared:
             self._prep_hooks = self._prepare_hooks()
+        # Left open at interpreter exit: closed then, before its threads could be cut off.
+        self._forget_exit = shutdown.on_exit(self._close_at_exit)
 
     def _tune(self, interval: int | str, group: Any, layout: Layout) -> EngineOptions:
         """Resolves "auto" (the interval and the engine's tuned fields) and sets up the online
@@ -466,6 +470,7 @@ class Checkpointer(Preparation):
         """Waits for checkpoints in flight, stops the writers and releases the store lock. With a
         remote tier it first waits for the newest checkpoint to be committed remotely, up to
         ``remote_timeout`` s (default: the ``remote_close_timeout`` option; None: no limit)."""
+        self._forget_exit()
         self._remote_timeout = self.options.remote.remote_close_timeout if remote_timeout == "default" \
             else remote_timeout
         try:
@@ -477,6 +482,15 @@ class Checkpointer(Preparation):
                     self._spread = None
         finally:
             self._memory.close(then=self._close_engine)
+
+    def _close_at_exit(self) -> None:
+        """The interpreter exits with this Checkpointer open: closed as :meth:`close` closes it
+        (checkpoints in flight commit; the remote tier gets ``remote_close_timeout``)."""
+        log.info("pccheck: closing the Checkpointer of %s at interpreter exit", self.path)
+        try:
+            self.close()
+        except PCCheckError as exc:
+            log.error("pccheck: closing the Checkpointer of %s at exit: %s", self.path, exc)
 
     def _close_engine(self) -> None:
         with self._prep_lock:

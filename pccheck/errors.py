@@ -26,6 +26,7 @@ __all__ = [
     "RemoteError",
     "RemoteConfigError",
     "RemoteConflictError",
+    "StoppedError",
     "storage_error_from_oserror",
 ]
 
@@ -97,6 +98,11 @@ class RemoteConfigError(RemoteError, ConfigError):
 class RemoteConflictError(RemoteError):
     """Another writer committed this step (or a newer generation) under the same prefix first
     (a 404, 409 or 412 on a conditional write: FORMAT.md §12). This job's upload is abandoned."""
+
+
+class StoppedError(PCCheckError, RuntimeError):
+    """Background work (a lazy restore's loader) was stopped because the interpreter is exiting
+    (pccheck.shutdown). Nothing on disk changed; load again in the next process."""
 
 
 def storage_error_from_oserror(exc: OSError, doing: str) -> StorageError:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Lowest first, one layer per folder of pccheck/; the top-level files are the leaves and the public
 # faces (FACES), nothing else. A module may import its own layer and the ones below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf", ("pccheck.errors", "pccheck.arrays", "pccheck.version")),
+    ("leaf", ("pccheck.errors", "pccheck.arrays", "pccheck.version", "pccheck.shutdown")),
     ("native", ("pccheck.native",)),
     ("persist", ("pccheck.persist",)),
     ("orchestrator", ("pccheck.orchestrator",)),
@@ -35,10 +35,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("front-end", ("pccheck.checkpointer", "pccheck.restore", "pccheck.options")),
     ("integrations", ("pccheck.integrations",)),
     ("entry", ("pccheck", "pccheck.aio", "pccheck.dcp", "pccheck.hf", "pccheck.lightning", "pccheck.tune",
-               "pccheck.demo", "pccheck.commands")),
+               "pccheck.demo", "pccheck.commands", "pccheck.__main__", "pccheck.cli")),
 ]
-LEAVES = {"errors", "arrays", "version"}
-FACES = {"__init__", "checkpointer", "restore", "options", "aio", "dcp", "hf", "lightning", "tune", "demo"}
+LEAVES = {"errors", "arrays", "version", "shutdown"}
+FACES = {"__init__", "__main__", "cli", "checkpointer", "restore", "options", "aio", "dcp", "hf", "lightning", "tune",
+         "demo"}
 
 
 def _modules() -> dict[str, Path]:

@@ -461,7 +461,7 @@ def main() -> None:
     """Entry point of the ``pccheck`` script."""
     # Recovery logs why it skips a damaged slot; show that on stderr, stdout stays clean for --json.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
-    app()
+    app(prog_name="pccheck")  # the same name in the help whether run as `pccheck` or `python -m pccheck`
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .. import shutdown
 from ..errors import CorruptCheckpointError, NoCheckpointError
 from ..orchestrator.retention import HeldSlots, Retention
 from ..persist.files import GLOBAL, rank_dir, write_durably
@@ -234,9 +235,7 @@ class GroupCoordinator(Retention):
         self.orch = orch
         followers = [self._follow_globals] + ([self._follow_completions] if self.group.rank == 0 else [])
         for fn in followers:
-            t = threading.Thread(target=fn, name=f"pccheck-{fn.__name__}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._threads.append(shutdown.thread(fn, f"pccheck-{fn.__name__}"))
 
     # -- local commits --------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, PCCheckError
+from .. import shutdown
+from ..errors import CorruptCheckpointError, PCCheckError, StoppedError
 from ..persist.layout import ArrayEntry
 from ..persist.reader import read_entry
 
@@ -43,26 +44,41 @@ class Loader:
         self.events = {name: threading.Event() for name in self.order}
         self.error: PCCheckError | None = None
         self.finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pccheck-lazy-load", daemon=True)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._forget: Callable[[], None] = lambda: None
 
     def start(self) -> None:
-        self._thread.start()
+        self._forget = shutdown.on_exit(self.stop)
+        self._thread = shutdown.thread(self._run, "pccheck-lazy-load")
+
+    def stop(self) -> None:
+        """Stops loading after the array being read (at interpreter exit: nothing will use the
+        model any more) and returns once the thread has ended; waiters raise StoppedError."""
+        self._stopping = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _run(self) -> None:
         try:
-            if self.read is not None:
+            f = open(self.path, "rb", buffering=0) if self.read is None else None
+            try:
                 for name in self.order:
+                    if self._stopping:
+                        raise StoppedError(f"{self.what}: the lazy restore was stopped before {name!r} was read "
+                                           "(the interpreter is exiting)")
                     into = self.target(name)
-                    self.deliver(name, self.read(*self.entries[name], into), into is not None)
+                    arr = (self.read(*self.entries[name], into) if f is None
+                           else read_entry(f.fileno(), self.base, *self.entries[name], into=into))
+                    self.deliver(name, arr, into is not None)
                     self.events[name].set()
-            else:
-                with open(self.path, "rb", buffering=0) as f:
-                    for name in self.order:
-                        into = self.target(name)
-                        self.deliver(name, read_entry(f.fileno(), self.base, *self.entries[name], into=into),
-                                     into is not None)
-                        self.events[name].set()
+            finally:
+                if f is not None:
+                    f.close()
             self.on_success()
+        except StoppedError as exc:
+            self.error = exc
+            log.debug("pccheck: %s", exc)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the waiters
             self.error = self._explain(exc)
             log.error("pccheck: %s", self.error)
@@ -70,6 +86,7 @@ class Loader:
             for ev in self.events.values():
                 ev.set()  # waiters wake up and see `error`
             self.finished.set()
+            self._forget()
 
     def _explain(self, exc: Exception) -> PCCheckError:
         why = str(exc) if isinstance(exc, PCCheckError) else f"{type(exc).__name__}: {exc}"

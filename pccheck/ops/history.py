@@ -47,6 +47,7 @@ from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
+from .. import shutdown
 from ..errors import ConfigError, CorruptCheckpointError
 from .export import SafetensorsEntry, safetensors_dtype, safetensors_header
 from ..persist.files import HISTORY_DIR, fsync_dir, write_durably
@@ -143,8 +144,7 @@ class HistoryKeeper:
                 log.warning("pccheck: history copies are falling behind; not keeping step %d", old.step)
             self._pending.append(info)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pccheck-history", daemon=True)
-                self._thread.start()
+                self._thread = shutdown.thread(self._run, "pccheck-history")
             self._cv.notify_all()
 
     @property

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import shutdown
 from ..errors import CorruptCheckpointError
 from ..native import _native
 from .layout import ArrayEntry
@@ -112,8 +113,7 @@ class Prefaulter:
         self._done = 0          # bytes from the start that are populated (or given up on)
         self._stop = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="pccheck-prefault", daemon=True)
-        self._thread.start()
+        self._thread = shutdown.thread(self._run, "pccheck-prefault")
 
     def _run(self) -> None:
         n = self._buf.nbytes

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import shutdown
 from ..errors import (CorruptCheckpointError, PathNotWritableError, StorageError, StoreLockedError,
                       storage_error_from_oserror)
 from ..native import _native
@@ -163,13 +164,11 @@ class SlotStore:
         except OSError as exc:
             raise storage_error_from_oserror(exc, f"opening {file}") from None
         if self.populate and self.native.mode == "mmap":
-            threading.Thread(target=_populate, args=(self.native, file), name="pccheck-populate", daemon=True).start()
+            shutdown.thread(_populate, "pccheck-populate", (self.native, file))
         if fallback:
             with self._guard_lock:
                 self._guarded, self._guarded_gen = list(fallback), self.generation
-            self._verifier = threading.Thread(target=self._verify, args=(image, _native.word_slot(word)),
-                                              name="pccheck-verify", daemon=True)
-            self._verifier.start()
+            self._verifier = shutdown.thread(self._verify, "pccheck-verify", (image, _native.word_slot(word)))
         log.info("pccheck: writing to %s (mode %s, %d slots of %d bytes, next counter %d)", file,
                  self.native.mode, image.header["num_slots"], image.header["slot_capacity"],
                  self._next_counter)

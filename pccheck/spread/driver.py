@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import shutdown
 from .plan import RECORDS, Unit, split, units
 from .replay import ShadowOptimizer, StepRecord, check_replayable
 
@@ -130,8 +131,7 @@ class Spreader:
         # Nesterov path adds the momentum into .grad in place during the update) and once a
         # gradient changed under its background copy; else beside the update.
         self.sync_grads = type(optimizer).__name__ == "SGD"
-        self._replayer = threading.Thread(target=self._replay_loop, name="pccheck-spread-replay", daemon=True)
-        self._replayer.start()
+        self._replayer = shutdown.thread(self._replay_loop, "pccheck-spread-replay")
         self.waited_s = 0.0           # pre-hook waits of the active spread
         self.steps_total = 0          # optimizer steps since this Spreader was made
         self._step_began: float | None = None

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import shutdown
 from ..errors import ConfigError, CorruptCheckpointError, CriuError, NoCheckpointError, PCCheckError
 from ..orchestrator.copy_engine import CpuCopyEngine
 from ..orchestrator.options import EngineOptions, check_int
@@ -176,6 +177,7 @@ class Supervisor:
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
         self._forward = forward
+        self._forget_exit: Any = lambda: None
         for d in {tmpfs_dir(), _exec_dir(self.path)}:
             sweep_stale(d)
         self._private = _scratch("supervisor", _exec_dir(self.path))
@@ -252,14 +254,19 @@ class Supervisor:
 
     def _attach(self, pid: int) -> None:
         self.pid = pid
+        # The reaper (waitpid) and the output forwarder (a pipe read) block in plain system calls
+        # for as long as the process lives, which may outlast this interpreter; they run no native
+        # code of pccheck's or torch's, so they stay plain daemon threads. The dumps do run the
+        # native writers: close() stops them at interpreter exit (pccheck.shutdown).
         threads = [threading.Thread(target=self._reap, name="pccheck-supervise", daemon=True)]
-        if self.every is not None:
-            threads.append(threading.Thread(target=self._periodic, name="pccheck-dumps", daemon=True))
         if self._forward:
             threads.append(threading.Thread(target=self._forward_output, name="pccheck-output", daemon=True))
-        self._threads = threads
         for t in threads:
             t.start()
+        if self.every is not None:
+            self._forget_exit = shutdown.on_exit(self.close)
+            threads.append(shutdown.thread(self._periodic, "pccheck-dumps"))
+        self._threads = threads
 
     # -- the process ---------------------------------------------------------------------------------
 
@@ -411,6 +418,7 @@ class Supervisor:
 
     def close(self) -> None:
         """Stops dumping, waits for the writers and closes the store (the process is left alone)."""
+        self._forget_exit()
         self._stop.set()
         with self._dump_lock:
             self._closed = True

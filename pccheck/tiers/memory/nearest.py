@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import shutdown
 from ...group.distributed import Group
 from ...errors import CorruptCheckpointError, NoCheckpointError
 from ...persist.files import rank_dir
@@ -151,8 +152,7 @@ class _Restore:
                  ) -> tuple[Restored | None, tuple[str, int, int, int] | None]:
         sends = [r for r, (tier, p) in enumerate(plan) if tier == "peer" and p == self.me]
         errors: list[BaseException] = []
-        sender = threading.Thread(target=self._serve, args=(sends, key, rnd, errors), daemon=True)
-        sender.start()
+        sender = shutdown.thread(self._serve, "pccheck-replica-serve", (sends, key, rnd, errors))
         tier, peer = plan[self.me]
         try:
             if tier == "peer":

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import shutdown
 from ...group.distributed import Group
 from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.args import StartArgs
@@ -189,12 +190,9 @@ class Replicator:
         self._bufs: dict[int, np.ndarray] = {}
         self._map: tuple[Path, mmap.mmap] | None = None  # the sender's mapping of its store file
         self._recv_stop = threading.Event()
-        self._threads = [threading.Thread(target=self._send_loop, name="pccheck-replica-send", daemon=True)]
-        self._threads += [threading.Thread(target=self._follow_replicated, name="pccheck-replica-log", daemon=True)]
-        self._threads += [threading.Thread(target=self._recv_loop, args=(s,), name=f"pccheck-replica-recv-{s}",
-                                           daemon=True) for s in links.sources]
-        for t in self._threads:
-            t.start()
+        self._threads = [shutdown.thread(self._send_loop, "pccheck-replica-send"),
+                         shutdown.thread(self._follow_replicated, "pccheck-replica-log")]
+        self._threads += [shutdown.thread(self._recv_loop, f"pccheck-replica-recv-{s}", (s,)) for s in links.sources]
 
     # -- sending ----------------------------------------------------------------------------------
 

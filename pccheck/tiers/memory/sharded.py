@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import shutdown
 from ...arrays import TORCH_DTYPES
 from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...group.distributed import Group
@@ -139,9 +140,7 @@ def _fetch(group: Group, cand: _HeldSet, need: dict[int, list[str]] | None) -> N
         if names:
             asks.append((r, names))
     errors: list[BaseException] = []
-    server = threading.Thread(target=_serve, args=(group.pg, mine, asks, errors), name="pccheck-shard-serve",
-                              daemon=True)
-    server.start()
+    server = shutdown.thread(_serve, "pccheck-shard-serve", (group.pg, mine, asks, errors))
     try:
         for src, names in sorted((need or {}).items()):
             entries = cand.members[src].entries

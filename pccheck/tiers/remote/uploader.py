@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from ... import shutdown
 from ...errors import CorruptCheckpointError, PCCheckError, RemoteConflictError, RemoteError
 from ...orchestrator.retention import Retention
 from ...persist.files import store_generation
@@ -134,8 +135,7 @@ class RemoteUploader:
                                           initializer=_background_priority)
         self._prune_queued = False
         self._pruning = 0  # passes submitted and not finished (wait() waits for them)
-        self._thread = threading.Thread(target=self._run, name="pccheck-remote", daemon=True)
-        self._thread.start()
+        self._thread = shutdown.thread(self._run, "pccheck-remote")
         log.info("pccheck: remote tier %s (generation %d)", options.remote, self.generation)
 
     def _take_generation(self) -> int:
