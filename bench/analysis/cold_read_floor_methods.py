@@ -1,12 +1,13 @@
-"""Issue 32, session 15: the raw-read experiments behind docs/notes/issue-32.md (kept as run).
+"""Cold resharded load against raw-read methods: which way of reading the same bytes cold is the floor
+(bench.sharded's floor). Kept as run.
 
-``python floor_methods.py DIR save`` writes one pccheck checkpoint (4 ranks, 1 GiB) and one DCP
-``FileSystemWriter`` checkpoint under DIR (absolute); ``python floor_methods.py DIR run REPS JSON``
+``python bench/analysis/cold_read_floor_methods.py DIR save`` writes one pccheck checkpoint (4 ranks, 1 GiB) and one DCP
+``FileSystemWriter`` checkpoint under DIR (absolute); ``... DIR run REPS JSON``
 then, REPS rounds, for every variant of the JSON list: makes DIR cold (bench.modes.sharded's
 ``make_cold``) and times either a load job (``{"load": 1, "system": ...}``, bench.sharded's child)
 or a raw read of exactly each loading rank's ranges by two processes at once (threads, piece,
 direct, dest, crc, willneed), printing seconds and the block layer's counters around it
-(floor_methods-r5/r6 only: the counters were added then). The ``env`` variants (PCCHECK_EXP_*)
+(the block layer's counters: /sys/block/*/stat). The ``env`` variants (PCCHECK_EXP_*)
 drove a temporary experiment build of pccheck/sharded/load.py, not kept. Run with
 PYTHONPATH=<worktree> under ``flock -x /tmp/pccheck-bench.lock``.
 """

@@ -1,3 +1,5 @@
+"""256 MiB over gloo on loopback received into fresh memory vs into touched memory (why the peer
+restore prefaults its receive buffer). Two ranks: RANK=0/1 PORT=... python bench/analysis/loopback_recv_fresh_vs_touched.py."""
 import os, sys, time, json, mmap, statistics
 from datetime import timedelta
 import numpy as np, torch, torch.distributed as dist
@@ -10,7 +12,7 @@ rank = int(os.environ["RANK"])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=rank, world_size=2)
 pg = dist.new_group(backend="gloo")
-shm = f"/dev/shm/w29-link-{rank}"
+shm = f"/dev/shm/pccheck-analysis-link-{rank}"
 with open(shm, "wb") as f:
     f.write(np.random.default_rng(rank).integers(0, 255, SIZE, dtype=np.uint8).tobytes())
 src_anon = np.ones(SIZE, dtype=np.uint8)

@@ -1,6 +1,7 @@
 """The chunk pool's first touch with the built engine (Engine.wait_prefaulted), as in a restarted process."""
 import sys, time
-sys.path.insert(0, "/work/wt-31")
+import os
+sys.path.insert(0, os.environ.get("PCCHECK_TREE", "."))
 from pccheck.native import _native
 for i in range(4):
     time.sleep(6)  # freed memory reported back to the host first, as for a new process

@@ -1,3 +1,5 @@
+"""First touch of a fresh 2 GiB mapping with and without MADV_HUGEPAGE, then a copy into it (why the
+chunk pool uses 4 KiB pages on VMs that return freed memory to their host)."""
 import mmap, time, sys, numpy as np, ctypes
 N = 2 << 30
 PIECE = 2 << 20

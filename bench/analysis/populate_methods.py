@@ -1,3 +1,4 @@
+"""Faulting 256 MiB in: MAP_POPULATE vs MADV_POPULATE_WRITE vs the native prefault (whole / 16 MiB pieces)."""
 import mmap, time, numpy as np, sys
 import os; sys.path.insert(0, os.environ.get("PCCHECK_TREE", "."))
 from pccheck.native import _native

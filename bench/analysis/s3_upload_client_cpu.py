@@ -1,18 +1,17 @@
-"""Issue 28, session 15: client and server CPU per GiB uploaded, pccheck's upload_slot (TREE's
-pccheck) against boto3 from memory (signed body: boto3's default over http; unsigned body).
+"""Client and server CPU per GiB uploaded to a local S3 server: pccheck's upload_slot (TREE's pccheck)
+against boto3 from memory (signed body: boto3's default over http; unsigned body).
 
-    flock -x /tmp/pccheck-bench.lock sh -c 'TREE=/tmp/i28/base TAG=-base REP=3 python pcc.py; \
-        TREE=/work/wt-28 TAG=-new REP=3 python pcc.py'
+    TREE=/path/to/old/checkout TAG=-old REP=3 python bench/analysis/s3_upload_client_cpu.py
+    TREE=. TAG=-new REP=3 python bench/analysis/s3_upload_client_cpu.py
 
-TREE=/tmp/i28/base is `git archive 8767add pccheck` (main before the fix) with the built extension;
-the output, one JSON line per upload, is remote-issue28-s15-client-cpu.txt. The store file's pages
-are dropped before each pccheck upload, as after an O_DIRECT commit.
+One JSON line per upload on stdout. The store file's pages are dropped before each pccheck upload,
+as after an O_DIRECT commit.
 """
 import os, sys, time, uuid, json, resource, tempfile
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
-sys.path.insert(0, os.environ.get("TREE", "/work/wt-28"))
+sys.path.insert(0, os.environ.get("TREE", "."))
 PART, CONC = 32 << 20, 4
 SIZE = 1 << 30
 
@@ -37,7 +36,7 @@ def run(name, fn, srv):
     r = {"name": name, "gbps": SIZE / w / 1e9, "wall": w, "client_cpu": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 2), "server_cpu": round(s1 - s0, 2)}
     print(json.dumps(r), flush=True)
 
-d = tempfile.mkdtemp(prefix="i28-", dir="/tmp")
+d = tempfile.mkdtemp(prefix="pccheck-upload-cpu-", dir="/tmp")
 srv = DevServer(Path(d) / "s3").start()
 os.environ.update(srv.env())
 try:
