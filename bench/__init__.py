@@ -19,7 +19,7 @@ its folder (``bench.micro.persist``). ``python -m bench NAME`` is ``python -m be
 ``bench/results/``, scratch in ``bench/_scratch/``.
 
 Contract: a bench module's roles go by one name each: ``run`` (measure; returns the result
-document), ``targets`` (judge it against the issue's targets), ``report`` (print it, write its
+document), ``targets`` (judge it against its targets), ``report`` (print it, write its
 tables), ``plot`` (draw it), and ``main(argv)`` (the command line). A module defines the roles it
 has, under these names and no others (tests/test_structure.py checks the names).
 """

@@ -279,7 +279,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     out = tmp_path / "restart.json"
     systems = ["pccheck_eager", "torch_load", "pccheck_lazy_build_first"]  # the last: Checkpointer, then load
     assert restart.main(["--quick", "--size", "16MiB", "--iters", "5", "--quiet-wait", "0", "--first-after", "2",
-                         "--model", "client", "--threads", "1", "--systems",
+                         "--model", "mlp_relu", "--threads", "1", "--systems",
                          ",".join(systems), "--json", str(out), "--dir", str(tmp_path / "scratch")]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     assert doc["command"].startswith("python -m bench.restart --quick") and doc["cache"] in ("fadvise", "drop_caches")
@@ -290,7 +290,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
         run = doc["results"][name]["runs"][0]
         assert run["restart"]["loaded_step"] == run["durable_step"] == 10
     assert doc["results"]["pccheck_eager"]["runs"][0]["restart"]["first_checkpoint"]["outcome"] == "committed"
-    assert doc["config"]["model"] == "client" and doc["config"]["threads"] == 1  # issue 31's client setting
+    assert doc["config"]["model"] == "mlp_relu" and doc["config"]["threads"] == 1  # issue 31's client setting
     for name in ("pccheck_eager", "pccheck_lazy_build_first"):  # the pool's readiness, from Checkpointer.wait_ready
         first = doc["results"][name]["runs"][0]["restart"]["first_checkpoint"]
         assert isinstance(first["pool_ready_at_first"], bool) and first["backpressure_s"] >= 0, name
@@ -302,7 +302,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     assert failed["error"].startswith("FileNotFoundError"), failed
 
 
-@pytest.mark.parametrize("shape", [[], ["--model", "client", "--order", "build_first"]])
+@pytest.mark.parametrize("shape", [[], ["--model", "mlp_relu", "--order", "build_first"]])
 def test_lazy_bench_small(tmp_path, shape):
     """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written;
     also issue 31's client model, its store written and restarted with the Checkpointer built first."""
