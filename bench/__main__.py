@@ -328,6 +328,7 @@ def _summary(run: Mapping[str, Any], out: Path, path: Path) -> Path:
     if "recovery" in run and not run["recovery"]["target"]["met"]:
         L.append(_LOAD_PROPOSAL + "\n")
     L += _details(run)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(L) + "\n", encoding="utf-8")
     return path
 

@@ -424,7 +424,7 @@ class Orchestrator:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
         # barrier left one pending (freed by the next barrier that succeeds). No disk I/O here:
         # zeroing the slot's meta record, a 4 KiB write queued behind the previous checkpoint's
-        # writes, held the training thread 50-188 ms on the GPU (bench/results/gpu/gpu.json); the
+        # writes, held the training thread 50-188 ms on the GPU (bench/results/gpu/latest.json); the
         # job's first writer does it (start(): begin(..., zero_meta=True)).
         while True:
             try:

@@ -176,7 +176,7 @@ class MemoryTier:
         # the least an engine has. Device state (``device_bytes`` > 0): a pool that holds the
         # whole snapshot, so the copy off the device ends at the link's speed and the next optimizer
         # step does not wait for the tmpfs writes (soft copy-on-write). With 4 chunks an H200 run
-        # measured the step waiting 0.45-0.65 s per iteration for 8.8 GiB (bench/results/gpu/RUNS.md).
+        # measured the step waiting 0.45-0.65 s per iteration for 8.8 GiB (bench/README.md, "On a GPU").
         chunk = min(MEM_CHUNK, int(engine.chunk_size))
         budget = chunk
         if device_bytes:
