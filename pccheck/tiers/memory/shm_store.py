@@ -184,7 +184,7 @@ class MemoryTier:
             budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
         # Writers: tmpfs is written by memcpy, so the CPU, not a device queue, sets the pace. At
         # memory_interval=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
-        # next iteration waited for them (RUNS.md, run 5): half the host's cores, at least the disk's.
+        # next iteration waited for them (bench/results/gpu/RUNS.md): half the host's cores, at least the disk's.
         writers = max(int(engine.writer_threads), min(MAX_WRITERS, (os.cpu_count() or 2) // 2))
         self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=budget,
                                writer_threads=writers)
