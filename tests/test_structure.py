@@ -1,4 +1,4 @@
-"""The shape of the code (issue 12, docs/ARCHITECTURE.md): layers, import graph, sizes.
+"""The shape of the code (docs/ARCHITECTURE.md): layers, import graph, sizes.
 
 Data flows one way: entry points → integrations → front-end → its parts → state → store services →
 orchestrator → persist → native, with ``errors``, ``arrays`` and ``version`` as leaves; each folder
