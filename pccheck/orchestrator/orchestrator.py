@@ -144,7 +144,7 @@ class Orchestrator:
         self._reserve_request = device_reserve
         # A populated tmpfs store (the memory tier's) is filled in place: the CPU engine copies
         # straight into the slot's mapping and the writers only checksum it, one memcpy of the
-        # state instead of two (native engine.h, "In place"; issue 29, s17).
+        # state instead of two (native engine.h, "In place").
         self._in_place = populate_store
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
