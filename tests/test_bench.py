@@ -290,7 +290,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
         run = doc["results"][name]["runs"][0]
         assert run["restart"]["loaded_step"] == run["durable_step"] == 10
     assert doc["results"]["pccheck_eager"]["runs"][0]["restart"]["first_checkpoint"]["outcome"] == "committed"
-    assert doc["config"]["model"] == "mlp_relu" and doc["config"]["threads"] == 1  # issue 31's client setting
+    assert doc["config"]["model"] == "mlp_relu" and doc["config"]["threads"] == 1  # the figure's setting
     for name in ("pccheck_eager", "pccheck_lazy_build_first"):  # the pool's readiness, from Checkpointer.wait_ready
         first = doc["results"][name]["runs"][0]["restart"]["first_checkpoint"]
         assert isinstance(first["pool_ready_at_first"], bool) and first["backpressure_s"] >= 0, name
@@ -305,7 +305,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
 @pytest.mark.parametrize("shape", [[], ["--model", "mlp_relu", "--order", "build_first"]])
 def test_lazy_bench_small(tmp_path, shape):
     """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written;
-    also issue 31's client model, its store written and restarted with the Checkpointer built first."""
+    also the ReLU MLP (``mlp_relu``), its store written and restarted with the Checkpointer built first."""
     from bench.modes import lazy
 
     out = tmp_path / "lazy.json"

@@ -353,7 +353,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--link-ratio", type=float, default=4.0,
                    help="with --spread: S/(B t), iterations one snapshot needs on the emulated link (>= 3)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 64MiB, intervals 1,10, short windows; writes overhead-quick.* unless --json")
+                   help="smoke run: 64MiB, intervals 1,10, short windows; writes bench/results/overhead/quick.* unless --json")
     p.add_argument("--json", type=Path, default=None,
                    help="JSON output; CSV and PNG go beside it (default: bench/results/overhead/latest.json)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch",

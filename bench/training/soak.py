@@ -29,7 +29,7 @@ the optimizer's ``exp_avg``/``exp_avg_sq``):
    collection.
 
 Writes the samples, the verdicts and the command to a JSON file (``--out``; with ``--quick`` the
-default is ``soak-quick.json``) and a PNG of RSS, fds and threads over time beside it; prints a
+default is ``bench/results/soak/quick.json``) and a PNG of RSS, fds and threads over time beside it; prints a
 summary. ``--quick``: 30 s loop of 64 MiB, 100 cycles (about a minute; a smoke run).
 """
 
