@@ -10,16 +10,30 @@ Grouped by job, one folder each (each folder's ``__init__.py`` lists its files):
 - ``modes/``: pccheck's modes: gockpt (spread), lazy, sharded, distributed, transparent.
 - ``resilience/``: surviving a lost machine: scale (the goodput model of a large job per tier set).
 - ``gpu/``: the GPU benches (``python -m bench.gpu``, gpu_claims; gpu_train, gpu_profile).
+- ``analysis/``: scripts behind design choices (not benches; run as files).
+
+Where each runnable name lives (``python -m bench.X``; results in ``bench/results/X/latest.*``):
+
+============  =====================================================================
+folder        X
+============  =====================================================================
+micro/        persist, recovery, call_cost, copy_threads, memory_tier
+training/     overhead, restart, soak, integrations
+paper/        fig8, fig11, fig12, goodput, tuner
+modes/        gockpt, lazy, sharded, distributed, transparent
+resilience/   remote, remote_clients, tiers, tiers_loss, tiers_plot, scale
+gpu/          gpu, gpu_claims
+============  =====================================================================
 
 ``python -m bench.X`` (the commands in the docs and in every result's ``command``) runs X from its
 folder: the folders are on this package's search path, after bench/ itself, so ``bench.persist`` is
 ``bench/micro/persist.py`` (a module name is unique across the folders). In code, import a bench by
 its folder (``bench.micro.persist``). ``python -m bench NAME`` is ``python -m bench.NAME``;
-``python -m bench all`` runs the paper's evaluation (``__main__.py``). Results stay in
-``bench/results/``, scratch in ``bench/_scratch/``.
+``python -m bench all`` runs the paper's evaluation (``__main__.py``). Results go to
+``bench/results/<X>/latest.*`` (``harness.common.result_path``), scratch to ``bench/_scratch/``.
 
 Contract: a bench module's roles go by one name each: ``run`` (measure; returns the result
-document), ``targets`` (judge it against the issue's targets), ``report`` (print it, write its
+document), ``targets`` (judge it against its targets), ``report`` (print it, write its
 tables), ``plot`` (draw it), and ``main(argv)`` (the command line). A module defines the roles it
 has, under these names and no others (tests/test_structure.py checks the names).
 """

@@ -1,4 +1,4 @@
-"""``python -m bench all``: every benchmark, one CSV + PNG per figure, and ``summary.md`` with the targets.
+"""``python -m bench all``: every benchmark, one CSV + PNG per figure, and ``all/latest.md`` with the targets.
 (``python -m bench NAME ARGS...`` runs one: the same as ``python -m bench.NAME ARGS...``.)
 
 Run::
@@ -8,17 +8,18 @@ Run::
 
 Order (each later step uses numbers measured by the earlier ones, in the same run):
 
-1. ``recovery``  cold load of one checkpoint (bench.recovery) -> recovery.{csv,png,json}
-2. ``fig11``     time to persist one checkpoint vs size (bench.fig11 over bench.persist) -> fig11.*
+1. ``recovery``  cold load of one checkpoint (bench.recovery) -> recovery/latest.{csv,png,json}
+2. ``fig11``     time to persist one checkpoint vs size (bench.fig11 over bench.persist) -> fig11/latest.*
 3. ``fig8``      throughput vs checkpoint interval, emulated GPU and a real CPU model, every policy,
-                 the tuner's pick (bench.fig8 over bench.overhead + bench.systems) -> fig8.*
-4. ``fig12``     sensitivity to N, writer threads, chunk size and DRAM budget (bench.fig12) -> fig12.*
+                 the tuner's pick (bench.fig8 over bench.overhead + bench.systems) -> fig8/latest.*
+4. ``fig12``     sensitivity to N, writer threads, chunk size and DRAM budget (bench.fig12) -> fig12/latest.*
 5. ``fig9``      goodput under preemption: the replay simulator (bench.goodput) fed with 1-3 ->
-                 fig9-goodput.*, fig9-inputs.json (replay other traces later with
-                 ``python -m bench.goodput --trace FILE.csv``)
+                 goodput/latest.{csv,png}, goodput/inputs.json, goodput/trace-*.csv (replay other
+                 traces later with ``python -m bench.goodput --trace FILE.csv``)
 
-``--quick`` uses tiny sizes and short windows (smoke use, < 3 minutes) and writes ``*-quick.*`` files
-and ``summary-quick.md``; its numbers mean nothing. The full run is what the README reports.
+and the summary with every target: all/latest.{md,json}. Paths are under ``--out`` (default
+bench/results). ``--quick`` uses tiny sizes and short windows (smoke use, < 3 minutes) and writes
+``quick.*`` files beside each ``latest.*``; its numbers mean nothing. The full run is what the README reports.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from bench.paper import fig11
 from bench.paper import fig12
 from bench.paper import goodput
 from bench.micro import recovery
-from bench.harness.common import fmt, format_size, host_info, machine_label, write_csv, write_json
+from bench.harness.common import result_path, fmt, format_size, host_info, machine_label, write_csv, write_json
 
 _BENCH_DIR = Path(__file__).resolve().parent
 STEPS = ("recovery", "fig11", "fig8", "fig12", "fig9")
@@ -101,7 +102,7 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
 # -- goodput from the measurements ---------------------------------------------------------------------
 
 def _load_times(rec: Mapping[str, Any]) -> dict[str, float]:
-    """Measured load seconds per training system (see the goodput section of summary.md)."""
+    """Measured load seconds per training system (see the goodput section of all/latest.md)."""
     r = rec["results"]
     out = {"pccheck": r["pccheck"]["median_s"]}
     if "torch_load" in r:
@@ -115,21 +116,23 @@ def _load_times(rec: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _goodput(res8: Mapping[str, Any], rec: Mapping[str, Any], traces: Mapping[str, goodput.Trace], out: Path,
-             stem: str) -> dict[str, Any]:
+             quick: bool) -> dict[str, Any]:
+    stem = result_path("goodput", "", quick=quick, root=out)  # .../goodput/latest
+    pre = "quick-" if quick else ""
     loads = _load_times(rec)
     cells = res8["emulated"]["cells"]
     models = goodput.models_from_results(cells, loads, ideal_load_s=loads.get("ideal", loads["pccheck"]))
     rows = goodput.evaluate(models, traces)
-    write_json(out / f"{stem}-inputs.json", {
+    write_json(stem.parent / f"{pre}inputs.json", {
         "workload": res8["emulated"]["describe"], "machine": res8["machine"],
         "load_s": loads, "models": [m.__dict__ for m in models],
         "note": "iter_s from Figure 8 (emulated), tw_s = median call-to-durable in the window, load_s from "
                 "bench.recovery (pccheck: load_latest; torch_save/checkfreq: torch.load; dcp_async: dcp.load; "
                 "gpm/ideal: raw O_DIRECT read into fresh memory)"})
     for name, tr in traces.items():
-        goodput.write_trace_csv(tr, out / f"{stem}-trace-{name}.csv")
-    write_csv(out / f"{stem}-goodput.csv", list(rows[0]), [list(r.values()) for r in rows])
-    goodput.plot(out / f"{stem}-goodput.png", rows, traces, res8["machine"],
+        goodput.write_trace_csv(tr, stem.parent / f"{pre}trace-{name}.csv")
+    write_csv(stem.with_suffix(".csv"), list(rows[0]), [list(r.values()) for r in rows])
+    goodput.plot(stem.with_suffix(".png"), rows, traces, res8["machine"],
                   "GPU EMULATED workload of Figure 8: " + res8["emulated"]["describe"].split(": ", 1)[-1]
                   + "; load times measured cold (bench.recovery)")
     head = fig8.headline_system(res8)
@@ -178,7 +181,7 @@ def _why_persist(t: Mapping[str, Any]) -> str:
         return ""
     return (f"pccheck took {t['pccheck_s']:.3f} s vs {t['raw_s']:.3f} s for the raw write of the same bytes; "
             "the difference is the copy into DRAM chunks plus the commit (two barriers) that the raw write "
-            "does not do. See fig11.csv for every run.")
+            "does not do. See fig11/latest.csv for every run.")
 
 
 def _why_slowdown(res8: Mapping[str, Any], t: Mapping[str, Any]) -> str:
@@ -261,8 +264,8 @@ def _remeasured(run: Mapping[str, Any]) -> str:
     return ""
 
 
-def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
-    """Write summary.md (and summary.json); return its path."""
+def _summary(run: Mapping[str, Any], out: Path, path: Path) -> Path:
+    """Write the summary (all/latest.md); return its path."""
     L: list[str] = []
     q = " (QUICK smoke run: tiny sizes, numbers mean nothing)" if run["quick"] else ""
     L.append(f"# pccheck benchmark summary{q}\n")
@@ -317,7 +320,7 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
     L.append("")
     L.append("A slowdown below 1.00x is measurement noise (checkpointing cannot speed training up): this "
              "2-vCPU machine is shared, and \"other load\" is the CPU other processes used during the window. "
-             "Cells are re-measured (up to twice) when that exceeds 0.3 CPUs; fig8.csv has it per cell.\n")
+             "Cells are re-measured (up to twice) when that exceeds 0.3 CPUs; fig8/latest.csv has it per cell.\n")
     if notes:
         L.append("Why targets were missed (numbers from this run):\n")
         L += notes
@@ -325,7 +328,7 @@ def _summary(run: Mapping[str, Any], out: Path, name: str) -> Path:
     if "recovery" in run and not run["recovery"]["target"]["met"]:
         L.append(_LOAD_PROPOSAL + "\n")
     L += _details(run)
-    path = out / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(L) + "\n", encoding="utf-8")
     return path
 
@@ -346,10 +349,10 @@ def _fig8_table(cells: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _details(run: Mapping[str, Any]) -> list[str]:
     L: list[str] = []
-    sfx = "-quick" if run["quick"] else ""
+    sfx = "quick" if run["quick"] else "latest"  # the figures sit in ../<figure>/ beside all/
     if "fig8" in run:
         r8 = run["fig8"]
-        L.append(f"## Figure 8 analog: iterations/s (slowdown) [fig8{sfx}.png](fig8{sfx}.png)\n")
+        L.append(f"## Figure 8 analog: iterations/s (slowdown) [fig8/{sfx}.png](../fig8/{sfx}.png)\n")
         L.append(f"GPU EMULATED: {r8['emulated']['describe'].split(': ', 1)[-1]}.\n")
         L += _fig8_table(r8["emulated"]["cells"])
         L.append(f"\n`*`: disturbed cell (other processes used > {fig8.NOISY_CPUS} CPUs during its window even "
@@ -369,7 +372,7 @@ def _details(run: Mapping[str, Any]) -> list[str]:
         L.append("")
     if "fig11" in run:
         r = run["fig11"]
-        L.append(f"## Figure 11 analog: seconds until durable [fig11{sfx}.png](fig11{sfx}.png)\n")
+        L.append(f"## Figure 11 analog: seconds until durable [fig11/{sfx}.png](../fig11/{sfx}.png)\n")
         L.append("| size | " + " | ".join(fig11.SYSTEMS) + " | pccheck / raw |")
         L.append("|---|" + "---|" * (len(fig11.SYSTEMS) + 1))
         for rec in r["results"]:
@@ -380,7 +383,7 @@ def _details(run: Mapping[str, Any]) -> list[str]:
         L.append("")
     if "recovery" in run:
         rc = run["recovery"]
-        L.append(f"## Recovery: load {rc['size']}, {rc['cache']} [recovery{sfx}.png](recovery{sfx}.png)\n")
+        L.append(f"## Recovery: load {rc['size']}, {rc['cache']} [recovery/{sfx}.png](../recovery/{sfx}.png)\n")
         L.append("| what | median s | GB/s |")
         L.append("|---|---|---|")
         for k, v in rc["results"].items():
@@ -388,14 +391,14 @@ def _details(run: Mapping[str, Any]) -> list[str]:
         L.append("")
     if "fig12" in run:
         r = run["fig12"]
-        L.append(f"## Figures 12-14 analogs: sensitivity [fig12{sfx}.png](fig12{sfx}.png)\n")
+        L.append(f"## Figures 12-14 analogs: sensitivity [fig12/{sfx}.png](../fig12/{sfx}.png)\n")
         for key, title in (("threads_cells", f"writer threads, interval {r['threads_interval']}"),
                            ("mem_cells", f"chunk size x DRAM budget, interval {r['mem_interval']}")):
             L.append(f"{title}: " + ", ".join(f"{c['system']} {fmt(c['slowdown'], '.2f')}x"
                                               for c in r[key] if c["system"] != "none") + "\n")
     if "fig9" in run:
         g = run["fig9"]
-        L.append(f"## Figure 9 analog: goodput under preemption [fig9{sfx}-goodput.png](fig9{sfx}-goodput.png)\n")
+        L.append(f"## Figure 9 analog: goodput under preemption [goodput/{sfx}.png](../goodput/{sfx}.png)\n")
         for k, v in g["traces"].items():
             L.append(f"- trace `{k}`: {v['failures']} events in {v['duration_s'] / 3600:.1f} h; {v['source']}")
         L.append("- load times used (s): " + ", ".join(f"{k} {v:.2f}" for k, v in g["loads"].items()))
@@ -414,10 +417,10 @@ def _details(run: Mapping[str, Any]) -> list[str]:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["all", "summary"],
-                   help="all: run every benchmark; summary: rebuild the goodput replay and summary.md from the "
+                   help="all: run every benchmark; summary: rebuild the goodput replay and all/latest.md from the "
                         "JSON files of an earlier run in --out (no measurement)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, short windows: a smoke run (< 3 min)")
-    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results", help="results directory (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=_BENCH_DIR / "results", help="results root: files go to OUT/<bench>/latest.* (default: %(default)s)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     p.add_argument("--traces", default="andre,thorpe",
@@ -460,7 +463,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _resummarize(a)
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
-    sfx = "-quick" if a.quick else ""
     traces = goodput.load_traces(a.traces, a.seed) if "fig9" in a.only else {}
     total = ((_rec_ticks(a.quick) if "recovery" in a.only else 0) + (fig11.plan(a.quick) if "fig11" in a.only else 0)
              + (fig8.plan(a.quick, not a.no_tuner) if "fig8" in a.only else 0)
@@ -475,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = recovery.run(QUICK_STATE if a.quick else FULL_STATE, 1 if a.quick else 3, a.dir,
                                         progress=tick)
             rc["date"] = run["date"]  # part of this run
-            recovery.report(rc, out, f"recovery{sfx}")
+            recovery.report(rc, out, a.quick)
             run["recovery"] = rc
             timings["recovery"] = time.perf_counter() - s
         if "fig11" in a.only:
@@ -497,18 +499,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "fig9" in a.only:
             s = time.perf_counter()
             tick("fig9: goodput replay")
-            run["fig9"] = _goodput(run["fig8"], run["recovery"], traces, out, f"fig9{sfx}")
+            run["fig9"] = _goodput(run["fig8"], run["recovery"], traces, out, run["quick"])
             timings["fig9"] = time.perf_counter() - s
     run["runtime_s"] = time.perf_counter() - t0
     run["step_runtime_s"] = timings
-    _finish(run, out, sfx)
+    _finish(run, out)
     return 0
 
 
-def _finish(run: dict[str, Any], out: Path, sfx: str) -> None:
-    """Write summary{sfx}.md and summary{sfx}.json; print the target table."""
-    path = _summary(run, out, f"summary{sfx}.md")
-    write_json(out / f"summary{sfx}.json", {
+def _finish(run: dict[str, Any], out: Path) -> None:
+    """Write all/latest.md and all/latest.json (quick: all/quick.*); print the target table."""
+    doc = result_path("all", ".json", quick=run["quick"], root=out)
+    path = _summary(run, out, doc.with_suffix(".md"))
+    write_json(doc, {
         "quick": run["quick"], "machine": run["machine"], "date": run["date"], "runtime_s": run["runtime_s"],
         "step_runtime_s": run["step_runtime_s"],
         "targets": {
@@ -523,22 +526,23 @@ def _finish(run: dict[str, Any], out: Path, sfx: str) -> None:
 
 
 def _resummarize(a: argparse.Namespace) -> int:
-    """``summary``: rebuild the goodput replay and summary.md from the JSON files a run left in --out
+    """``summary``: rebuild the goodput replay and all/latest.md from the JSON files a run left in --out
     (no measurement; the run's date and step times come from its summary JSON)."""
-    out, sfx = a.out, "-quick" if a.quick else ""
+    out = a.out
     run: dict[str, Any] = {"quick": a.quick}
-    for step, stem in (("recovery", "recovery"), ("fig11", "fig11"), ("fig8", "fig8"), ("fig12", "fig12")):
-        f = out / f"{stem}{sfx}.json"
+    for step in ("recovery", "fig11", "fig8", "fig12"):
+        f = result_path(step, ".json", quick=a.quick, root=out)
         if f.exists():
             run[step] = json.loads(f.read_text(encoding="utf-8"))
-    prev_path = out / f"summary{sfx}.json"
+    prev_path = result_path("all", ".json", quick=a.quick, root=out)
     prev = json.loads(prev_path.read_text(encoding="utf-8")) if prev_path.exists() else {}
     run["machine"] = prev.get("machine") or run.get("fig8", run.get("fig11", {})).get("machine", "?")
     run["date"] = prev.get("date", "?")
     run["runtime_s"] = prev.get("runtime_s", 0.0)
     run["step_runtime_s"] = prev.get("step_runtime_s", {})
     if "fig8" in run and "recovery" in run:
-        saved = {p.stem.removeprefix(f"fig9{sfx}-trace-"): p for p in sorted(out.glob(f"fig9{sfx}-trace-*.csv"))}
+        pre = "quick-" if a.quick else ""
+        saved = {p.stem.removeprefix(f"{pre}trace-"): p for p in sorted((out / "goodput").glob(f"{pre}trace-*.csv"))}
         traces = {k: goodput.read_trace_csv(p) for k, p in saved.items()} or goodput.load_traces(a.traces, a.seed)
         if saved:  # keep the synthetic traces' citation, which the CSV does not carry
             for k, tr in list(traces.items()):
@@ -547,8 +551,8 @@ def _resummarize(a: argparse.Namespace) -> int:
                                               f"synthetic '{k}' (seed {a.seed}): {goodput.PUBLISHED_RATES[k][2]}")
             order = [t.strip() for t in a.traces.split(",") if t.strip() in traces]
             traces = {k: traces[k] for k in order + [k for k in traces if k not in order]}
-        run["fig9"] = _goodput(run["fig8"], run["recovery"], traces, out, f"fig9{sfx}")
-    _finish(run, out, sfx)
+        run["fig9"] = _goodput(run["fig8"], run["recovery"], traces, out, run["quick"])
+    _finish(run, out)
     return 0
 
 

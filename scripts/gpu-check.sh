@@ -3,34 +3,36 @@
 #   build  build pccheck's native core against the preinstalled torch (pip --target /tmp/pccheck-site)
 #          and put the built extension into the source tree's pccheck/native/
 #   test   the gpu-marked tests (tests/test_gpu.py), from tests/, importing the source tree
-#   bench  python3 -m bench.gpu --out "$RES" $BENCH_ARGS
-#   claims python3 -m bench.gpu_claims --out "$RES" $CLAIMS_ARGS (lazy restore on cuda, spread
+#   bench  python3 -m bench.gpu --out "$RES/gpu" $BENCH_ARGS
+#   claims python3 -m bench.gpu_claims --out "$RES/gpu_claims" $CLAIMS_ARGS (lazy restore on cuda, spread
 #          replay vs the CUDA optimizer, the integrations' extra device memory)
 # env.txt (nvidia-smi, torch and its device) is always written. A failing step does not stop the
 # later ones; the exit status is non-zero if any step failed.
 #
-# Environment: OUT (results folder; default bench/results/gpu), GPU_CHECK_STEPS (comma-separated,
+# Environment: OUT (results root; default bench/results), GPU_CHECK_STEPS (comma-separated,
 # default build,test,bench,claims), BENCH_ARGS / CLAIMS_ARGS (extra arguments, default none),
 # GPU_TESTS (a pytest -k expression selecting gpu tests; default all), PY_SPY (py-spy's path, for
 # bench.gpu --profile; else it is looked up on the PATH), TEST_TIMEOUT / BENCH_TIMEOUT /
 # CLAIMS_TIMEOUT (seconds a step may run before it is killed; default 0, no limit). With .whl/remote/
 # (scripts/pack-remote-deps.sh) the remote tier's server and client are unpacked and put on the paths.
-# Results are kept flat, at most 8 files: gpu-check.log (every step's output) env.txt, and what
-# bench.gpu (gpu.json gpu.csv gpu.png, with --profile profile.txt pyspy.txt) and bench.gpu_claims
-# (claims.json) write.
+# Results follow bench/results/<bench>/, at most 10 files in all: gpu/ what bench.gpu writes
+# (latest.json latest.csv latest.png, with --profile profile.txt pyspy.txt), gpu_claims/ what
+# bench.gpu_claims writes (latest.json; latest-<claims>.json for a --claims subset), and
+# gpu-check/ the logs (gpu-check.log, every step's output, appended to; env.txt), untracked.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-RES="${OUT:-bench/results/gpu}"
-mkdir -p "$RES"
+RES="${OUT:-bench/results}"
+mkdir -p "$RES/gpu" "$RES/gpu_claims" "$RES/gpu-check"
 RES="$(cd "$RES" && pwd)"
+FOLDERS=(gpu gpu_claims gpu-check)
 STEPS="${GPU_CHECK_STEPS:-build,test,bench,claims}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 CLAIMS_ARGS="${CLAIMS_ARGS:-}"
 GPU_TESTS="${GPU_TESTS:-}"
 SITE=/tmp/pccheck-site
-MAX_FILES=8
+MAX_FILES=10
 # Tests and bench import the source tree (with the built extension copied in); the tests' child
 # processes inherit this.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -89,12 +91,12 @@ step_test() {
 
 step_bench() {
     # shellcheck disable=SC2086  # BENCH_ARGS is split into words on purpose
-    timeout -k 10 "${BENCH_TIMEOUT:-0}" python3 -m bench.gpu --out "$RES" $BENCH_ARGS
+    timeout -k 10 "${BENCH_TIMEOUT:-0}" python3 -m bench.gpu --out "$RES/gpu" $BENCH_ARGS
 }
 
 step_claims() {
     # shellcheck disable=SC2086  # CLAIMS_ARGS is split into words on purpose
-    timeout -k 10 "${CLAIMS_TIMEOUT:-0}" python3 -m bench.gpu_claims --out "$RES" $CLAIMS_ARGS
+    timeout -k 10 "${CLAIMS_TIMEOUT:-0}" python3 -m bench.gpu_claims --out "$RES/gpu_claims" $CLAIMS_ARGS
 }
 
 failed=()
@@ -112,25 +114,26 @@ run() {
     fi
 }
 
-LOG="$RES/gpu-check.log"  # appended to: several invocations (e.g. one per step) share it
-: >"$RES/env.txt"
+LOG="$RES/gpu-check/gpu-check.log"  # appended to: several invocations (e.g. one per step) share it
+: >"$RES/gpu-check/env.txt"
 if want build; then run build "$LOG"; fi
-run env "$RES/env.txt"
+run env "$RES/gpu-check/env.txt"
 if want test; then run test "$LOG"; fi
 if want bench; then run bench "$LOG"; fi
 if want claims; then run claims "$LOG"; fi
 
-# The results folder must stay flat and small.
-subdirs=$(find "$RES" -mindepth 1 -type d | wc -l)
-files=$(find "$RES" -mindepth 1 -type f | wc -l)
+# The results folders must stay flat and small.
+subdirs=$(for d in "${FOLDERS[@]}"; do find "$RES/$d" -mindepth 1 -type d; done | wc -l)
+files=$(for d in "${FOLDERS[@]}"; do find "$RES/$d" -mindepth 1 -type f; done | wc -l)
 if ((subdirs > 0 || files > MAX_FILES)); then
-    echo "gpu-check: $RES holds $files files and $subdirs folders (allowed: $MAX_FILES files, no folders):" >&2
-    find "$RES" -mindepth 1 >&2
+    echo "gpu-check: ${FOLDERS[*]} under $RES hold $files files and $subdirs folders" \
+         "(allowed: $MAX_FILES files, no folders):" >&2
+    for d in "${FOLDERS[@]}"; do find "$RES/$d" -mindepth 1 >&2; done
     failed+=("results")
 fi
 
 echo "== gpu-check: results in $RES:"
-ls -l "$RES"
+for d in "${FOLDERS[@]}"; do ls -l "$RES/$d"; done
 if ((${#failed[@]})); then
     echo "== gpu-check: FAILED: ${failed[*]}"
     exit 1

@@ -60,7 +60,7 @@ def assert_same_tree(a, b, path: str = "") -> None:
         assert a == b, path
 
 
-# -- the remote tier's S3 server (issue 28) ---------------------------------------------------------
+# -- the remote tier's S3 server --------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):

@@ -196,26 +196,26 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 
 def test_quick_run_writes_every_figure(quick_run):
-    for stem in ("recovery-quick", "fig11-quick", "fig8-quick", "fig12-quick", "fig9-quick-goodput"):
+    for stem in ("recovery/quick", "fig11/quick", "fig8/quick", "fig12/quick", "goodput/quick"):
         png = quick_run / f"{stem}.png"
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG", stem
         assert _csv(quick_run / f"{stem}.csv"), stem
-    assert (quick_run / "fig9-quick-inputs.json").exists()
-    assert (quick_run / "fig9-quick-trace-andre.csv").exists()
+    assert (quick_run / "goodput" / "quick-inputs.json").exists()
+    assert (quick_run / "goodput" / "quick-trace-andre.csv").exists()
 
 
 def test_quick_summary_has_every_target(quick_run):
-    text = (quick_run / "summary-quick.md").read_text(encoding="utf-8")
+    text = (quick_run / "all" / "quick.md").read_text(encoding="utf-8")
     for needle in ("persist 1 GiB", "slowdown at interval 10", "goodput / CheckFreq", "pccheck speed / raw O_DIRECT read",
                    "GPU EMULATED", "REAL CPU training"):
         assert needle in text, needle
-    doc = json.loads((quick_run / "summary-quick.json").read_text(encoding="utf-8"))
+    doc = json.loads((quick_run / "all" / "quick.json").read_text(encoding="utf-8"))
     assert set(doc["targets"]) == {"persist", "slowdown", "goodput", "load"}
     assert doc["runtime_s"] > 0
 
 
 def test_quick_fig8_cells_are_sane(quick_run):
-    rows = _csv(quick_run / "fig8-quick.csv")
+    rows = _csv(quick_run / "fig8" / "quick.csv")
     systems = {r["system"] for r in rows if r["workload"] == "emulated"}
     assert {"none", "torch_save", "dcp_async", "checkfreq", "gpm", "pccheck_N1", "pccheck_N2"} <= systems
     assert any(r["workload"] == "real" for r in rows)
@@ -225,24 +225,24 @@ def test_quick_fig8_cells_are_sane(quick_run):
             assert int(r["checkpoints"]) >= 1
         if r["system"] in ("checkfreq", "dcp_async") or r["system"].startswith("pccheck"):
             assert float(r["tw_s"]) > 0, r  # call-to-durable was recorded
-    doc = json.loads((quick_run / "fig8-quick.json").read_text(encoding="utf-8"))
+    doc = json.loads((quick_run / "fig8" / "quick.json").read_text(encoding="utf-8"))
     assert "tuner" in doc and ("reason" in doc["tuner"] or doc["tuner"]["max_concurrent"] >= 1)
 
 
 def test_quick_fig11_and_recovery_are_sane(quick_run):
-    rows = _csv(quick_run / "fig11-quick.csv")
+    rows = _csv(quick_run / "fig11" / "quick.csv")
     assert {r["system"] for r in rows} == {"pccheck", "raw_odirect", "torch_save", "safetensors", "dcp_async"}
     assert all(float(r["median_s"]) > 0 for r in rows)
-    rec = {r["what"]: r for r in _csv(quick_run / "recovery-quick.csv")}
+    rec = {r["what"]: r for r in _csv(quick_run / "recovery" / "quick.csv")}
     assert {"pccheck", "raw_odirect", "raw_odirect_fresh", "torch_load", "safetensors", "dcp", "crc32c"} <= set(rec)
     assert all(float(r["median_s"]) > 0 for r in rec.values())
 
 
 def test_quick_fig12_and_goodput_are_sane(quick_run):
-    rows = _csv(quick_run / "fig12-quick.csv")
+    rows = _csv(quick_run / "fig12" / "quick.csv")
     assert {r["panel"] for r in rows} == {"a_N", "b_threads", "c_memory"}
     assert {r["writer_threads"] for r in rows if r["panel"] == "b_threads" and r["writer_threads"]} == {"1", "2"}
-    g = _csv(quick_run / "fig9-quick-goodput.csv")
+    g = _csv(quick_run / "goodput" / "quick.csv")
     assert {r["trace"] for r in g} == {"andre", "thorpe"}
     for r in g:
         assert 0 < float(r["goodput_replay"]) <= float(r["throughput"]) * (1 + 1e-9)
@@ -252,16 +252,16 @@ def test_goodput_module_replays_an_external_trace(quick_run, tmp_path):
     trace = tmp_path / "mine.csv"
     trace.write_text("time_s,kind\n100,preempt\n400,recover\n900,end\n")
     out = tmp_path / "out"
-    assert gp.main(["--trace", str(trace), "--inputs", str(quick_run / "fig9-quick-inputs.json"),
+    assert gp.main(["--trace", str(trace), "--inputs", str(quick_run / "goodput" / "quick-inputs.json"),
                     "--out", str(out)]) == 0
-    rows = _csv(out / "fig9-goodput.csv")
+    rows = _csv(out / "goodput" / "latest.csv")
     assert {r["trace"] for r in rows} == {"mine"} and all(r["failures"] == "2" for r in rows)
 
 
 def test_summary_command_rebuilds_from_saved_results(quick_run):
     from bench.__main__ import main
 
-    md = quick_run / "summary-quick.md"
+    md = quick_run / "all" / "quick.md"
     md.unlink()
     assert main(["summary", "--quick", "--out", str(quick_run)]) == 0
     assert "goodput / CheckFreq" in md.read_text(encoding="utf-8")
@@ -279,7 +279,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     out = tmp_path / "restart.json"
     systems = ["pccheck_eager", "torch_load", "pccheck_lazy_build_first"]  # the last: Checkpointer, then load
     assert restart.main(["--quick", "--size", "16MiB", "--iters", "5", "--quiet-wait", "0", "--first-after", "2",
-                         "--model", "client", "--threads", "1", "--systems",
+                         "--model", "mlp_relu", "--threads", "1", "--systems",
                          ",".join(systems), "--json", str(out), "--dir", str(tmp_path / "scratch")]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     assert doc["command"].startswith("python -m bench.restart --quick") and doc["cache"] in ("fadvise", "drop_caches")
@@ -290,7 +290,7 @@ def test_restart_quick_and_a_failing_system(tmp_path):
         run = doc["results"][name]["runs"][0]
         assert run["restart"]["loaded_step"] == run["durable_step"] == 10
     assert doc["results"]["pccheck_eager"]["runs"][0]["restart"]["first_checkpoint"]["outcome"] == "committed"
-    assert doc["config"]["model"] == "client" and doc["config"]["threads"] == 1  # issue 31's client setting
+    assert doc["config"]["model"] == "mlp_relu" and doc["config"]["threads"] == 1  # the figure's setting
     for name in ("pccheck_eager", "pccheck_lazy_build_first"):  # the pool's readiness, from Checkpointer.wait_ready
         first = doc["results"][name]["runs"][0]["restart"]["first_checkpoint"]
         assert isinstance(first["pool_ready_at_first"], bool) and first["backpressure_s"] >= 0, name
@@ -302,10 +302,10 @@ def test_restart_quick_and_a_failing_system(tmp_path):
     assert failed["error"].startswith("FileNotFoundError"), failed
 
 
-@pytest.mark.parametrize("shape", [[], ["--model", "client", "--order", "build_first"]])
+@pytest.mark.parametrize("shape", [[], ["--model", "mlp_relu", "--order", "build_first"]])
 def test_lazy_bench_small(tmp_path, shape):
     """``python -m bench.lazy`` on a small state: every measure taken, ratios and targets written;
-    also issue 31's client model, its store written and restarted with the Checkpointer built first."""
+    also the ReLU MLP (``mlp_relu``), its store written and restarted with the Checkpointer built first."""
     from bench.modes import lazy
 
     out = tmp_path / "lazy.json"

@@ -1,4 +1,4 @@
-"""pccheck.dcp.Writer and Reader with an ``s3://`` location (issue 28; FORMAT.md §9.1 with §12),
+"""pccheck.dcp.Writer and Reader with an ``s3://`` location (FORMAT.md §9.1 with §12),
 against the real SeaweedFS server of tests/conftest.py: real DCP, and real FSDP2 on gloo/CPU for
 the resharded load. Every load here runs with the local staging directories deleted, so every
 byte comes from the object store."""

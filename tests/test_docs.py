@@ -1,4 +1,4 @@
-"""The docs site builds with ``mkdocs build --strict`` (issue 27): a broken link between the pages
+"""The docs site builds with ``mkdocs build --strict``: a broken link between the pages
 (README.md, docs/, bench/README.md), a missing anchor, a page left out of the nav, or an API
 reference to a name or a docstring parameter that no longer exists fails the suite."""
 
@@ -35,7 +35,7 @@ def test_docs_site_builds_strictly(tmp_path):
 def test_every_python_m_command_in_the_docs_names_a_runnable_module(monkeypatch):
     """Each ``python -m bench.X`` / ``python -m pccheck.X`` the docs, the Makefile and the scripts
     give still names a module with a ``main`` (or a package with a ``__main__``), wherever the code
-    moved (issue 27: bench/X.py and pccheck/demo.py are faces over their folders)."""
+    lives (bench/X.py and pccheck/demo.py are faces over their folders)."""
     monkeypatch.syspath_prepend(str(ROOT))
     sources = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "Makefile",
                *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "scripts").glob("*.sh"))]

@@ -1,4 +1,4 @@
-"""pccheck.hf: the Trainer callback and the Accelerate hooks, with the real libraries (issue 17).
+"""pccheck.hf: the Trainer callback and the Accelerate hooks, with the real libraries.
 
 Trainer runs are tests/_hf_child.py processes: a tiny GPT-2 (from a config, dropout on) with the
 Trainer's own checkpoints as the reference, and with pccheck.hf.Callback, SIGKILLed mid-run and

@@ -1,4 +1,4 @@
-"""Lazy (on-demand) restore and pccheck.aio (issue 13, parts 2 and 3)."""
+"""Lazy (on-demand) restore and pccheck.aio."""
 
 from __future__ import annotations
 
@@ -299,11 +299,11 @@ def test_the_root_waits_for_tensors_of_modules_that_never_ran_forward(tmp_path, 
     r.wait()
 
 
-# -- issue 31: the client's model and restart order ------------------------------------------------------
+# -- a job that builds the Checkpointer before its lazy load: the restart order ------------------------
 
 
-def _client_model(width: int = 24):
-    """Issue 31's shape: Sequential of blocks, each Linear + LayerNorm + ReLU, with AdamW."""
+def _blocks_model(width: int = 24):
+    """Sequential of blocks, each Linear + LayerNorm + ReLU, with AdamW."""
     torch.manual_seed(3)
     nn = torch.nn
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())
@@ -312,8 +312,8 @@ def _client_model(width: int = 24):
 
 
 def _build_first_job(path, x, steps: int) -> int:
-    """A job as the client runs it: the Checkpointer is built, THEN load_latest (lazy), then training."""
-    model, opt = _client_model()
+    """A build-first job: the Checkpointer is built, THEN load_latest (lazy), then training."""
+    model, opt = _blocks_model()
     with pccheck.Checkpointer(model, opt, path, interval=2) as ck:
         try:
             start = pccheck.load_latest(path, model=model, optimizer=opt, lazy=True).step
@@ -330,7 +330,7 @@ def _build_first_job(path, x, steps: int) -> int:
 def test_build_first_restarts_record_the_order_and_the_first_block_needs_only_its_own_bytes(tmp_path, monkeypatch):
     x = torch.randn(4, 24)
     assert _build_first_job(tmp_path, x, 4) == 4
-    assert _build_first_job(tmp_path, x, 4) == 8  # the store issue 31's client restarted from
+    assert _build_first_job(tmp_path, x, 4) == 8  # a build-first job restarted from its own store
     image = read_store(store_files(tmp_path)[0][1])
     with open(image.path, "rb") as f:
         tree = read_manifest(image, image.word_slot, f.fileno()).tree
@@ -338,7 +338,7 @@ def test_build_first_restarts_record_the_order_and_the_first_block_needs_only_it
     assert tree["order_forward"] == n_model and tree["order"][:2] == ["model/0.0.weight", "model/0.0.bias"]
     # The timed restart, in the same order: everything but block 0 is held back.
     gate = _hold_back(monkeypatch, *[f"model/{i}." for i in range(1, BLOCKS)], "optimizer/")
-    model, opt = _client_model()
+    model, opt = _blocks_model()
     ck = pccheck.Checkpointer(model, opt, tmp_path, interval=2)
     block0 = threading.Event()
     model[0].register_forward_hook(lambda *_: block0.set())

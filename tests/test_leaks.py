@@ -1,4 +1,4 @@
-"""Open-checkpoint-close cycles leak nothing (issue 13, part 5; the long version is ``python -m bench.soak``).
+"""Open-checkpoint-close cycles leak nothing (the long version is ``python -m bench.soak``).
 
 Each test opens a ``Checkpointer`` on one store, takes one checkpoint and closes it, ``CYCLES`` times
 after ``WARMUP`` cycles not counted (lazy imports, torch's intra-op threads and other things that start

@@ -1,4 +1,4 @@
-"""pccheck.lightning: the CheckpointIO plugin with the real Lightning (issue 17).
+"""pccheck.lightning: the CheckpointIO plugin with the real Lightning.
 
 Trainer runs are tests/_lightning_child.py processes: one with Lightning's own TorchCheckpointIO
 as the reference, one with pccheck's plugin, killed mid-run, then both resumed. pccheck must be

@@ -1,4 +1,4 @@
-"""The memory tier (issue 29): tmpfs checkpoints every iteration, replicated to a peer node, restored
+"""The memory tier: tmpfs checkpoints every iteration, replicated to a peer node, restored
 from the nearest tier. Two nodes are simulated on this machine: two torchrun agents on 127.0.0.1
 with c10d rendezvous, each node with its own memory and disk directories (_tier_train.py)."""
 

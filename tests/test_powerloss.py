@@ -468,7 +468,7 @@ def test_reopen_with_a_damaged_latest_keeps_the_checkpoint_recovery_uses(tmp_pat
 
 def test_power_loss_after_reopening_a_store_whose_latest_is_damaged(tmp_path: Path, scratch: Path, capsys,
                                                                    quiet_pccheck) -> None:
-    """Issue 13: the reopened store continues from its latest slot without reading its data on
+    """The reopened store continues from its latest slot without reading its data on
     the caller's thread; the data is validated in the background. Here the latest slot's data is
     damaged (bit rot) and checkpoints start at once, 3 in flight: at every crash point, recovery
     must still find a checkpoint at least as new as the one it found before the reopen (the

@@ -1,5 +1,5 @@
-"""The Python examples of README.md and the guides run as written, in order, against a small model
-(issues 12 and 27): README's first, then each guide's in the order the site's nav lists them."""
+"""The Python examples of README.md and the guides run as written, in order, against a small model:
+README's first, then each guide's in the order the site's nav lists them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The remote tier (issue 28, FORMAT.md §12) against a real S3 server (SeaweedFS, tests/conftest.py).
+"""The remote tier (FORMAT.md §12) against a real S3 server (SeaweedFS, tests/conftest.py).
 
-Each fault of the issue is a test: SIGKILL at three points of the remote commit, the server
+Each fault the remote tier must survive is a test: SIGKILL at three points of the remote commit, the server
 stopped mid-upload and restarted, wrong credentials / missing bucket / no conditional writes at
 construction, a damaged or missing data object, two jobs racing on one prefix, and a cluster-loss
 round (train, SIGKILL, delete the local store, resume from the remote bit for bit)."""

@@ -1,5 +1,5 @@
-"""Sharded and resharded loads from the remote tier, and a distributed SIGKILL round (issue 28;
-FORMAT.md §12.7 with §9), against the real SeaweedFS server of tests/conftest.py.
+"""Sharded and resharded loads from the remote tier, and a distributed SIGKILL round
+(FORMAT.md §12.7 with §9), against the real SeaweedFS server of tests/conftest.py.
 
 Real FSDP2 on a CPU mesh (gloo, FileStore rendezvous): each job is a set of
 tests/_remote_sharded.py processes. No job shares a local store with another: every local

@@ -1,4 +1,4 @@
-"""Reopening a store does no state-size work on the caller's thread (issue 13, part 1)."""
+"""Reopening a store does no state-size work on the caller's thread."""
 
 from __future__ import annotations
 

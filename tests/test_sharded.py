@@ -1,4 +1,4 @@
-"""Sharded state (FSDP2, DTensor) and resharded loads (issue 14; FORMAT.md §9).
+"""Sharded state (FSDP2, DTensor) and resharded loads (FORMAT.md §9).
 
 Real torch.distributed (gloo on CPU, FileStore rendezvous in a tmp dir) and real FSDP2: each job
 is a set of tests/_sharded_child.py processes. A job saved on 2 ranks is loaded on 1, 2, 3 and 4;
@@ -257,9 +257,9 @@ def test_hostile_shards_sections_are_refused_cleanly():
 
 
 def test_chunk_reads_are_planned_in_file_order_and_a_gap_is_found_before_any_read():
-    """A load hands its chunk reads to the threads member by member, front to back (issue 32:
-    taken tensor by tensor they scatter over the files and a cold load ran at half the disk's
-    rate), whatever order the tensors come in; a destination the chunks do not cover is a
+    """A load hands its chunk reads to the threads member by member, front to back (taken
+    tensor by tensor they scatter over the files and a cold load runs at half the disk's rate),
+    whatever order the tensors come in; a destination the chunks do not cover is a
     CorruptCheckpointError found while planning, before a byte is read."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""GoCkpt mode through the Checkpointer (issue 15): ``spread_steps=k`` checkpoints equal the live
+"""GoCkpt mode through the Checkpointer: ``spread_steps=k`` checkpoints equal the live
 state of the step that finishes them, bit for bit; a kill mid-spread keeps the previous one; a run
 resumed from a spread checkpoint continues bit for bit. The replay itself: test_spread_replay.py."""
 

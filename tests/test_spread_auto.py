@@ -1,4 +1,4 @@
-"""spread_steps="auto" (issue 33): what it decided and from what, recorded per checkpoint; the link
+"""spread_steps="auto": what it decided and from what, recorded per checkpoint; the link
 it measures leaves first-touch copies out; the window between optimizer steps is measured, not
 derived. No timing is asserted: the inputs are set, or only their presence and signs are checked."""
 

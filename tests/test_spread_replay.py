@@ -1,4 +1,4 @@
-"""The CPU shadow optimizer of spread mode (issue 15, pccheck/spread/replay.py).
+"""The CPU shadow optimizer of spread mode (pccheck/spread/replay.py).
 
 A small model trains on the CPU with two param groups of different lr, an LR scheduler that
 changes lr every step and gradient clipping. At step k its parameters are copied in n parts, part j

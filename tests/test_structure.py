@@ -1,4 +1,4 @@
-"""The shape of the code (issue 12, docs/ARCHITECTURE.md): layers, import graph, sizes.
+"""The shape of the code (docs/ARCHITECTURE.md): layers, import graph, sizes.
 
 Data flows one way: entry points → integrations → front-end → its parts → state → store services →
 orchestrator → persist → native, with ``errors``, ``arrays`` and ``version`` as leaves; each folder
@@ -9,6 +9,7 @@ under ``TYPE_CHECKING``: a cycle through any of them is a cycle a reader has to 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -195,3 +196,88 @@ def test_bench_is_folders_by_job_and_names_its_roles_one_way(monkeypatch):
            for n in ast.parse(p.read_text()).body
            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in BENCH_ROLE_VARIANTS]
     assert not bad, "name these roles run / targets / report / plot (bench/__init__.py):\n" + "\n".join(bad)
+
+
+# -- the tree speaks of the project only ----------------------------------------------------------
+# Names, comments, docstrings, docs, test names and result files give the reason for a thing, never
+# the ticket, the working session or the person it came from: those mean nothing to a reader of
+# the tree. Another project's issue is cited as "<project> #N" (a name in OTHER_PROJECTS, or an
+# owner/repo), or by its URL. The patterns hold no example of what they catch, so this file
+# passes its own scan; the samples in the pattern test are assembled at run time for the same reason.
+OTHER_PROJECTS = ("pytorch", "torch", "torchtitan", "torchtune", "torchsnapshot", "Megatron-LM", "Megatron",
+                  "NeMo", "NeMo-Automodel", "DeepSpeed", "transformers", "accelerate", "lightning",
+                  "pytorch-lightning", "vllm", "CRIU", "cuda-checkpoint", "SeaweedFS", "MinIO", "boto3",
+                  "botocore", "obstore", "fsspec", "safetensors", "numpy", "gloo", "NCCL", "CheckFreq",
+                  "Gemini", "GoCkpt", "PCcheck")
+_CITATION = re.compile(r"(?:\b[\w.-]+/[\w.-]+|(?<![\w-])(?:" + "|".join(map(re.escape, OTHER_PROJECTS))
+                       + r"))\s*#\d+", re.IGNORECASE)
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
+PROCESS_MENTIONS = {
+    "an issue number": re.compile(r"(?<![a-z])issues?\s*[-_#]?\s*\d+|\bthis\s+issue\b|\bthe\s+issue's",
+                                  re.IGNORECASE),
+    # "#N" alone; not a colour ("#999"), an HTML entity, a format spec, an anchor ("#9-sharded"), or
+    # the build number of a kernel's uname ("#1 SMP") in a recorded environment
+    "an issue reference": re.compile(r"(?<![\w\"'&#/%:{.-])#\d+\b(?![-\w]| SMP)"),
+    "a session": re.compile(r"\bsession\s*[-_]?\d+|(?<![\w./])s[1-9]\d\b", re.IGNORECASE),
+    "who did it": re.compile(r"\bthe\s+helper\b(?!\s+(?:thread|threads|function|functions|process|module|script)\b)"
+                             r"|\bhelper(?:'s|s')?\s+notes\b", re.IGNORECASE),
+}
+# In a file's path: "issue<N>" and "-s<NN>"-style session tags (one digit is S3's, or a step's: s3://, s1.json)
+PROCESS_NAME_TAGS = re.compile(r"(?<![a-z])issue[-_]?\d+|session[-_]?\d+|(?:^|[-_/])s[1-9]\d(?=[-_./]|$)",
+                               re.IGNORECASE)
+
+
+def _tracked_files(exclude: tuple[str, ...] = ()) -> list[str]:
+    """The repository's tracked files (``git ls-files``), minus those under the ``exclude`` prefixes."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    return [f for f in out.decode().split("\0") if f and not f.startswith(exclude)]
+
+
+def _process_mentions(text: str) -> list[str]:
+    """What ``text`` (one line) says of the project's development process, by kind."""
+    text = _CITATION.sub(" ", _URL.sub(" ", text))
+    return [kind for kind, pattern in PROCESS_MENTIONS.items() if pattern.search(text)]
+
+
+def _scan_tree(exclude: tuple[str, ...] = ()) -> tuple[int, list[str]]:
+    """(text files read, ``file:line: kind: text`` for every mention and ``file: kind`` for every
+    tagged path) over the tracked files outside ``exclude``."""
+    found, scanned = [], 0
+    for rel in _tracked_files(exclude):
+        if PROCESS_NAME_TAGS.search(rel):
+            found.append(f"{rel}: an issue or session tag in its name")
+        path = REPO / rel
+        if not path.is_file():  # deleted in the work tree, not yet in the index
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # not text (an image)
+        scanned += 1
+        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            for kind in _process_mentions(line):
+                found.append(f"{rel}:{n}: {kind}: {line.strip()[:160]}")
+    return scanned, found
+
+
+def test_the_mention_patterns_catch_the_process_and_let_citations_through():
+    issue, session, helper = "iss" + "ue", "ses" + "sion", "the hel" + "per"
+    caught = [f"see {issue} 29", f"{issue}-29's target", f"({issue}s 31 and 32)", f"test_{issue}31_order",
+              "fixed in #" + "29", f"{session} 16 measured", "(s" + "17; s" + "16 received)", "run-s" + "15.json",
+              f"{helper}'s notes", f"{helper} measured", f"as {issue} #" + "12 asked"]
+    passed = ["torchtitan #" + "3884", "pytorch #" + "156207", "Megatron-LM #" + "1508", "NeMo-Automodel #" + "405",
+              "huggingface/transformers#" + "123", f"https://github.com/pytorch/pytorch/{issue}s/" + "156207",
+              'color="#' + '999"', "FORMAT.md#" + "9-sharded", "Linux 6.1 #" + "1 SMP", "s3://bucket/s1.json",
+              "s1, s2 = store.acquire_slot()", "a helper thread", "the helpers above", "session-scoped fixture"]
+    assert [s for s in caught if not _process_mentions(s)] == []
+    assert [s for s in passed if _process_mentions(s)] == []
+    assert PROCESS_NAME_TAGS.search(f"bench/results/gockpt-{issue}33-s" + "14-hog.json")
+    assert not PROCESS_NAME_TAGS.search("tests/_s3proxy.py") and not PROCESS_NAME_TAGS.search("data/s1-x/s3.json")
+
+
+def test_the_tree_speaks_of_the_project_only():
+    """No tracked file names an issue of this project, a working session, or who did the work: in
+    its path, or on any line of its text (code, comments, docstrings, docs, recorded results)."""
+    scanned, found = _scan_tree()
+    assert scanned >= 150, f"only {scanned} text files read from git ls-files: the scan would prove nothing"
+    assert not found, ("give the reason or the fact instead (another project's issue: '<project> #N', with the "
+                       "name in OTHER_PROJECTS):\n" + "\n".join(found))

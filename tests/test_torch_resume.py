@@ -95,10 +95,10 @@ def _train(model, opt, steps: int) -> None:
 
 @pytest.mark.parametrize("order", ["build_first", "load_first"])
 def test_first_checkpoint_after_a_restart_reuses_the_pool_made_when_the_state_was_final(tmp_path, order):
-    """Issue 31: with the Checkpointer built before load_latest, the optimizer had no state at
-    construction; the pool (sized for the parameters alone) and the unopened store were remade
-    and opened inside the first checkpoint's call. Now they are made once the state is final
-    (after the load, or the first step), and the first checkpoint uses them as they are."""
+    """With the Checkpointer built before load_latest, the optimizer has no state at construction:
+    a pool made then (sized for the parameters alone) and the unopened store would be remade and
+    opened inside the first checkpoint's call. They are made once the state is final (after the
+    load, or the first step), and the first checkpoint uses them as they are."""
     import pccheck
 
     model, opt = _adamw_model()

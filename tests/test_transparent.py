@@ -1,4 +1,4 @@
-"""Transparent mode (issue 16): a process that knows nothing of pccheck, dumped by CRIU, persisted
+"""Transparent mode: a process that knows nothing of pccheck, dumped by CRIU, persisted
 and committed by pccheck, killed and restored. Needs root and a criu that passes `criu check`
 (``make test`` fetches one with scripts/get-criu.sh); skips with the reason otherwise."""
 

@@ -1,5 +1,5 @@
 """``Checkpointer.wait_ready``: the store opened and the chunk pool faulted in ahead of the first
-checkpoint (issues 31 and 32), and the native ``Engine.wait_prefaulted`` under it."""
+checkpoint, and the native ``Engine.wait_prefaulted`` under it."""
 
 from __future__ import annotations
 

@@ -8,5 +8,5 @@
   integrations' extra device memory (``python -m bench.gpu_claims``).
 
 Invariants: every section, set-up and window is its own ``try`` (errors recorded, the rest runs);
-``gpu.json`` is rewritten after each phase.
+``latest.json`` (``quick.json``) is rewritten after each phase.
 """

@@ -2,10 +2,10 @@
 
 ``python -m bench.gpu [--out bench/results/gpu] [--state-gib 8.5] [--accum 4] [--quick] [--dir bench/_scratch]
 [--sections d2h,persist,train] [--systems none,pccheck_N2,...] [--iters none:40,10:40,50:100] [--intervals 10,50] [--profile]
-[--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). gpu.json is
-rewritten after each phase; gpu.csv and gpu.png come last. Each section, set-up and window is its own ``try``
+[--budget-s 360]``. Needs CUDA; else exit 2, nothing written (no CPU stand-in). latest.json is
+rewritten after each phase; latest.csv and latest.png come last. Each section, set-up and window is its own ``try``
 (errors recorded, the rest runs); phases due after --budget-s s are skipped. GB/s decimal. --quick: 1 GiB, half
-windows, one micro-batch per iteration, to bench/results/gpu-quick. The GPT and the systems: bench/gpu/gpu_train.py.
+windows, one micro-batch per iteration, to bench/results/gpu/quick.*. The GPT and the systems: bench/gpu/gpu_train.py.
 
 d2h (S = 4 GiB, 1 GiB quick, 8 CUDA float32 tensors): peak = ``copy_(non_blocking=True)`` into 8 pinned
 ``torch.empty`` + ``torch.cuda.synchronize()``, median of 5 after a warm-up; engine = ``Checkpointer(tensors, path,
@@ -75,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import BENCH_DIR, result_path
 from bench.harness.common import bar_chart, format_size, fs_info, host_info, machine_label, print_table, scratch_dir, \
     write_csv, write_json
 from bench.harness.common import median_or_none as _med
@@ -144,7 +144,7 @@ class _Run:
         except Exception as exc:  # never lose the measurements to a bug in the arithmetic
             self.res["finalize_error"] = f"{type(exc).__name__}: {exc}"
         self.res["elapsed_s"] = time.perf_counter() - _T0
-        write_json(self.args.out / "gpu.json", self.res)
+        write_json(self.args.out / f"{self.args.stem}.json", self.res)
 
 def _section_d2h(run: _Run) -> None:
     import pccheck
@@ -496,8 +496,8 @@ def _finalize(res: dict[str, Any]) -> None:
     res["targets"] = {k: {"value": v, "target": f"{op} {thr}", "met": None if v is None else (
         v >= thr if op == ">=" else v <= thr)} for (k, (op, thr)), v in zip(TARGETS.items(), values)}
 
-def report(res: dict[str, Any], out: Path) -> None:
-    """Print every figure and the target verdicts; write gpu.csv and gpu.png."""
+def report(res: dict[str, Any], out: Path, stem: str = "latest") -> None:
+    """Print every figure and the target verdicts; write {stem}.csv and {stem}.png under ``out``."""
     ov, pe = res["overlap"], res["persist"]
     rows: list[tuple[str, str, Any, Any, str]] = [
         ("d2h_gbps", "pccheck copy engine", "", res["d2h_gbps"], "GB/s"),
@@ -514,19 +514,19 @@ def report(res: dict[str, Any], out: Path) -> None:
     rows += [("ratio_pccheck_extra_vs_dcp", "pccheck_N2/dcp_async", 10, res["ratio_pccheck_extra_vs_dcp"], "x"),
              ("ratio_stall_reserve_vs_none", "pccheck_reserve/pccheck_N2", 10, res["ratio_stall_reserve_vs_none"], "x")]
     rows += [(f"target {k}", t["target"], "", t["value"], f"met={t['met']}") for k, t in res["targets"].items()]
-    write_csv(out / "gpu.csv", ["metric", "system", "interval", "value", "unit"],
+    write_csv(out / f"{stem}.csv", ["metric", "system", "interval", "value", "unit"],
               [[m, s, i, "" if v is None else v, u] for m, s, i, v, u in rows])
     gib = (res["state_bytes"] or 0) / _GIB
     print_table(f"bench.gpu on {res['device']} (driver {res['driver']}, torch {res['torch']}; state {gib:.2f} GiB)",
                 ["figure", "system", "interval", "value", "unit"],
                 [[m, s, i, "-" if v is None else f"{v:.4g}" if isinstance(v, float) else v, u] for m, s, i, v, u in rows])
     series = {s: [(res[k] or {}).get(s) or float("nan") for k in ("slowdown", "slowdown_50")] for s in SYSTEMS}
-    bar_chart(out / "gpu.png", ["interval 10", "interval 50"], series, ylabel="slowdown (lower is better)",
+    bar_chart(out / f"{stem}.png", ["interval 10", "interval 50"], series, ylabel="slowdown (lower is better)",
               title=f"{res['device']}: GPT training slowdown while checkpointing ({gib:.1f} GiB state)")
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, help="output directory (default: bench/results/gpu; gpu-quick with --quick)")
+    p.add_argument("--out", type=Path, help="output directory (default: bench/results/gpu: latest.json, .csv, .png; quick.* with --quick)")
     p.add_argument("--state-gib", type=float, help="training state to reach, GiB (default 8.5; 1 with --quick)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--accum", type=int, help="micro-batches of 8 x 1024 tokens per iteration (default 4; quick 1)")
@@ -554,7 +554,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.accum = args.accum or (1 if args.quick else 4)
     args.nbytes, args.none_iters = (_GIB, NONE_ITERS // 2) if args.quick else (4 * _GIB, NONE_ITERS)
     args.budget_s = args.budget_s if args.budget_s is not None else (120.0 if args.quick else 360.0)
-    args.out = args.out or _BENCH_DIR / "results" / ("gpu-quick" if args.quick else "gpu")
+    args.out = args.out or result_path("gpu").parent
+    args.stem = "quick" if args.quick else "latest"  # latest.json: the current figure (result_path)
     args.iters = {s: {i: max(i, n // 2 // i * i) if args.quick else n  # windows of whole intervals
                       for i, n in (TORCH_SAVE_ITERS if s == "torch_save" else ITERS).items()} for s in SYSTEMS[1:]}
     for item in filter(None, args.iters_arg.split(",")):  # --iters: every system but torch_save
@@ -588,8 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"== {sec}")
             run.guard(run.res["sections"].setdefault(sec, {}), lambda f=funcs[sec]: f(run))
             _free()
-    run.guard(run.res.setdefault("report", {}), lambda: report(run.res, args.out))
-    _log(f"wrote {args.out}/gpu.json, gpu.csv, gpu.png; total elapsed {time.perf_counter() - _T0:.1f} s")
+    run.guard(run.res.setdefault("report", {}), lambda: report(run.res, args.out, args.stem))
+    _log(f"wrote {args.out}/{args.stem}.json, .csv, .png; total elapsed {time.perf_counter() - _T0:.1f} s")
     return 0
 
 if __name__ == "__main__":

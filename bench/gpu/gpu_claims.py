@@ -1,8 +1,8 @@
 """Three claims so far measured on the CPU only, measured on one GPU: lazy restore onto the device, the
 CPU replay of ``spread_steps`` against a CUDA optimizer, and the integrations' extra device memory.
 
-``python -m bench.gpu_claims --out DIR [--device cuda|cpu] [--budget-s 120] [--small] [--dir bench/_scratch]``.
-DIR/claims.json is rewritten after each claim, repeat and variant (a kill keeps what was measured). Each
+``python -m bench.gpu_claims [--out bench/results/gpu_claims] [--device cuda|cpu] [--budget-s 120] [--small] [--dir bench/_scratch]``.
+OUT/latest.json (``--claims`` a subset: OUT/latest-<claims>.json) is rewritten after each claim, repeat and variant (a kill keeps what was measured). Each
 claim is its own ``try`` (error + traceback tail recorded, the rest runs); past --budget-s no claim,
 repeat or variant starts (``"skipped: budget"``, ``cut_short``). Order: spread, lightning, hf, lazy.
 ``--device cpu`` (implies --small) runs the same code on the CPU; memory is then ``"skipped: no cuda"``.
@@ -59,7 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import host_info, scratch_dir, versions, write_json
 
 __all__ = ["main"]
@@ -444,7 +444,9 @@ def claim_hf(res: dict, dev: str, small: bool, scratch: Path, flush: Callable[[]
 def main(argv: list[str] | None = None) -> int:
     global _deadline
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_claims", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="results directory (claims.json)")
+    ap.add_argument("--out", type=Path, default=result_path("gpu_claims").parent,
+                    help="results directory: latest.json goes there, latest-<claims>.json for a --claims subset "
+                         "(default: %(default)s)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--budget-s", type=float, default=120.0, help="no claim starts after this many seconds")
     ap.add_argument("--small", action="store_true", help="small sizes (implied by --device cpu)")
@@ -461,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     if dev == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu", file=sys.stderr)
         return 2
-    out = a.out / "claims.json"
+    # all claims: latest.json; a subset (--claims lazy) its own file, so it never overwrites the full run
+    every = ["spread", "lightning", "hf", "lazy"]
+    out = a.out / ("latest.json" if set(chosen) == set(every) else f"latest-{'-'.join(c for c in every if c in chosen)}.json")
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
                            "torch": torch.__version__, "small": small, "command": "python -m bench.gpu_claims "
                            + " ".join(argv if argv is not None else sys.argv[1:]),

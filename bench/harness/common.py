@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -28,8 +29,21 @@ from typing import Any
 
 # bench/: results/ and _scratch/ live here, whichever subfolder a module sits in.
 BENCH_DIR = Path(__file__).resolve().parent.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+def result_path(bench: str, suffix: str = ".json", *, quick: bool = False, variant: str = "",
+                root: str | os.PathLike[str] | None = None) -> Path:
+    """Where a bench's current figure lives: ``<root>/<bench>/latest[-variant]<suffix>`` (root:
+    ``bench/results``), so rerunning the command recorded in that file rewrites it. ``--quick`` runs
+    write ``quick[-variant]<suffix>`` beside it (smoke runs: their numbers mean nothing)."""
+    name = ("quick" if quick else "latest") + (f"-{variant}" if variant else "")
+    return Path(RESULTS_DIR if root is None else root) / bench / f"{name}{suffix}"
 
 __all__ = [
+    "BENCH_DIR",
+    "RESULTS_DIR",
+    "result_path",
     "parse_size",
     "parse_size_list",
     "format_size",
@@ -263,9 +277,22 @@ def write_csv(path: str | os.PathLike[str], headers: Sequence[str], rows: Sequen
         writer.writerows(rows)
 
 
+def source_commit() -> str | None:
+    """The git commit of the checkout bench/ sits in (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "-C", str(BENCH_DIR), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write an object as indented JSON, creating its directory."""
+    """Write an object as indented JSON, creating its directory. A result document (a dict written as
+    ``latest*.json``, :func:`result_path`) gets the ``commit`` it was measured at when it has none."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(obj, dict) and "commit" not in obj and Path(path).name.startswith("latest"):
+        obj = {**obj, "commit": source_commit()}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
@@ -339,12 +366,14 @@ def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
 
 
 def figure_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    """The command line every figure module shares: ``--quick``, ``--out`` (results directory) and
+    """The command line every figure module shares: ``--quick``, ``--out`` (the results root: each figure
+    writes ``<out>/<figure>/latest.*``, :func:`result_path`) and
     ``--dir`` (scratch directory on the disk under test)."""
     bench_dir = BENCH_DIR
     p = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, short windows: a smoke run")
-    p.add_argument("--out", type=Path, default=bench_dir / "results", help="results directory (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=bench_dir / "results",
+                   help="results root; files go to OUT/<bench>/latest.* (default: %(default)s)")
     p.add_argument("--dir", type=Path, default=bench_dir / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     return p

@@ -77,7 +77,7 @@ def cpu_busy_s() -> float:
 
 def wait_quiet(max_wait_s: float, threshold: float = NOISY_OTHER_CPUS) -> tuple[float, float]:
     """Wait (up to ``max_wait_s``) until the rest of the machine uses < ``threshold`` CPUs, sampled over
-    1 s while this process idles. Returns (seconds waited, the last sample). Other sessions share these
+    1 s while this process idles. Returns (seconds waited, the last sample). Other jobs share these
     2 vCPUs; a cell timed while they run measures them, not the checkpointer."""
     t0 = time.perf_counter()
     while True:

@@ -2,8 +2,8 @@
 tensors, where Python work per array (snapshot, layout, copy descriptors, manifest bound)
 dominates rather than the bytes.
 
-    python -m bench.call_cost [--blocks 150] [--repeats 40] [--json bench/results/call_cost.json]
-    python -m bench.call_cost --busy-disk [--size 512MiB] [--repeats 12] [--json bench/results/call_cost-busy.json]
+    python -m bench.call_cost [--blocks 150] [--repeats 40] [--json bench/results/call_cost/latest.json]
+    python -m bench.call_cost --busy-disk [--size 512MiB] [--repeats 12] [--json bench/results/call_cost/latest-busy-disk.json]
 
 The model: ``--blocks`` x (Linear(64, 64) + LayerNorm(64)) with AdamW (its state exists after a
 first step): 4 tensors per block in the state_dict, 3x with the optimizer's moments and steps.
@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from bench.harness.common import host_info, write_json
+from bench.harness.common import result_path, host_info, write_json
 
 __all__ = ["main"]
 
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.call_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=150)
     p.add_argument("--repeats", type=int, default=40)
-    p.add_argument("--json", help="default bench/results/call_cost.json (--busy-disk: call_cost-busy.json)")
+    p.add_argument("--json", help="default bench/results/call_cost/latest.json (--busy-disk: latest-busy-disk.json)")
     p.add_argument("--busy-disk", action="store_true", help="time the call while the previous checkpoint persists")
     p.add_argument("--size", default="512MiB", help="--busy-disk: state size (e.g. 512MiB, 1GiB)")
     p.add_argument("--dir", default="bench/_scratch", help="--busy-disk: where the store goes (a disk, not tmpfs)")
@@ -125,13 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{format_size(res['size'])}, persist {res['persist_s']:.2f} s: checkpoint() call median "
               f"{res['median_call_s'] * 1e3:.1f} ms (max {res['max_call_s'] * 1e3:.1f}), prepare_s median "
               f"{res['median_prepare_s'] * 1e3:.1f} ms (max {res['max_prepare_s'] * 1e3:.1f})")
-        write_json(args.json or "bench/results/call_cost-busy.json", res)
+        write_json(args.json or result_path("call_cost", variant="busy-disk"), res)
         return 0
     res = measure(args.blocks, args.repeats)
     res["host"] = host_info(tempfile.gettempdir())
     print(f"{res['tensors']} tensors: median checkpoint() call {res['median_call_s'] * 1e3:.1f} ms "
           f"(median of {args.repeats})")
-    write_json(args.json or "bench/results/call_cost.json", res)
+    write_json(args.json or result_path("call_cost"), res)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The CPU copy engine's throughput with 1 and 2 (or more) copy threads.
 
     python -m bench.copy_threads [--size 1GiB] [--threads 1,2] [--repeats 7]
-                                 [--json bench/results/copy_threads.json] [--dir bench/_scratch]
+                                 [--json bench/results/copy_threads/latest.json] [--dir bench/_scratch]
 
 The state: 16 float32 numpy arrays totalling ``--size``, written once (every page touched). One
 ``Checkpointer`` per thread count, ``copy_engine=CpuCopyEngine(threads=t)``, on the disk under
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import format_size, gbps, host_info, machine_label, parse_size, print_table, scratch_dir, \
     write_json
 
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--size", default="1GiB")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "copy_threads.json")
+    p.add_argument("--json", type=Path, default=result_path("copy_threads"))
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
     args = p.parse_args(argv)
     threads = sorted({int(x) for x in args.threads.split(",") if x.strip()})

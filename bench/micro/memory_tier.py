@@ -1,6 +1,6 @@
-"""The memory tier's design choice (issue 29): a separate tmpfs store vs the DRAM chunk pool itself.
+"""The memory tier's design choice: a separate tmpfs store vs the DRAM chunk pool itself.
 
-    python -m bench.memory_tier [--size 256MiB] [--repeats 7] [--json bench/results/memory_tier.json]
+    python -m bench.memory_tier [--size 256MiB] [--repeats 7] [--json bench/results/memory_tier/latest.json]
 
 State: 8 float32 numpy arrays of ``--size`` in all, touched before timing; one byte per array
 changes before each checkpoint. Per repeat, each design makes one recoverable checkpoint of the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness.common import host_info, print_table, write_json, parse_size, format_size
+from bench.harness.common import result_path, host_info, print_table, write_json, parse_size, format_size
 
 __all__ = ["main"]
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--size", default="256MiB")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--shm", default="/dev/shm")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=str(result_path("memory_tier")))
     args = ap.parse_args(argv)
     size = parse_size(args.size)
     arrays = _state(size)

@@ -3,7 +3,7 @@
 Run::
 
     python -m bench.persist [--sizes 256MiB,1GiB,4GiB] [--repeats 3] [--systems pccheck,raw_odirect,...]
-                            [--json bench/results/persist.json] [--dir bench/_scratch]
+                            [--json bench/results/persist/latest.json] [--dir bench/_scratch]
 
 The state is a dict of 4 float32 arrays totalling S bytes, filled with random data once (which also
 touches every page, so first-touch cost is never timed). For each size every selected system is set up
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import bar_chart, fmt, format_size, gbps, host_info, machine_label, parse_size_list, print_table, \
     scratch_dir, summarize, versions, write_csv, write_json
 from bench.harness.probes import settle
@@ -388,7 +388,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default="256MiB,1GiB", help="comma-separated state sizes (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system and size (default: %(default)s)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ",".join(SYSTEMS))
-    p.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "persist.json",
+    p.add_argument("--json", type=Path, default=result_path("persist"),
                    help="JSON output; the CSV and PNG go beside it with the same stem (default: %(default)s)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")

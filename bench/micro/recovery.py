@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.recovery [--size 1GiB] [--repeats 3] [--out bench/results] [--dir bench/_scratch] [--quick]
+    python -m bench.recovery [--size 1GiB] [--repeats 3] [--out bench/results (root: files go to OUT/recovery/)] [--dir bench/_scratch] [--quick]
 
 The state is :func:`bench.persist.make_state` (4 float32 arrays, random values). Each system first
 writes it once (untimed, with its own save path), then, ``--repeats`` times and round-robin across
@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness.common import figure_parser, format_size, gbps, host_info, machine_label, parse_size, print_table, \
+from bench.harness.common import result_path, figure_parser, format_size, gbps, host_info, machine_label, parse_size, print_table, \
     pyplot, save_figure, scratch_dir, summarize, write_csv, write_json
 from bench.micro.persist import make_state
 from bench.harness.probes import write_proc
@@ -300,7 +300,7 @@ def run(nbytes: int, repeats: int, base_dir: Path, systems: Sequence[str] = SYST
     }
 
 
-def report(result: Mapping[str, Any], out: Path, stem: str = "recovery") -> list[Path]:
+def report(result: Mapping[str, Any], out: Path, quick: bool = False) -> list[Path]:
     """Print the table; write CSV, JSON and PNG under ``out``; return the paths written."""
     rows = result["results"]
     base = rows.get("raw_odirect", {}).get("median_s")
@@ -319,12 +319,13 @@ def report(result: Mapping[str, Any], out: Path, stem: str = "recovery") -> list
         print(f"target: {t['what']}: {t['value']:.2f}x  {'MET' if t['met'] else 'MISSED'} "
               f"by {abs(t['value'] - t['limit']):.2f}x")
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    stem = result_path("recovery", "", quick=quick, root=out)
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
     write_json(paths[0], result)
     write_csv(paths[1], ["size_bytes", "what", "kind", "median_s", "gbps", "min_s", "max_s", "n",
                          "speed_vs_raw_odirect", "cold"], csv_rows)
-    if plot(out / f"{stem}.png", result):
-        paths.append(out / f"{stem}.png")
+    if plot(stem.with_suffix(".png"), result):
+        paths.append(stem.with_suffix(".png"))
     return paths
 
 
@@ -367,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     a = _parse_args(argv)
     res = run(a.size, a.repeats, a.dir, a.systems)
-    paths = report(res, a.out, "recovery-quick" if a.quick else "recovery")
+    paths = report(res, a.out, a.quick)
     print("wrote " + ", ".join(map(str, paths)))
     return 0
 

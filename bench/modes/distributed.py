@@ -10,7 +10,7 @@ lockstep like DDP). In one run, three configurations, each on a fresh job:
   completion counting in the process group's store, GLOBAL recorded by rank 0, held slots.
 
 Reports iterations/s, the checkpointing slowdown of ``local`` and ``global`` vs ``none`` and the
-difference (the coordination's share), and writes ``bench/results/distributed.json``.
+difference (the coordination's share), and writes ``bench/results/distributed/latest.json``.
 Target: coordination adds < 1% to the checkpointing slowdown at interval 10.
 """
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import host_info, parse_size
 
 RESULTS = BENCH_DIR / "results"
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", type=Path, default=RESULTS / "distributed.json")
+    p.add_argument("--json", type=Path, default=result_path("distributed"))
     p.add_argument("--quick", action="store_true", help="tiny state, few iterations (smoke)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)

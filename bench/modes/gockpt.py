@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import fmt, format_size, host_info, machine_label, parse_size, pccheck_path_first, print_table, \
     pyplot, save_figure, scratch_dir, write_json
 from bench.harness.probes import thread_times, wait_quiet
@@ -360,7 +360,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> dic
             targets.append({"what": f"measured stall / model at the measured link and window, {name} "
                                     f"(model {r['model_measured_s']:.3f} s)", "limit": "within ±25%",
                             "value": r["stall_s"] / r["model_measured_s"] if r["model_measured_s"] else None})
-    if "pccheck_spread" in out:  # the loop itself, against no checkpointing (issue 15's targets)
+    if "pccheck_spread" in out:  # the loop itself, against no checkpointing (the spread's loop target)
         limit = 1.10 if cfg["iter_time"] < 0.2 else 1.03
         targets.append({"what": f"loop slowdown with spread_steps, t={cfg['iter_time']} s", "limit": limit,
                         "value": out["pccheck_spread"]["slowdown"]})
@@ -462,14 +462,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="k of replay_floor's replay when --spread is auto (default 5, what auto picks at ratio 4)")
     p.add_argument("--hog", type=int, default=0,
                    help="busy-looping processes to run beside every run (a noisy neighbour; default 0)")
-    p.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "gockpt.json")
+    p.add_argument("--json", type=Path, default=None,
+                   help="default bench/results/gockpt/latest.json (with --hog: latest-hog.json; quick: quick*.json)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
     p.add_argument("--quick", action="store_true", help="32MiB, 1 repeat, 2 checkpoints: a smoke run")
     args = p.parse_args(argv)
     nbytes = parse_size("32MiB" if args.quick else args.size)
     cfg = make_config(nbytes, args.iter_time, args.ratio, args.spread, args.interval,
                       2 if args.quick else args.checkpoints, args.quiet_wait, args.hog, args.floor_k)
-    json_path = args.json.with_name(args.json.stem + "-quick.json") if args.quick else args.json
+    json_path = args.json or result_path("gockpt", quick=args.quick, variant="hog" if args.hog else "")
     command = "python -m bench.gockpt " + " ".join(argv if argv is not None else sys.argv[1:])
     return run_and_report(cfg, args.systems.split(","), 1 if args.quick else args.repeats, args.dir, json_path,
                           command)

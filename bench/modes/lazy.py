@@ -1,15 +1,15 @@
-"""How soon training can run after ``load_latest(..., lazy=True)`` (issues 13 and 31).
+"""How soon training can run after ``load_latest(..., lazy=True)`` .
 
     python -m bench.lazy [--size 1GiB] [--blocks 8] [--model bench|client] [--order none|build_first|load_first]
-                         [--cache fadvise|drop_caches] [--repeats 3] [--json bench/results/lazy.json]
+                         [--cache fadvise|drop_caches] [--repeats 3] [--json bench/results/lazy/latest.json]
 
 Models (``--model``): ``bench``, ``--blocks`` x (Linear + LayerNorm + Linear); ``client``,
-``--blocks`` x (Linear(d, d) + LayerNorm(d) + ReLU), d = 3342 at 1 GiB (issue 31's client); with
+``--blocks`` x (Linear(d, d) + LayerNorm(d) + ReLU), d = 3342 at 1 GiB (the ReLU MLP, ``--model mlp_relu``); with
 AdamW (fused where the CPU build supports it), parameters a third of the state.
 
 The store is written the way ``--order`` says a job runs (two jobs, each training
 ``--train-iters`` steps with a checkpoint at the end): ``none``, a Checkpointer on a trained
-model, checkpointed once (issue 13's set-up); ``build_first``, each job builds the Checkpointer,
+model, checkpointed once (the lazy restore's set-up); ``build_first``, each job builds the Checkpointer,
 THEN calls ``load_latest`` (when there is a checkpoint), then trains; ``load_first``, load, then
 build. Each timed load starts from a cold page cache (``--cache``: ``posix_fadvise(DONTNEED)`` on
 the store's files after ``sync``, or ``drop_caches``) into a fresh model, and the timed restart
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import host_info, parse_size, print_table, scratch_dir, write_json
 from bench.micro.recovery import drop_caches
 from bench.training.restart import make_cold
@@ -48,7 +48,7 @@ __all__ = ["MODELS", "ORDERS", "run", "main"]
 RESULTS = BENCH_DIR / "results"
 TARGET_FIRST_BLOCK = 0.10
 TARGET_FORWARD = 1.25
-MODELS = ("bench", "client")
+MODELS = ("bench", "mlp_relu")
 ORDERS = ("none", "build_first", "load_first")
 
 
@@ -66,7 +66,7 @@ def _fused_ok(torch: Any) -> bool:
 def _model(torch: Any, kind: str, width: int, blocks: int) -> tuple[Any, Any]:
     torch.manual_seed(0)
     nn = torch.nn
-    if kind == "client":
+    if kind == "mlp_relu":
         model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())
                                 for _ in range(blocks)])
     else:
@@ -78,7 +78,7 @@ def _model(torch: Any, kind: str, width: int, blocks: int) -> tuple[Any, Any]:
 
 def _width_for(kind: str, size: int, blocks: int) -> int:
     """The width whose AdamW state (3 x the parameters, float32) is about ``size`` bytes."""
-    if kind == "client":  # d^2 + 3d parameters a block (weight, bias, LayerNorm's two): 3342 at 1 GiB
+    if kind == "mlp_relu":  # d^2 + 3d parameters a block (weight, bias, LayerNorm's two): 3342 at 1 GiB
         per_block = size / 3 / 4 / blocks
         return max(8, int(((9 + 4 * per_block) ** 0.5 - 3) / 2))
     per_block = size / 3 / 4 / blocks / 2  # two width x width matrices per block
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default half the CPUs)")
     ap.add_argument("--train-iters", type=int, default=3, help="training steps per writing job (default 3)")
     ap.add_argument("--repeats", type=int, default=3, help="cold loads per measure (default 3)")
-    ap.add_argument("--json", default=str(RESULTS / "lazy.json"), help="JSON output")
+    ap.add_argument("--json", default=str(result_path("lazy")), help="JSON output")
     ap.add_argument("--dir", default=str(RESULTS.parent / "_scratch"), help="scratch directory (removed after)")
     args = ap.parse_args(argv)
     with scratch_dir(args.dir) as scratch:

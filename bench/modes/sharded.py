@@ -16,7 +16,7 @@ of model + AdamW state over the whole job, and what is timed). Per system and re
    prefetch hints; the files made cold before each): ``floor_methods_s``, the slowest rank's per
    method, ``floor_s`` the fastest method's; the same again right after the cold load
    (``floor_after_methods_s``, ``floor_after_s``): this disk's rate drifts by up to 1.6x between
-   repeats (issue 32), so the repeat's floor is, per method, the mean of the two, of the fastest
+   repeats, so the repeat's floor is, per method, the mean of the two, of the fastest
    method (``floor_bracket_s``, the ratio ``load_over_floor``; ``load_over_floor_before`` against
    the first reads alone);
 3. the checkpoint's files are made cold (``sync`` + ``posix_fadvise(DONTNEED)`` on every file under
@@ -29,8 +29,8 @@ of model + AdamW state over the whole job, and what is timed). Per system and re
 
 Reported: medians over repeats with their ranges; save times apart for the first save of each job
 (``block_first_s``: it also pays for what a fresh process sets up) and the later, *steady* ones
-(``block_s``, ``durable_s``); the targets (issues 14 and 32) as ratios against ``dcp_fs`` in the
-same run, and pccheck's cold load against its floor. Writes ``--json`` (default ``bench/results/sharded.json``) and a PNG
+(``block_s``, ``durable_s``); the targets as ratios against ``dcp_fs`` in the
+same run, and pccheck's cold load against its floor. Writes ``--json`` (default ``bench/results/sharded/latest.json``) and a PNG
 beside it; ``--quick``: 64 MiB, 1 repeat (a smoke run).
 """
 
@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, \
     print_ratio_targets, print_table, pyplot, save_figure, scratch_dir, write_json
 from bench.harness.probes import cpu_busy_s, wait_quiet
@@ -66,7 +66,7 @@ BASE = "dcp_fs"
 TARGETS = (("save blocking time, steady saves", "pccheck", "block_s", 0.3),
            ("time until durable, steady saves", "pccheck", "durable_s", 0.5),
            ("resharded load, cold", "pccheck", "load_s", 1.0))
-FLOOR_LIMIT = 1.2  # pccheck's cold load / the raw read of the same bytes (issue 32)
+FLOOR_LIMIT = 1.2  # pccheck's cold load / the raw read of the same bytes
 COLORS = {"pccheck": "#d62728", "pccheck_dcp": "#ff7f0e", "dcp_fs": "#1f77b4"}
 
 
@@ -360,7 +360,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of: " + ",".join(SYSTEMS))
     p.add_argument("--quiet-wait", type=float, default=10.0, help="wait up to this long for a quiet machine (s)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one job may take (default 900)")
-    p.add_argument("--json", type=Path, default=None, help="default bench/results/sharded.json (quick: -quick)")
+    p.add_argument("--json", type=Path, default=None, help="default bench/results/sharded/latest.json (quick: quick.json)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch", help="scratch directory (removed after)")
     p.add_argument("--quick", action="store_true", help="64MiB, 1 repeat: a smoke run")
     a = p.parse_args(argv)
@@ -371,7 +371,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"unknown systems; choose from {','.join(SYSTEMS)}")
     if min(a.world, a.load_world, a.blocks, a.saves, a.repeats) < 1:
         p.error("--world, --load-world, --blocks, --saves and --repeats must be >= 1")
-    a.json = a.json or _BENCH_DIR / "results" / ("sharded-quick.json" if a.quick else "sharded.json")
+    a.json = a.json or result_path("sharded", quick=a.quick)
     return a
 
 

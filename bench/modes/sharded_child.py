@@ -112,7 +112,7 @@ def _pool_touched(ck: Any, timeout: float = 120.0) -> float:
     The constructor opens the store and starts the pool's first touch on a native thread, off the
     training thread (engine.cpp); a training job runs its first ``interval`` steps meanwhile. This
     bench has no such steps (its saves follow one another at once), so without this wait its first
-    two saves would wait for the prefaulter (back-pressure 1.1-1.9 s and 0.2-0.4 s in the issue-32
+    two saves would wait for the prefaulter (back-pressure 1.1-1.9 s and 0.2-0.4 s on the 2-vCPU
     runs), which no later checkpoint of a job pays. Untimed."""
     t0 = time.perf_counter()
     if not ck.wait_ready(timeout):
@@ -160,8 +160,8 @@ def load(spec: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
 
 # The raw read methods of the floor: (name, threads, piece). Each reads exactly this rank's byte
 # ranges, buffered, the threads taking the ranges in file order, in pieces of at most ``piece``
-# bytes. No one method is fastest on every disk: on the issue-32 virtio disk,
-# 4 threads x 8 MiB (the floor's only method before session 15) went out as 0.7-1.0 MB requests
+# bytes. No one method is fastest on every disk: on the 2-vCPU VM's virtio disk,
+# 4 threads x 8 MiB (once the floor's only method) went out as 0.7-1.0 MB requests
 # (/sys/block/vda/stat), 2-3x as many as the loads' (pccheck 2.5-2.8 MB, DCP 1.9-2.5 MB), and took
 # 1.2-1.4 s where 2 threads took 0.8-0.9 s (a posix_fadvise WILLNEED of every range first went out
 # as 0.8-1.0 MB requests too: not a method here). The floor is the fastest of them.

@@ -1,6 +1,6 @@
 """Transparent mode (CRIU) against a plain ``criu dump``, on a process with ``--rss`` of memory.
 
-    python -m bench.transparent [--rss 1GiB] [--repeats 3] [--window 40] [--json bench/results/transparent.json]
+    python -m bench.transparent [--rss 1GiB] [--repeats 3] [--window 40] [--json bench/results/transparent/latest.json]
 
 Needs root and a working criu (``PCCHECK_CRIU``, see scripts/get-criu.sh). The process: a numpy
 array of ``--rss`` bytes written once (every page touched), then iterations of 10 ms (a sleep)
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import fmt, format_size, host_info, machine_label, parse_size, print_table, pyplot, \
     save_figure, scratch_dir, write_json
 
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rss", default="1GiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--window", type=float, default=40.0, help="seconds per throughput window")
-    ap.add_argument("--json", type=Path, default=_BENCH_DIR / "results" / "transparent.json")
+    ap.add_argument("--json", type=Path, default=result_path("transparent"))
     ap.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.window <= 0:

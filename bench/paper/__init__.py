@@ -7,5 +7,5 @@
 - ``tuner.py``: ``pccheck-tune``'s choice against a grid search.
 
 Invariants: each figure's PNG and CSV come from the JSON written in the same run; ``--quick`` runs
-write ``*-quick.*`` files, whose numbers mean nothing.
+write ``quick.*`` beside each ``latest.*``, whose numbers mean nothing.
 """

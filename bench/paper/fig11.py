@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.fig11 [--quick] [--out bench/results] [--dir bench/_scratch]
+    python -m bench.fig11 [--quick] [--out bench/results (root: files go to OUT/fig11/)] [--dir bench/_scratch]
 
 The measurement is :mod:`bench.micro.persist`'s (same systems, same method: state pre-touched, every system
 set up and warmed up untimed, repetitions interleaved round-robin, ``gc.collect()`` + ``os.sync()``
@@ -13,7 +13,7 @@ each system runs alone (2 repetitions for pccheck and raw O_DIRECT, 1 for the sl
 (state, pccheck's 2x DRAM pool, the raw buffer, DCP's staging copy). Where the machine has too little
 free memory for 4 GiB it falls back to 2 GiB and says so.
 
-Writes ``fig11.csv``, ``fig11.json``, ``fig11.png`` (log-log).
+Writes ``bench/results/fig11/latest.csv``, ``.json``, ``.png`` (log-log).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.micro import persist
-from bench.harness.common import figure_parser, format_size, pyplot, save_figure, write_csv, write_json
+from bench.harness.common import result_path, figure_parser, format_size, pyplot, save_figure, write_csv, write_json
 from bench.harness.systems import COLORS
 
 __all__ = ["SYSTEMS", "plan", "run", "targets", "main"]
@@ -92,8 +92,8 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
     res = {"benchmark": "bench.fig11", "quick": quick, "machine": machine, "systems": list(SYSTEMS),
            "repeats": repeats, "results": records, "notes": notes, "runtime_s": time.perf_counter() - t0}
     res["targets"] = targets(res)
-    stem = "fig11-quick" if quick else "fig11"
-    write_json(out / f"{stem}.json", res)
+    stem = result_path("fig11", "", quick=quick, root=out)
+    write_json(stem.with_suffix(".json"), res)
     rows = []
     for rec in records:
         for s in SYSTEMS:
@@ -101,9 +101,9 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
                 rows.append([rec["size_bytes"], rec["size"], s, rec[f"{s}_s"], rec[f"{s}_gbps"], rec[f"{s}_min_s"],
                              rec[f"{s}_max_s"], len(rec[f"{s}_runs_s"]), rec.get(f"{s}_stall_s"),
                              rec.get(f"pccheck_over_{s}"), rec.get("measured", "all systems interleaved")])
-    write_csv(out / f"{stem}.csv", ["size_bytes", "size", "system", "median_s", "gbps", "min_s", "max_s", "n",
+    write_csv(stem.with_suffix(".csv"), ["size_bytes", "size", "system", "median_s", "gbps", "min_s", "max_s", "n",
                                     "stall_s", "pccheck_speed_over_system", "measured"], rows)
-    plot(out / f"{stem}.png", res)
+    plot(stem.with_suffix(".png"), res)
     return res
 
 

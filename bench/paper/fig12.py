@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.fig12 [--quick] [--out bench/results] [--dir bench/_scratch]
+    python -m bench.fig12 [--quick] [--out bench/results (root: files go to OUT/fig12/)] [--dir bench/_scratch]
 
 All on the **emulated-GPU** workload of Figure 8 (bench.workloads' ``make_emulated``: the host sleeps
 50 ms as it would wait for a GPU, then SGD updates all of m = 1 GiB of float32 state), measured with
@@ -18,7 +18,7 @@ slowdown is against a baseline measured beside it):
 (c) Figure 14: slowdown vs DRAM budget m/2, m, 2m for chunk sizes 16, 64 and 256 MiB (N = 2, p = 2)
     at interval 10 (the paper: interval 15).
 
-Writes ``fig12.csv``, ``fig12.json``, ``fig12.png``.
+Writes ``bench/results/fig12/latest.csv``, ``.json``, ``.png``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import figure_parser, format_size, host_info, machine_label, pyplot, save_figure, scratch_dir, \
+from bench.harness.common import result_path, figure_parser, format_size, host_info, machine_label, pyplot, save_figure, scratch_dir, \
     write_csv, write_json
 from bench.training.overhead import run_cells
 from bench.harness.systems import parse_pccheck_name
@@ -112,11 +112,11 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
         del wl
         gc.collect()
     res["runtime_s"] = time.perf_counter() - t0
-    stem = "fig12-quick" if quick else "fig12"
-    write_json(out / f"{stem}.json", res)
-    write_csv(out / f"{stem}.csv", ["panel", "interval", "system", "N", "writer_threads", "chunk_mib",
+    stem = result_path("fig12", "", quick=quick, root=out)
+    write_json(stem.with_suffix(".json"), res)
+    write_csv(stem.with_suffix(".csv"), ["panel", "interval", "system", "N", "writer_threads", "chunk_mib",
                                     "dram_budget_x_m", "it_per_s", "slowdown", "tw_s", "foreign_cpu_util"], _rows(res))
-    plot(out / f"{stem}.png", res)
+    plot(stem.with_suffix(".png"), res)
     return res
 
 

@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.fig8 [--quick] [--out bench/results] [--dir bench/_scratch]
+    python -m bench.fig8 [--quick] [--out bench/results (root: files go to OUT/fig8/)] [--dir bench/_scratch]
 
 The measurement is :mod:`bench.training.overhead`'s (its docstring has the method: set-up, warm-up, a
 steady-state window per (interval, system) cell, cells interleaved per interval), with every system
@@ -27,7 +27,7 @@ during a cell's window. The full run waits up to 2 s for quiet before each cell 
 again (up to twice) when others used more than 0.3 CPUs during it, keeping the least disturbed
 attempt; what remains is in the CSV, and the summary quotes it next to each target.
 
-Writes ``fig8.csv``, ``fig8.json``, ``fig8.png`` (``fig8-quick.*`` with ``--quick``).
+Writes ``bench/results/fig8/latest.csv``, ``.json``, ``.png`` (``quick.*`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import figure_parser, format_size, host_info, interval_axes, machine_label, pyplot, save_figure, \
+from bench.harness.common import result_path, figure_parser, format_size, host_info, interval_axes, machine_label, pyplot, save_figure, \
     scratch_dir, write_csv, write_json
 from bench.training.overhead import RETRY_WAIT_S, run_cells
 from bench.harness.probes import wait_quiet
@@ -144,7 +144,7 @@ def run(out: Path, quick: bool, workdir: Path, tick: Callable[[str], None] | Non
 
     cfg = Config(quick)
     tick = tick or (lambda label: None)
-    stem = "fig8-quick" if quick else "fig8"
+    stem = result_path("fig8", "", quick=quick, root=out)
     t_start = time.perf_counter()
     res: dict[str, Any] = {"benchmark": "bench.fig8", "quick": quick}
     with scratch_dir(workdir) as work:
@@ -243,10 +243,10 @@ def _rows(workload: str, cells: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
     return rows
 
 
-def _write(res: Mapping[str, Any], out: Path, stem: str) -> None:
-    write_json(out / f"{stem}.json", res)
-    write_csv(out / f"{stem}.csv", _CSV, _rows("emulated", res["emulated"]["cells"]) + _rows("real", res["real"]["cells"]))
-    plot(out / f"{stem}.png", res)
+def _write(res: Mapping[str, Any], out: Path, stem: Path) -> None:
+    write_json(stem.with_suffix(".json"), res)
+    write_csv(stem.with_suffix(".csv"), _CSV, _rows("emulated", res["emulated"]["cells"]) + _rows("real", res["real"]["cells"]))
+    plot(stem.with_suffix(".png"), res)
 
 
 def plot(path: Path, res: Mapping[str, Any]) -> bool:

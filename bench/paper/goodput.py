@@ -2,8 +2,8 @@
 
 Run::
 
-    python -m bench.goodput [--trace andre|thorpe|FILE.csv] [--inputs bench/results/fig9-inputs.json]
-                            [--out bench/results] [--seed 0]
+    python -m bench.goodput [--trace andre|thorpe|FILE.csv] [--inputs bench/results/goodput/inputs.json]
+                            [--out bench/results (root)] [--seed 0]
 
 *Goodput* is useful throughput: iterations per second of wall time, not counting iterations that
 are recomputed after a failure (§1, footnote 1). Everything here is a pure function of its inputs:
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import BENCH_DIR, result_path
 from bench.harness.common import interval_axes, pyplot, save_figure, write_csv
 from bench.harness.systems import COLORS
 
@@ -418,9 +418,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default="andre,thorpe",
                    help="comma-separated: andre, thorpe (synthetic, published rates) or a CSV file (default: %(default)s)")
-    p.add_argument("--inputs", type=Path, default=BENCH_DIR / "results" / "fig9-inputs.json",
+    p.add_argument("--inputs", type=Path, default=result_path("goodput").with_name("inputs.json"),
                    help="measured models written by `python -m bench all` (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=BENCH_DIR / "results")
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "results",
+                   help="results root: the CSV and PNG go to OUT/goodput/latest.* (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--example", action="store_true", help="print the §5.2.3 worked example and exit")
     return p.parse_args(argv)
@@ -458,9 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = [SystemModel(**m) for m in doc["models"]]
     traces = load_traces(args.trace, args.seed)
     rows = evaluate(models, traces)
-    write_csv(args.out / "fig9-goodput.csv", list(rows[0]), [list(r.values()) for r in rows])
-    plot(args.out / "fig9-goodput.png", rows, traces, doc.get("machine", ""), doc.get("workload", ""))
-    print(f"wrote {args.out / 'fig9-goodput.csv'} and .png")
+    csv_path = result_path("goodput", ".csv", root=args.out)
+    write_csv(csv_path, list(rows[0]), [list(r.values()) for r in rows])
+    plot(csv_path.with_suffix(".png"), rows, traces, doc.get("machine", ""), doc.get("workload", ""))
+    print(f"wrote {csv_path} and .png")
     return 0
 
 

@@ -4,7 +4,7 @@ Run::
 
     python -m bench.tuner [--size 512MiB] [--iter-time 0.05] [--max-overhead 1.03] [--ns 1,2,3]
                           [--threads 1,2] [--intervals 1,4,8,12,16,24,32,48]
-                          [--json bench/results/tuner.json] [--dir bench/_scratch] [--quick]
+                          [--json bench/results/tuner/latest.json] [--dir bench/_scratch] [--quick]
 
 **The GPU is emulated** (this machine has none): the workload is ``bench.overhead``'s emulated
 iteration (``make_emulated``: the host sleeps ``--iter-time``, then ``torch.optim.SGD`` updates all
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import (
     pyplot,
     format_size,
@@ -472,7 +472,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-foreign", type=float, default=0.25,
                    help="CPUs other processes may use during a window (or its baselines) before the window "
                         "counts as disturbed and is left out of the optimum and the fit")
-    p.add_argument("--json", default=str(_BENCH_DIR / "results" / "tuner.json"), help="result file (also .csv, .png)")
+    p.add_argument("--json", default=str(result_path("tuner")), help="result file (also .csv, .png)")
     p.add_argument("--dir", default=str(_BENCH_DIR / "_scratch"), help="scratch directory on the disk under test")
     p.add_argument("--quick", action="store_true", help="a small, fast run (smoke test)")
     a = p.parse_args(argv)

@@ -1,6 +1,6 @@
-"""The remote tier against its peers on one SeaweedFS server (issue 28's benchmark).
+"""The remote tier against its peers on one SeaweedFS server .
 
-    python -m bench.remote --size 1GiB --iter-time 0.2 --every 10 --iters 60 --out bench/results/remote.json
+    python -m bench.remote --size 1GiB --iter-time 0.2 --every 10 --iters 60 [--out bench/results/remote/latest.json]
 
 **The GPU is emulated** (bench/workloads.py, ``make_emulated``: sleep ``--iter-time``, then an SGD
 step over the whole state). A fresh ``weed mini`` on 127.0.0.1 (pccheck.tiers.remote.devserver)
@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import bar_chart, host_info, parse_size
+from bench.harness.common import result_path, bar_chart, host_info, parse_size
 from bench.harness.workloads import make_emulated
 from pccheck.tiers.remote.devserver import DevServer
 
@@ -480,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/remote.json")
+    ap.add_argument("--out", default=None, help="default bench/results/remote/latest.json "
+                    "(--upload-only: latest-upload-only.json; --attribution: latest-attribution.json)")
     ap.add_argument("--attribution", action="store_true",
                     help="only the loop rows: local, pccheck-remote, and local beside the raw client's uploads")
     ap.add_argument("--s3fs-path", default=os.environ.get("PCCHECK_BENCH_S3FS"),
@@ -490,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", help="use an existing server's bucket (endpoint and keys from the AWS variables) "
                                      "instead of starting weed mini on 127.0.0.1")
     a = ap.parse_args(argv)
+    a.out = a.out or str(result_path("remote", variant="upload-only" if a.upload_only else
+                                                 "attribution" if a.attribution else ""))
     if a.upload_only:
         return _main_upload_only(a, argv)
     import logging

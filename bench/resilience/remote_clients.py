@@ -1,6 +1,6 @@
 """Which S3 client the remote tier uses: obstore vs boto3 on the same SeaweedFS server.
 
-    python -m bench.remote_clients --size 1GiB --parts 8MiB,32MiB --repeat 2 --out bench/results/remote_clients.json
+    python -m bench.remote_clients --size 1GiB --parts 8MiB,32MiB --repeat 2 [--out bench/results/remote_clients/latest.json]
 
 For each client and part size: a multipart upload of ``--size`` bytes from memory (parts in
 parallel, ``--concurrency`` at a time) and a download of the same object by parallel ranged GETs
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness.common import host_info, parse_size, parse_size_list
+from bench.harness.common import result_path, host_info, parse_size, parse_size_list
 from pccheck.tiers.remote.devserver import DevServer
 
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--clients", default="boto3,obstore")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/remote_clients.json")
+    ap.add_argument("--out", default=str(result_path("remote_clients")))
     a = ap.parse_args(argv)
     size = parse_size(a.size)
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)

@@ -2,13 +2,13 @@
 
 Run::
 
-    python -m bench.scale [--inputs bench/results/scale-inputs.json] [--refresh] [--seeds 200]
-                          [--out bench/results]
+    python -m bench.scale [--inputs bench/results/scale/inputs.json] [--refresh] [--seeds 200]
+                          [--out bench/results/scale]
 
 Everything is a pure function of ``--inputs`` (a JSON file, every number with its source), so the
 table changes only when an input does. ``--refresh`` first updates the inputs' *measured here*
 efficiencies from the result files named in them (e.g. the remote tier's upload throughput over the
-raw client's, ``bench/results/remote.json``) and writes the inputs back.
+raw client's, ``bench/results/remote/latest.json``) and writes the inputs back.
 
 The job (inputs ``job``): ``gpus`` GPUs, ``gpus_per_node`` per node, ``days`` of training,
 ``interruptions`` unexpected ones in that time (a Poisson process), a share ``hardware_share`` of
@@ -50,7 +50,7 @@ from bench.harness.common import print_table, pyplot, save_figure, write_json
 __all__ = ["Tier", "Config", "load_inputs", "refresh", "tiers_of", "replay", "run", "report", "plot", "main"]
 
 _ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_INPUTS = _ROOT / "results" / "scale-inputs.json"
+DEFAULT_INPUTS = _ROOT / "results" / "scale" / "inputs.json"
 DAY = 86400.0
 
 
@@ -226,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--inputs", type=Path, default=DEFAULT_INPUTS, help="the model's inputs (JSON)")
     p.add_argument("--refresh", action="store_true", help="update measured efficiencies from bench/results first")
     p.add_argument("--seeds", type=int, default=200, help="interruption traces per configuration")
-    p.add_argument("--out", type=Path, default=_ROOT / "results", help="scale.json and scale.png go here")
+    p.add_argument("--out", type=Path, default=_ROOT / "results" / "scale",
+                   help="latest.json and latest.png go here (default: %(default)s)")
     a = p.parse_args(argv)
     doc = load_inputs(a.inputs)
     if a.refresh:
@@ -236,9 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run(doc, a.seeds)
     res["command"] = "python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:])
     report(res)
-    write_json(a.out / "scale.json", res)
-    plot(res, a.out / "scale.png")
-    print(f"wrote {a.out / 'scale.json'} and scale.png")
+    write_json(a.out / "latest.json", res)
+    plot(res, a.out / "latest.png")
+    print(f"wrote {a.out / 'latest.json'} and latest.png")
     return 0
 
 

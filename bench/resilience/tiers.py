@@ -1,4 +1,4 @@
-"""The memory tier against disk and DCP (issue 29's Benchmark): ``python -m bench.tiers``.
+"""The memory tier against disk and DCP (loop overhead, restores, steps lost): ``python -m bench.tiers``.
 
 2 simulated nodes x 1 rank on this machine (``PCCHECK_NODE`` = the rank; gloo, TCPStore
 rendezvous on 127.0.0.1), 256 MiB of state per rank (a model and its AdamW state), the emulated
@@ -17,7 +17,7 @@ Restore times, after the loop (``max`` over the ranks; each load a collective of
   disk tier (O_DIRECT reads: the page cache is not used);
 - after a node loss: rank 1's memory store deleted, ``load_latest(memory_dir=...)`` pulls its part
   from node 0's replica (time on rank 1) vs ``load_latest("s3://...")`` from pccheck's remote tier
-  (issue 28; a fresh ``weed mini`` on 127.0.0.1, pccheck.tiers.remote.devserver; the same state,
+  (a fresh ``weed mini`` on 127.0.0.1, pccheck.tiers.remote.devserver; the same state,
   uploaded once after the loop by a disk + remote Checkpointer; ``--remote off`` skips it) vs DCP
   ``load`` of the last ``async_save``; peer, raw and remote restores interleaved;
 - the raw link: one gloo ``send``/``recv`` of the same bytes between the two ranks.
@@ -30,7 +30,7 @@ Steps lost after a process crash and after a node loss (``--loss-trials N`` kill
 kind, default 3, 0 = none; bench.tiers_loss, whose docstring says how): the ``steps_lost``
 section and its target. ``--configs=`` (empty) runs only these trials.
 
-Writes ``bench/results/tiers.json`` (``--json``).
+Writes ``bench/results/tiers/latest.json`` (``--json``) and ``latest.png``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness.common import BENCH_DIR, host_info, parse_size, print_table, write_json
+from bench.harness.common import result_path, BENCH_DIR, host_info, parse_size, print_table, write_json
 from bench.harness.probes import thread_times
 
 RESULTS = BENCH_DIR / "results"
@@ -422,7 +422,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset of " + ",".join(CONFIGS) + " (the ratios need all four; empty: "
                         "only the steps-lost trials)")
-    p.add_argument("--json", type=Path, default=RESULTS / "tiers.json")
+    p.add_argument("--json", type=Path, default=result_path("tiers"))
     p.add_argument("--shm", default="/dev/shm", help="where the memory tier's stores go")
     p.add_argument("--remote", choices=("auto", "on", "off"), default="auto",
                    help="the node-loss restore from pccheck's remote tier on a fresh `weed mini` (auto: when the "

@@ -1,8 +1,8 @@
-"""Steps lost by the memory tier after a crash (issue 29): ``python -m bench.tiers_loss``.
+"""Steps lost by the memory tier after a crash: ``python -m bench.tiers_loss``.
 
 Also run by ``python -m bench.tiers`` (``--loss-trials N``, default 3, 0 = off), whose JSON then
 holds the same ``steps_lost`` section; ``python -m bench.tiers_loss`` runs the trials alone
-(no loop configurations) and writes ``bench/results/tiers_loss.json`` (``--json``).
+(no loop configurations) and writes ``bench/results/tiers_loss/latest.json`` (``--json``).
 
 The job is bench.tiers' ``memory`` configuration: 2 simulated nodes x 1 rank on this machine
 (``PCCHECK_NODE`` = the rank; gloo, TCP rendezvous on 127.0.0.1), 256 MiB of state per rank (a
@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness.common import BENCH_DIR, host_info, parse_size, print_table, write_json
+from bench.harness.common import result_path, BENCH_DIR, host_info, parse_size, print_table, write_json
 
 RESULTS = BENCH_DIR / "results"
 KINDS = ("crash", "node_loss")
@@ -251,7 +251,7 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def targets(section: dict) -> dict:
-    """The issue's target, with the max_concurrent the Checkpointer resolved, and whether each
+    """The target, with the max_concurrent the Checkpointer resolved, and whether each
     kind met it (its worst trial)."""
     mc = section.get("max_concurrent")
     return {"steps_lost": f"<= {mc}",
@@ -287,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="state per rank")
     p.add_argument("--iter-time", type=float, default=0.2)
     p.add_argument("--shm", default="/dev/shm", help="where the memory tier's stores go")
-    p.add_argument("--json", type=Path, default=RESULTS / "tiers_loss.json")
+    p.add_argument("--json", type=Path, default=result_path("tiers_loss"))
     add_arguments(p, 3)
     p.add_argument("--worker", choices=("train", "restore"), help=argparse.SUPPRESS)
     p.add_argument("--kill", type=int, help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
 ``pccheck.lightning``. Trainer: its own checkpoints (``save_steps``) and ``pccheck.hf.Callback``.
 
     python -m bench.integrations [--size 1GiB] [--steps 40] [--every 10] [--repeats 2]
-                                 [--json bench/results/integrations.json]
+                                 [--json bench/results/integrations/latest.json]
 
 The model: Linear(2048, 2048) blocks with AdamW, so that parameters plus the optimizer's two
 moments make ``--size``; batches of 16 random rows on the CPU (the same for both frameworks).
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import fmt, format_size, host_info, machine_label, parse_size, \
     pccheck_path_first, print_table, pyplot, save_figure, scratch_dir, versions, write_json
 
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=BENCH_DIR / "results" / "integrations.json")
+    ap.add_argument("--json", type=Path, default=result_path("integrations"))
     ap.add_argument("--dir", type=Path, default=BENCH_DIR / "_scratch")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "repeats": args.repeats, "runs": runs, "summary": summary,
            "targets": [{"what": "Lightning: blocking per save, pccheck / AsyncCheckpointIO", "limit": 0.3,
                         "value": ratio, "met": ratio <= 0.3}],
-           "hf_blocking_ratio": hf_ratio,  # pccheck.hf / the Trainer's own saves (the issue sets no limit)
+           "hf_blocking_ratio": hf_ratio,  # pccheck.hf / the Trainer's own saves (no target set)
            "command": "python -m bench.integrations " + " ".join(argv if argv is not None else sys.argv[1:])}
     print_table(f"{format_size(res['state_bytes'])} state (params + AdamW), a save every {args.every} steps; "
                 f"medians of {args.repeats} ({res['machine']})",

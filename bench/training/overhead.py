@@ -4,7 +4,7 @@ Run::
 
     python -m bench.overhead [--size 1GiB] [--iter-time 0.05] [--intervals 1,10,25,50,100]
                              [--iters N] [--systems none,torch_save,...] [--workloads emulated,real]
-                             [--json bench/results/overhead.json] [--dir bench/_scratch] [--quick]
+                             [--json bench/results/overhead/latest.json] [--dir bench/_scratch] [--quick]
 
 This module is the harness: it sets each system up on a workload, warms it up and times a
 steady-state window per (interval, system) cell. The workloads are :mod:`bench.harness.workloads`'s
@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.training import overhead_report as rpt
 from bench.harness.common import fmt, format_size, host_info, machine_label, parse_size, scratch_dir, versions, \
     write_csv, write_json
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "runtime_s": time.perf_counter() - t0, "cells": recs, "systems": systems}
     if "emulated" in result:
         cells = result["emulated"]["cells"]
-        # The issue's shape: {interval: {system: it_per_s}} (emulated GPU workload), and the slowdowns.
+        # The result's shape: {interval: {system: it_per_s}} (emulated GPU workload), and the slowdowns.
         result["it_per_s"] = rpt.by_interval(cells, "it_per_s")
         result["slowdown"] = rpt.by_interval(cells, "slowdown")
         result["targets"] = rpt.targets(cells, args.iter_time)
@@ -347,15 +347,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="emulated,real", help="emulated, real or both (default: %(default)s)")
     p.add_argument("--dram-budget", default=None, help="pccheck dram_budget for the emulated workload (default: 2x state)")
     p.add_argument("--spread", default=None,
-                   help='the GoCkpt row instead (bench.gockpt\'s harness, results in bench/results/gockpt.json): '
+                   help='the GoCkpt row instead (bench.gockpt\'s harness, results in bench/results/gockpt/latest-interval.json): '
                         'pccheck with spread_steps="auto" or an int against k=1, DCP async_save and none, AdamW '
                         'state of --size over an emulated copy link of S/(B t) = --link-ratio, one --intervals')
     p.add_argument("--link-ratio", type=float, default=4.0,
                    help="with --spread: S/(B t), iterations one snapshot needs on the emulated link (>= 3)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 64MiB, intervals 1,10, short windows; writes overhead-quick.* unless --json")
+                   help="smoke run: 64MiB, intervals 1,10, short windows; writes bench/results/overhead/quick.* unless --json")
     p.add_argument("--json", type=Path, default=None,
-                   help="JSON output; CSV and PNG go beside it (default: bench/results/overhead.json)")
+                   help="JSON output; CSV and PNG go beside it (default: bench/results/overhead/latest.json)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     args = p.parse_args(argv)
@@ -383,7 +383,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--workloads takes emulated, real or emulated,real")
     args.dram_budget = parse_size(args.dram_budget) if args.dram_budget else None
     if args.json is None:
-        args.json = _BENCH_DIR / "results" / ("overhead-quick.json" if args.quick else "overhead.json")
+        args.json = result_path("overhead", quick=args.quick)
     if not args.intervals or min(args.intervals) < 1 or args.iter_time < 0 or args.size < 4 * N_PARAMS:
         p.error("need intervals >= 1, --iter-time >= 0 and --size of at least 16 bytes")
     if args.iters is not None and args.iters < 1:
@@ -439,7 +439,7 @@ def _spread_row(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     except ValueError as exc:
         print(f"python -m bench.overhead: error: {exc}", file=sys.stderr)
         return 2
-    json_path = args.json or _BENCH_DIR / "results" / ("gockpt-quick.json" if args.quick else "gockpt.json")
+    json_path = args.json or result_path("gockpt", quick=args.quick, variant="interval")
     command = "python -m bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     return gockpt.run_and_report(cfg, gockpt.SYSTEMS, 1 if args.quick else args.repeats, args.dir, json_path, command)
 

@@ -1,4 +1,4 @@
-"""bench.overhead's results judged and shown: the targets of the issue, the printed tables, the CSV
+"""bench.overhead's results judged and shown: its targets, the printed tables, the CSV
 rows and the throughput plot.
 
 Targets, at interval ``TARGET_INTERVAL`` of the emulated workload, for every ``pccheck_N{n}`` cell:
@@ -43,7 +43,7 @@ def _cell(records: Sequence[Mapping[str, Any]], interval: int, system: str) -> M
 
 def targets(records: Sequence[Mapping[str, Any]], iter_time: float,
              rss_key: str = "peak_rss_growth_bytes") -> list[dict[str, Any]]:
-    """Targets of the issue; peak RSS growth is judged on ``rss_key`` (raw, or net of the none cell's)."""
+    """The targets; peak RSS growth is judged on ``rss_key`` (raw, or net of the none cell's)."""
     out: list[dict[str, Any]] = []
     dcp = _cell(records, TARGET_INTERVAL, "dcp_async")
     none = _cell(records, TARGET_INTERVAL, "none")

@@ -4,14 +4,14 @@ Run::
 
     python -m bench.restart [--size 1GiB] [--repeats 3] [--systems pccheck_eager,pccheck_lazy,...]
                             [--iter-time 0.05] [--interval 10] [--iters 50] [--blocks 8]
-                            [--cache fadvise|drop_caches] [--first-after 1] [--json bench/results/restart.json]
+                            [--cache fadvise|drop_caches] [--first-after 1] [--json bench/results/restart/latest.json]
                             [--model bench|client] [--threads N] [--dir bench/_scratch] [--quick]
 
-Issue 31's client setting (1 GiB, Linear(3342, 3342) + LayerNorm + ReLU blocks, one torch thread,
+The ReLU MLP setting (1 GiB, Linear(3342, 3342) + LayerNorm + ReLU blocks, one torch thread,
 the first checkpoint 10 steps after the restart, 60 steps in all)::
 
     python -m bench.restart --systems pccheck_eager,pccheck_eager_build_first,pccheck_lazy_build_first \
-        --model client --threads 1 --first-after 10 --iters 50 --repeats 5
+        --model mlp_relu --threads 1 --first-after 10 --iters 50 --repeats 5
 
 The workload (:mod:`bench.training.restart_child`): ``--blocks`` x (Linear(d, d) + LayerNorm(d)) with fused
 AdamW, ``--size`` of state in all (the parameters a third of it). **The GPU is emulated**: an
@@ -25,8 +25,8 @@ Systems (how each one loads; the checkpoints are written by :mod:`bench.harness.
 ``pccheck_lazy``   the same with ``lazy=True``: it returns once the metadata is read and the first
                    step runs while tensors load (``r.wait()`` after the first step). A pccheck
                    without ``lazy`` makes it fail (TypeError); the run goes on without it.
-``pccheck_eager_build_first``, ``pccheck_lazy_build_first``: the same two in the other order (issue
-                   31): the restart builds the ``Checkpointer`` (phase ``setup``), THEN loads.
+``pccheck_eager_build_first``, ``pccheck_lazy_build_first``: the same two in the other order:
+                   the restart builds the ``Checkpointer`` (phase ``setup``), THEN loads.
 ``torch_load``     ``torch.load(weights_only=True)`` + ``load_state_dict``; saver ``torch_save``.
 ``dcp``            ``torch.distributed.checkpoint.load`` (no process group) into fresh tensors +
                    ``load_state_dict``; saver ``dcp_async`` (``async_save``).
@@ -56,7 +56,7 @@ child does the same without a load into an empty directory: the it/s of a fresh 
 medians over ``--repeats``. Before each timed child the run waits (up to ``--quiet-wait`` s) until
 other processes use < 0.25 CPUs; ``other_cpus`` is the load they put on the machine while it ran.
 
-Writes ``--json`` (default ``bench/results/restart.json``; ``--quick``: ``restart-quick.json``; the
+Writes ``--json`` (default ``bench/results/restart/latest.json``; ``--quick``: ``quick.json``; the
 command inside), a PNG beside it (stacked phases per system; it/s after a restart and a fresh start),
 and prints a table. ``--quick``: 64 MiB, 1 repeat (a smoke run; its numbers mean nothing).
 """
@@ -78,7 +78,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import fmt, format_size, host_info, machine_label, median_or_none, parse_size, \
     pccheck_path_first, print_ratio_targets, print_table, pyplot, save_figure, scratch_dir, write_json
 from bench.harness.probes import NOISY_OTHER_CPUS, cpu_busy_s, wait_quiet, write_proc
@@ -256,7 +256,7 @@ def _summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _targets(systems: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets: process start -> first step, pccheck lazy <= 0.25x the torch.load path;
+    """The targets: process start -> first step, pccheck lazy <= 0.25x the torch.load path;
     the first checkpoint after a restart blocks <= 1.5x the steady-state median (each pccheck)."""
     def summary(s: str) -> Mapping[str, Any]:
         return systems.get(s, {}).get("summary", {})
@@ -399,14 +399,14 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--first-after", type=int, default=1,
                    help="steps after the restart at which the first checkpoint is taken (default 1: right after "
                         "the first step; the interval: where a training loop would take it)")
-    p.add_argument("--model", choices=("bench", "client"), default="bench",
+    p.add_argument("--model", choices=("bench", "mlp_relu"), default="bench",
                    help="bench: Linear + LayerNorm blocks; client: + ReLU, d solved for d^2 + 3d (3342 at 1 GiB in 8 "
-                        "blocks: issue 31's client) (default: %(default)s)")
+                        "blocks) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads in every child (issue 31's client: 1; default: torch's own)")
+                   help="torch.set_num_threads in every child (the ReLU MLP setting: 1; default: torch's own)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one child may take (default 600)")
     p.add_argument("--json", type=Path, default=None,
-                   help="result JSON, the PNG beside it (default bench/results/restart.json; quick restart-quick.json)")
+                   help="result JSON, the PNG beside it (default bench/results/restart/latest.json; quick: quick.json)")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="64MiB, 1 repeat: a smoke run")
@@ -418,7 +418,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if not a.systems or set(a.systems) - set(SYSTEMS):
         p.error(f"unknown systems; choose from {','.join(SYSTEMS)}")
     if a.json is None:
-        a.json = _BENCH_DIR / "results" / ("restart-quick.json" if a.quick else "restart.json")
+        a.json = result_path("restart", quick=a.quick)
     if min(a.repeats, a.interval, a.iters, a.blocks, a.first_after) < 1 or a.iter_time < 0:
         p.error("--repeats, --interval, --iters, --blocks and --first-after must be >= 1, --iter-time >= 0")
     return a

@@ -49,7 +49,7 @@ __all__ = ["SYSTEMS", "PHASES", "SAVERS", "make_blocks", "block_width", "state_b
 
 SYSTEMS: tuple[str, ...] = ("pccheck_eager", "pccheck_lazy", "torch_load", "dcp", "safetensors",
                             "pccheck_eager_build_first", "pccheck_lazy_build_first")
-BUILD_FIRST = "_build_first"  # the restart builds the Checkpointer, THEN loads (issue 31)
+BUILD_FIRST = "_build_first"  # the restart builds the Checkpointer, THEN loads (a common order in training scripts)
 PHASES: tuple[str, ...] = ("start", "imports", "build", "load", "setup", "first_step", "first_checkpoint")
 SAVERS = {  # the system that writes each one's checkpoints, in the training run and after the restart
     "pccheck_eager": "pccheck_N2", "pccheck_lazy": "pccheck_N2", "torch_load": "torch_save",
@@ -66,10 +66,9 @@ _LIBRARIES = {"pccheck_eager": "pccheck", "pccheck_lazy": "pccheck", "torch_load
 def block_width(nbytes: int, blocks: int, model: str = "bench") -> int:
     """d such that ``blocks`` x (Linear(d, d) + LayerNorm(d)) with AdamW holds about ``nbytes``:
     3 float32 copies (parameter, exp_avg, exp_avg_sq) of d^2 + 3d per block. ``bench`` rounds
-    d^2 alone (3344 at 1 GiB in 8 blocks), ``client`` solves d^2 + 3d exactly (3342: issue 31's
-    client)."""
+    d^2 alone (3344 at 1 GiB in 8 blocks), ``mlp_relu`` solves d^2 + 3d exactly (3342)."""
     per_block = nbytes / (12 * blocks)
-    if model == "client":
+    if model == "mlp_relu":
         return max(8, int(((9 + 4 * per_block) ** 0.5 - 3) / 2))
     return max(8, int(per_block ** 0.5))
 
@@ -84,7 +83,7 @@ def state_bytes(nbytes: int, blocks: int, model: str = "bench") -> int:
 def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float, model_kind: str = "bench",
                 threads: int | None = None) -> "Workload":
     """The model, its fused AdamW and one (emulated GPU) iteration; see the module docstring.
-    ``model_kind`` ``client`` adds a ReLU to every block (issue 31's client); ``threads``:
+    ``model_kind`` ``mlp_relu`` adds a ReLU to every block; ``threads``:
     ``torch.set_num_threads`` (None: torch's default)."""
     import torch
 
@@ -94,7 +93,7 @@ def make_blocks(nbytes: int, blocks: int, batch: int, iter_time: float, model_ki
         torch.set_num_threads(threads)
     d = block_width(nbytes, blocks, model_kind)
     torch.manual_seed(0)
-    relu = [torch.nn.ReLU] if model_kind == "client" else []
+    relu = [torch.nn.ReLU] if model_kind == "mlp_relu" else []
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.LayerNorm(d),
                                                       *(f() for f in relu))
                                   for _ in range(blocks)])
@@ -324,7 +323,7 @@ def resume(spec: Mapping[str, Any]) -> dict[str, Any]:
     wl, workdir = _build(spec), Path(spec["dir"])
     mark("build")
     build_first = spec["system"].endswith(BUILD_FIRST)
-    if build_first:  # the Checkpointer before load_latest, as many training scripts do (issue 31)
+    if build_first:  # the Checkpointer before load_latest, as many training scripts do (a common order in training scripts)
         ls = loop_system(spec["system"], wl, workdir, spec["interval"])
         mark("setup")
     step, lazy = load(spec["system"], wl, workdir) if spec["role"] == "restart" else (0, None)

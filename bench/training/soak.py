@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.soak [--minutes 30] [--cycles 1000] [--quick] [--out bench/results/soak.json]
+    python -m bench.soak [--minutes 30] [--cycles 1000] [--quick] [--out bench/results/soak/latest.json]
                          [--size 256MiB] [--cycle-size 4MiB] [--sample-s 10] [--iter-time 0.05] [--dir DIR]
 
 Two parts in one process, both on a torch model + AdamW (:func:`adamw_workload`: the emulated loop of
@@ -29,7 +29,7 @@ the optimizer's ``exp_avg``/``exp_avg_sq``):
    collection.
 
 Writes the samples, the verdicts and the command to a JSON file (``--out``; with ``--quick`` the
-default is ``soak-quick.json``) and a PNG of RSS, fds and threads over time beside it; prints a
+default is ``bench/results/soak/quick.json``) and a PNG of RSS, fds and threads over time beside it; prints a
 summary. ``--quick``: 30 s loop of 64 MiB, 100 cycles (about a minute; a smoke run).
 """
 
@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import BENCH_DIR
+from bench.harness.common import result_path, BENCH_DIR
 from bench.harness.common import format_size, host_info, machine_label, parse_size, pyplot, save_figure, scratch_dir, \
     versions, write_json
 from bench.harness.probes import proc_status
@@ -60,7 +60,7 @@ _BENCH_DIR = BENCH_DIR
 MIB = 1 << 20
 SYSTEM = "pccheck_N4"  # interval 1, N = 4: bench.systems' pccheck with max_concurrent=4
 N_IN_FLIGHT = 4
-RSS_TOL = 64 * MIB         # the issue's bound on RSS growth after warm-up (loop)
+RSS_TOL = 64 * MIB         # the target bound on RSS growth after warm-up (loop)
 CYCLE_RSS_TOL = 16 * MIB   # RSS growth over the cycles, measured after gc.collect()
 COUNT_TOL = 0              # fds and threads: flat means no growth at all
 WARMUP_FRAC, WARMUP_MIN_S = 0.10, 60.0
@@ -357,7 +357,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, help="seconds between loop samples (default 10; quick 2)")
     p.add_argument("--iter-time", type=float, default=0.05, help="emulated GPU time per step (default 0.05 s)")
     p.add_argument("--out", "--json", dest="out", type=Path,
-                   help="result JSON (default bench/results/soak.json; quick soak-quick.json); the PNG goes beside it")
+                   help="result JSON (default bench/results/soak/latest.json; quick: quick.json); the PNG goes beside it")
     p.add_argument("--dir", type=Path, default=_BENCH_DIR / "_scratch",
                    help="scratch directory on the disk under test; removed afterwards (default: %(default)s)")
     a = p.parse_args(argv)
@@ -366,7 +366,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.out is None:
-        a.out = _BENCH_DIR / "results" / ("soak-quick.json" if a.quick else "soak.json")
+        a.out = result_path("soak", quick=a.quick)
     if a.minutes <= 0 or a.cycles < 1 or a.sample_s <= 0:
         p.error("--minutes and --sample-s must be > 0, --cycles >= 1")
     return a

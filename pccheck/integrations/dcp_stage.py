@@ -1,7 +1,7 @@
 """Staging for ``dcp.async_save``: a copy of the state_dict in reused shared host buffers.
 
 DCP's default stager allocates fresh host memory for every save (first touch is slow, and host
-memory grows per save: pytorch issue #170163). :class:`StagingPool` keeps at most ``limit``
+memory grows per save: pytorch #170163). :class:`StagingPool` keeps at most ``limit``
 buffers, each a set of shared-memory CPU tensors shaped like the state_dict's tensors (a
 DTensor's local shard), allocated and touched once and reused while the state_dict keeps its
 shapes.

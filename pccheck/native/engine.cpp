@@ -89,10 +89,10 @@ Engine::Engine(uint64_t chunk_size, uint32_t num_chunks, uint32_t writer_threads
   void* p = ::mmap(nullptr, pool_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw NativeError(errno, "cannot allocate the DRAM chunk pool");
   pool_ = static_cast<uint8_t*>(p);
-  // No MADV_HUGEPAGE (issue 31): on these KVM guests (THP "madvise", free page reporting on) the
+  // No MADV_HUGEPAGE: on these KVM guests (THP "madvise", free page reporting on) the
   // first touch of a fresh 2 GiB pool took 7.6-8.0 s with it (0.25 GiB/s) against 1.1-1.5 s in
   // 4 KiB pages, and a memcpy into the faulted pool ran at 13-14.5 GiB/s either way
-  // (bench/results/issue31-pool-first-touch-thp.py and .txt). A restarted
+  // (bench/analysis/pool_first_touch_hugepages.py). A restarted
   // job's first checkpoint waited for that first touch.
   for (uint32_t i = 0; i < writer_threads; i++) writers_.emplace_back([this] { writer_loop(); });
   // First touch is slow on these machines (0.25-1.3 GB/s for fresh pages): pay it once, not per

@@ -102,7 +102,7 @@ class Store {
   // pieces (MADV_POPULATE_WRITE only: nothing is ever rewritten), so the writers' memcpy into
   // the slots never takes a page fault. Meant for a store on tmpfs (the memory tier): there each
   // first write of a page allocates and zeroes it inside the fault, which cost the loop 0.1-2
-  // CPU-s per iteration for the first 6-9 checkpoints (issue 29, s16); on a disk-backed file it
+  // CPU-s per iteration for the first 6-9 checkpoints when unpopulated; on a disk-backed file it
   // would dirty every page. Contents are kept (the kernel's populate writes nothing). Returns the
   // bytes populated (less when close() came first; 0 where the kernel has no
   // MADV_POPULATE_WRITE). Safe beside the writers and beside close() (populate_mu_).

@@ -144,7 +144,7 @@ class Orchestrator:
         self._reserve_request = device_reserve
         # A populated tmpfs store (the memory tier's) is filled in place: the CPU engine copies
         # straight into the slot's mapping and the writers only checksum it, one memcpy of the
-        # state instead of two (native engine.h, "In place"; issue 29, s17).
+        # state instead of two (native engine.h, "In place").
         self._in_place = populate_store
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
@@ -424,7 +424,7 @@ class Orchestrator:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
         # barrier left one pending (freed by the next barrier that succeeds). No disk I/O here:
         # zeroing the slot's meta record, a 4 KiB write queued behind the previous checkpoint's
-        # writes, held the training thread 50-188 ms on the GPU (bench/results/gpu/gpu.json); the
+        # writes, held the training thread 50-188 ms on the GPU (bench/results/gpu/latest.json); the
         # job's first writer does it (start(): begin(..., zero_meta=True)).
         while True:
             try:

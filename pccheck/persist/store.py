@@ -35,7 +35,7 @@ log = logging.getLogger("pccheck")
 
 BLOCK: int = _native.BLOCK
 STORAGE_CHOICES = ("auto", "ssd", "odirect", "mmap", "pmem")
-# Chosen by `python -m bench.persist` on these machines (bench/results/persist.json, rows
+# Chosen by `python -m bench.persist` on these machines (bench/results/persist/latest.json, rows
 # "pccheck" vs "pccheck_mmap": 3.2 vs 0.8 GB/s at 1 GiB):
 # O_DIRECT pwrite of aligned chunks beats memcpy into a mapping + msync.
 DEFAULT_SSD_MODE = "odirect"

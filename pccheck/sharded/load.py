@@ -227,8 +227,8 @@ def _build(cand: CheckpointSet, rank: int, state: Any, map_location: Any,
 # Threads reading one rank's chunks. Invariant: they take the chunks in file order (member by
 # member, front to back), so the disk sees a few neighbouring requests of one stream at a time:
 # buffered reads then run at the device's sequential rate (the page cache's readahead follows
-# each file), where chunks taken tensor by tensor scatter over both member files (issue 32:
-# 1.4-1.8 s cold against 0.7-0.8 s for the same bytes read in order).
+# each file), where chunks taken tensor by tensor scatter over both member files
+# (1.4-1.8 s cold against 0.7-0.8 s for the same bytes read in order).
 READ_THREADS = 4
 
 

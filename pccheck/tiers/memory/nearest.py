@@ -1,7 +1,7 @@
 """Restore from the nearest tier that holds the newest step every rank can obtain.
 
 Tiers, nearest first (``TIERS``): this rank's own memory store, a peer's replica of it (pulled
-over a gloo group of pccheck's own), this rank's own disk store. A remote tier (issue 28) plugs
+over a gloo group of pccheck's own), this rank's own disk store. A remote tier plugs
 in after "disk": it only has to add its (epoch, step) keys to what a rank publishes and a loader
 for its plan entry.
 

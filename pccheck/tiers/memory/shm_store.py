@@ -176,7 +176,7 @@ class MemoryTier:
         # the least an engine has. Device state (``device_bytes`` > 0): a pool that holds the
         # whole snapshot, so the copy off the device ends at the link's speed and the next optimizer
         # step does not wait for the tmpfs writes (soft copy-on-write). With 4 chunks an H200 run
-        # measured the step waiting 0.45-0.65 s per iteration for 8.8 GiB (bench/results/gpu/RUNS.md).
+        # measured the step waiting 0.45-0.65 s per iteration for 8.8 GiB (bench/README.md, "On a GPU").
         chunk = min(MEM_CHUNK, int(engine.chunk_size))
         budget = chunk
         if device_bytes:
@@ -184,7 +184,7 @@ class MemoryTier:
             budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
         # Writers: tmpfs is written by memcpy, so the CPU, not a device queue, sets the pace. At
         # memory_interval=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
-        # next iteration waited for them (RUNS.md, run 5): half the host's cores, at least the disk's.
+        # next iteration waited for them (bench/README.md, "On a GPU"): half the host's cores, at least the disk's.
         writers = max(int(engine.writer_threads), min(MAX_WRITERS, (os.cpu_count() or 2) // 2))
         self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=budget,
                                writer_threads=writers)

@@ -86,8 +86,8 @@ class KeyWaiter:
     """One thread's waits for keys under ``prefix`` (private_store's namespace). On a TCPStore it
     has a connection of its own and blocks in the server's wait, ``WAIT_SLICE`` at a time (to see
     ``stop``): the key is seen as soon as it is set, at a few requests a second, where polling
-    every 10 ms cost each waiting thread and the store's server ~0.01 CPU-s per 0.4 s iteration
-    (issue 29, s16). Elsewhere (a store shared with others) it polls (:func:`poll_key`). Use it
+    every 10 ms cost each waiting thread and the store's server ~0.01 CPU-s per 0.4 s
+    iteration. Elsewhere (a store shared with others) it polls (:func:`poll_key`). Use it
     from one thread only: a blocking wait holds its connection."""
 
     def __init__(self, store: Any, own: bool) -> None:
