@@ -8,6 +8,9 @@ so callers can catch either. Messages say what happened and what to do about it.
 from __future__ import annotations
 
 import errno as _errno
+import logging as _logging
+import threading as _threading
+from typing import Callable as _Callable
 
 __all__ = [
     "PCCheckError",
@@ -27,6 +30,7 @@ __all__ = [
     "RemoteConfigError",
     "RemoteConflictError",
     "StoppedError",
+    "ErrorSink",
     "storage_error_from_oserror",
 ]
 
@@ -121,3 +125,41 @@ def storage_error_from_oserror(exc: OSError, doing: str) -> StorageError:
     err = cls(code, f"{doing} failed with {name} ({exc.strerror or exc}): {advice}. "
                     "The last committed checkpoint is untouched and still loadable.")
     return err
+
+
+class ErrorSink:
+    """Where failures of background work go, by a Checkpointer's ``on_error`` policy: "raise"
+    keeps them for the next call on the training thread (:meth:`raise_pending`), "log" logs them,
+    a callable is given each (on the thread that failed). ConfigError for any other policy."""
+
+    def __init__(self, policy: "str | _Callable[[PCCheckError], None]") -> None:
+        if not (policy in ("raise", "log") or callable(policy)):
+            raise ConfigError("on_error must be 'raise', 'log' or a callable taking the exception")
+        self.policy = policy
+        self._pending: list[PCCheckError] = []
+        self._lock = _threading.Lock()
+
+    def __call__(self, exc: PCCheckError) -> None:
+        if self.policy == "raise":
+            with self._lock:
+                self._pending.append(exc)
+        elif self.policy == "log":
+            _logging.getLogger("pccheck").error("pccheck: background checkpoint failed: %s", exc)
+        else:
+            try:
+                self.policy(exc)  # type: ignore[operator]
+            except Exception:
+                _logging.getLogger("pccheck").exception("pccheck: the on_error callback raised")
+
+    def raise_pending(self) -> None:
+        """Raises the oldest failure kept (and forgets the rest of them), if any."""
+        with self._lock:
+            if not self._pending:
+                return
+            first, self._pending = self._pending[0], []
+        raise first
+
+    @property
+    def raises(self) -> bool:
+        """Whether failures are raised on the training thread (the "raise" policy)."""
+        return self.policy == "raise"

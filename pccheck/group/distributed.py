@@ -257,6 +257,12 @@ class GroupCoordinator(Retention):
 
     # -- the remote tier's side (pccheck/tiers/remote/group.py) ----------------------------------
 
+    def attach_remote(self, uploader: Any) -> None:
+        """The remote tier's GroupUploader: it pins the slots of announced steps, and on rank 0
+        announces steps as they are published. One more slot is held: the one being uploaded."""
+        self.remote = uploader
+        self.extra_slots = 2
+
     def slot_of(self, step: int) -> int | None:
         """The slot of the open generation holding ``step`` (this incarnation's commits)."""
         with self._lock:

@@ -95,11 +95,11 @@ def history_files(path: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 class HistoryKeeper:
     """Copies every ``keep_every``-th committed checkpoint to ``path/history`` in the background.
 
-    Call protocol (the Checkpointer follows it)::
+    Call protocol (a :class:`pccheck.tiers.base.Tier` after the disk; the tier stack follows it)::
 
         keeper = HistoryKeeper(path, keep_every, max_history)
-        keeper(info)      # on a commit thread, after each checkpoint that became the durable
-                          # latest (a CommitInfo); only enqueues, returns at once, never raises
+        keeper(info)      # (= on_commit) on a commit thread, after each checkpoint that became the
+                          # durable latest (a CommitInfo); only enqueues, returns at once, never raises
         keeper.close()    # on Checkpointer.close: finishes pending copies, joins the thread
 
     Args:
@@ -109,6 +109,9 @@ class HistoryKeeper:
         max_history: keep at most this many history files (oldest deleted); None keeps all.
         max_pending: copies queued at most; beyond it the oldest queued one is dropped.
     """
+
+    name = "history"
+    after_disk = True  # fed by the disk's durable commits
 
     def __init__(self, path: Path, keep_every: int, max_history: int | None, *, max_pending: int = 8) -> None:
         if keep_every < 1 or (max_history is not None and max_history < 1) or max_pending < 1:
@@ -127,6 +130,31 @@ class HistoryKeeper:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._counts = dict(kept=0, skipped=0, dropped=0, deleted=0, failed=0)
+        self._newest: int | None = None  # the newest step kept
+
+    # -- the tier's life (pccheck.tiers.base) ---------------------------------------------------
+
+    def start(self, disk: Any, epoch: int | None) -> None:
+        """Nothing to start: the copy thread starts with the first copy."""
+
+    def prepare(self, layout: Any, metadata: Any, tree: Any) -> None:
+        """Nothing to size: each copy is written as it is read."""
+
+    def on_step(self, step: int, snapshot: Any, metadata: Any, soft_cow: bool) -> None:
+        """Nothing: the history copies the disk's durable commits (on_commit), not steps."""
+
+    def on_commit(self, info: Any) -> None:
+        self(info)
+
+    def ensure_copied(self) -> None:
+        """Nothing: copies read committed slots, never live tensors."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.wait_idle(timeout)
+
+    def newest(self) -> dict[str, Any]:
+        with self._cv:
+            return {"history": self._newest}
 
     # -- the hook -------------------------------------------------------------------------------
 
@@ -170,8 +198,9 @@ class HistoryKeeper:
         with self._cv:
             return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
 
-    def close(self) -> None:
-        """Finishes the queued copies (even if paused) and joins the thread. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finishes the queued copies (even if paused) and joins the thread. Idempotent. The
+        copies are local and bounded by their size: ``timeout`` is not used."""
         with self._cv:
             if self._closed:
                 return
@@ -204,6 +233,8 @@ class HistoryKeeper:
             finally:
                 with self._cv:
                     self._counts[outcome] += 1
+                    if outcome == "kept" and (self._newest is None or info.step > self._newest):
+                        self._newest = info.step
                     self._busy = False
                     self._cv.notify_all()
 

@@ -1,5 +1,5 @@
-"""Preparing a Checkpointer's store and chunk pool once its state is final (:mod:`.mixin`)."""
+"""Preparing a Checkpointer's stores and chunk pools once its state is final (:mod:`.preparation`)."""
 
-from .mixin import Preparation
+from .preparation import Preparation, defer_prepare
 
-__all__ = ["Preparation"]
+__all__ = ["Preparation", "defer_prepare"]

@@ -4,6 +4,8 @@
   snapshot, and putting a checkpoint back in place), :class:`Flattener` (the tree encoding, also
   used by the integrations for a framework's checkpoint dict), :func:`rebuild` (its inverse), and
   the lazy restore's first-use ``order``.
+- ``sources.py``: what a Checkpointer reads at each checkpoint: a TorchState, or a mapping of
+  arrays (:class:`ArraysState`), chosen by :func:`make_source`.
 
 Invariants owned here: the tree holds JSON values only (anything else is refused, or with
 ``serialize_other`` stored by ``torch.save`` and read back only with ``weights_only=True``); tensors

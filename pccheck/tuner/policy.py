@@ -14,12 +14,18 @@ started.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from ..orchestrator.options import AUTO, EngineOptions
+from .config import resolve_auto
 from .online import OnlineTuner
 
-__all__ = ["FixedInterval", "OnlineTuned", "SavePolicy"]
+__all__ = ["FixedInterval", "OnlineTuned", "SavePolicy", "Tuned", "choose_policy"]
+
+log = logging.getLogger("pccheck")
 
 
 class SavePolicy(Protocol):
@@ -65,3 +71,38 @@ class OnlineTuned:
 
     def taken(self, step: int) -> None:
         self.last_taken = step
+
+
+@dataclass
+class Tuned:
+    """What :func:`choose_policy` resolved: the engine options with every "auto" replaced, the
+    settings it came from, the online tuner (``interval="auto"`` in one process) and the policy."""
+
+    engine: EngineOptions
+    settings: dict[str, Any]
+    tuner: OnlineTuner | None
+    policy: SavePolicy
+
+
+def choose_policy(path: Any, interval: int | str, engine: EngineOptions, group: Any, state_bytes: int | None,
+                  spread_steps: int | str) -> Tuned:
+    """Resolves "auto" (the interval and the engine's tuned fields: the choice
+    ``pccheck-tune --write-config`` stored in ``PATH/pccheck-tune.json``, or the defaults) and
+    picks the save policy. ``state_bytes`` None: the state may still grow (Adam's state appears
+    at its first step), so the size check against the tuned size is left out."""
+    settings = resolve_auto(path, interval, engine.max_concurrent, engine.writer_threads, engine.chunk_size,
+                            state_bytes=state_bytes, spread_steps=spread_steps)
+    engine = engine.with_values(settings)
+    interval_now: int = settings["interval"]
+    # Online mode: the tuner re-derives the interval from what it measures while training runs.
+    # Ranks of a group must checkpoint the same steps, so they keep the tuned interval.
+    tuner: OnlineTuner | None = None
+    if interval == AUTO:
+        if group is not None:
+            log.info("pccheck: interval=\"auto\" in a group of %d ranks: the tuned interval %d is used without "
+                     "online adaptation (every rank must checkpoint the same steps)", group.world_size, interval_now)
+        else:
+            tuner = OnlineTuner(interval_now, settings["max_overhead"], int(engine.max_concurrent),
+                                iter_time=settings["iter_time_s"], tw=settings["tw_s"])
+    policy: SavePolicy = OnlineTuned(tuner, interval_now) if tuner is not None else FixedInterval(interval_now)
+    return Tuned(engine, settings, tuner, policy)

@@ -7,10 +7,11 @@ process, not the machine). It is fed the same snapshots as the disk tier: the sa
 ``TorchState``, at the same ``maybe_checkpoint`` call, with the same soft copy-on-write guard
 (the optimizer step pre-hook waits for both tiers' copies).
 
-Call order: ``MemoryTier(...)`` (collective in a group: before the disk coordinator prepares)
-→ :meth:`start` (once the job's epoch is known) → :meth:`prepare` (once the state's size is
-final; else the first checkpoint opens the store) → :meth:`maybe` per iteration →
-:meth:`ensure_copied` before each optimizer step → :meth:`close`.
+It is a :class:`pccheck.tiers.base.Tier` beside the disk (its call order): ``build_memory_tier``
+(collective in a group: before the disk coordinator prepares) → :meth:`start` (once the job's
+epoch is known) → :meth:`prepare` (once the state's size is final; else the first checkpoint
+opens the store) → :meth:`on_step` per iteration → :meth:`ensure_copied` before each optimizer
+step → :meth:`close`.
 
 Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
 6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
@@ -41,6 +42,7 @@ from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
 from ...persist.layout import Layout
 from ...persist.recovery import store_files
+from ..base import TierContext
 from .paths import MEMORY_ROOT, default_memory_dir, memory_rank_dir, replica_dir
 
 __all__ = ["MemoryTier", "MemoryCoordinator", "build_memory_tier", "default_memory_dir", "memory_rank_dir", "replica_dir",
@@ -156,17 +158,21 @@ def _room_everywhere(root: Path, need: int, group: Group | None) -> None:
 
 class MemoryTier:
     """Memory checkpoints of one rank every ``interval`` steps, replicated to ``replicas`` - 1
-    peers (pccheck.tiers.memory.replicate). Built by the Checkpointer; see the module docstring."""
+    peers (pccheck.tiers.memory.replicate). Built by :func:`build_memory_tier`; see the module
+    docstring."""
 
-    enabled = True
+    name = "memory"
+    after_disk = False  # its own checkpoints, from the same snapshots as the disk's
 
     def __init__(self, root: Path, interval: int, replicas: int, engine: EngineOptions, slot_bytes: int,
-                 group: Group | None, on_error: Callable[[PCCheckError], None], device_bytes: int = 0) -> None:
+                 group: Group | None, on_error: Callable[[PCCheckError], None], layout: Layout,
+                 arrays: Mapping[str, Any], device_bytes: int = 0) -> None:
         from .replicate import ReplicaLinks  # collective when replicas > 1
 
         if interval < 1:
             raise ConfigError(f"memory_interval must be a positive integer, got {interval}")
         self.root, self.interval, self.group = root, interval, group
+        self._layout, self._arrays = layout, arrays  # the first snapshot's: the store's layout, the copy engine
         self.dir = memory_rank_dir(root, group.rank if group is not None else None)
         self._on_error = on_error
         self.epoch: int | None = None
@@ -209,13 +215,17 @@ class MemoryTier:
         """The newest epoch found in the memory stores of the group (0 single-process)."""
         return self.coord.epoch - 1 if self.coord is not None else 0
 
-    def start(self, epoch: int | None, layout: Layout, arrays: Mapping[str, Any], world_size: int, rank: int) -> None:
-        """Opens the memory store (lazily, at the first checkpoint) and starts replication."""
+    def start(self, disk: Any, epoch: int | None) -> None:
+        """Makes the memory store's orchestrator (its store opens at :meth:`prepare`, or at the
+        first memory checkpoint) and starts replication. ``disk`` is not used: the tier takes its
+        own checkpoints."""
         from .replicate import Replicator
 
         self.epoch = epoch
         if self.coord is not None and epoch is not None:
             self.coord.epoch = epoch  # the disk tier's: both tiers' manifests pair by (epoch, step)
+        world_size, rank = (self.group.world_size, self.group.rank) if self.group is not None else (1, 0)
+        layout, arrays, self._arrays = self._layout, self._arrays, {}
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
                                  on_commit=self._on_commit, on_finished=self.recent.append, pool=False,
@@ -240,7 +250,10 @@ class MemoryTier:
         if self.replicator is not None:
             self.replicator.offer(info)
 
-    def maybe(self, step: int, snapshot: Callable[[], Any], metadata: Mapping[str, Any], soft_cow: bool) -> bool:
+    def on_commit(self, info: CommitInfo) -> None:
+        """A disk commit: nothing to do (the memory tier takes its own checkpoints)."""
+
+    def on_step(self, step: int, snapshot: Callable[[], Any], metadata: Mapping[str, Any], soft_cow: bool) -> bool:
         """A memory checkpoint of ``step`` if ``step % interval == 0``; returns whether one started."""
         if self.orch is None or step % self.interval:
             return False
@@ -260,10 +273,12 @@ class MemoryTier:
         if self.orch is not None:
             self.orch.ensure_copied()
 
-    def wait(self) -> None:
-        """Returns once every memory checkpoint started has committed or failed."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Returns once every memory checkpoint started has committed or failed (a local copy
+        into RAM: ``timeout`` is not needed and not used)."""
         if self.orch is not None:
             self.orch.wait()
+        return True
 
     def newest(self) -> dict[str, Any]:
         """Newest step per tier this rank knows: its own memory commit, the newest step every
@@ -273,76 +288,42 @@ class MemoryTier:
             out.update(self.replicator.newest())
         return out
 
-    def close(self, then: Callable[[], None] | None = None) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Waits for the memory checkpoints in flight, sends the newest to the peers, waits for
-        theirs (bounded), then closes the stores; ``then`` runs last, whatever happened."""
+        theirs (bounded by the replication's own timeouts), then closes the stores."""
         try:
+            if self.orch is not None:
+                self.orch.wait()
+            if self.replicator is not None:
+                self.replicator.close()
+        finally:
             try:
                 if self.orch is not None:
-                    self.orch.wait()
-                if self.replicator is not None:
-                    self.replicator.close()
-            finally:
-                if self.orch is not None:
                     self.orch.close()
+            finally:
                 if self.coord is not None:
                     self.coord.close()
-        finally:
-            if then is not None:
-                then()
 
 
-class NoMemoryTier:
-    """The Checkpointer's memory tier when ``memory_interval`` is not set: does nothing."""
-
-    enabled = False  # the Checkpointer then builds no memory snapshot arguments at all
-
-    def start(self, *args: Any) -> None:
-        pass
-
-    def prepare(self, *args: Any) -> None:
-        pass
-
-    def maybe(self, *args: Any) -> bool:
-        return False
-
-    def ensure_copied(self) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def newest(self) -> dict[str, Any]:
-        return {}
-
-    def close(self, then: Callable[[], None] | None = None) -> None:
-        if then is not None:
-            then()
-
-
-def build_memory_tier(ck: Any, engine: EngineOptions, layout: Layout, snap: Any,
-                      group: Group | None) -> MemoryTier | NoMemoryTier:
-    """The Checkpointer's memory tier (a NoMemoryTier when ``memory_interval`` is not set). Collective in a
+def build_memory_tier(ctx: TierContext, engine: EngineOptions, layout: Layout, snap: Any) -> MemoryTier | None:
+    """The memory tier of ``ctx`` (None when ``memory_interval`` is not set). Collective in a
     group; raises ConfigError for a combination it does not support, NoSpaceError when the
     memory directory's file system is too small for ``memory_need`` bytes."""
     from ...persist.layout import manifest_upper_bound
 
-    t = ck.options.memory
+    t, opts = ctx.options.memory, ctx.options
     if t.memory_interval is None:
-        return NoMemoryTier()
-    if ck.options.group.replicated is not None:
+        return None
+    if opts.group.replicated is not None:
         raise ConfigError("the memory tier needs every rank to write its own state: drop replicated='rank0'")
-    if ck.options.snapshot.spread_steps != 1:
+    if opts.snapshot.spread_steps != 1:
         raise ConfigError("the memory tier does not take spread checkpoints yet: use spread_steps=1")
-    root = Path(t.memory_dir) if t.memory_dir is not None else default_memory_dir(ck.path)
+    root = Path(t.memory_dir) if t.memory_dir is not None else default_memory_dir(ctx.path)
     data = layout.data_len
-    if ck._source.may_grow():  # Adam's state appears at its first step: two moments per parameter
+    if ctx.source.may_grow():  # Adam's state appears at its first step: two moments per parameter
         data *= 3
-    man = manifest_upper_bound(layout, ck.metadata, tree=snap.tree, epoch=2**62) + (64 << 10)
+    man = manifest_upper_bound(layout, ctx.metadata, tree=snap.tree, epoch=2**62) + (64 << 10)
     slot = data + (man + BLOCK - 1) // BLOCK * BLOCK
     on_device = select_copy_engine(snap.arrays).name != "cpu"
-    tier = MemoryTier(root, t.memory_interval, t.replicas, engine, slot, group, ck._background_error,
-                      device_bytes=data if on_device else 0)
-    if ck._coord is not None:
-        ck._coord.seen_epoch = tier.seen_epoch  # the disk tier's epoch is newer than any in memory
-    return tier
+    return MemoryTier(root, t.memory_interval, t.replicas, engine, slot, ctx.group, ctx.on_error, layout,
+                      snap.arrays, device_bytes=data if on_device else 0)

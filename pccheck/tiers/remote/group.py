@@ -284,15 +284,16 @@ class GroupUploader(RemoteUploader):
             raise RemoteError(f"rank {rank}'s part of step {step} is missing") from None
 
 
-def build_remote_tier(opts: Any, writes: bool, coord: Any, group: Any, on_error: Any) -> Any:
-    """A Checkpointer's remote tier: None without ``remote=`` (or on a rank that writes nothing);
-    in a group with a coordinator, a GroupUploader (each rank uploads its part, rank 0 commits
-    the step; the coordinator keeps one more slot, the one uploading); else a RemoteUploader.
-    Both probe the object store first (RemoteConfigError)."""
+def build_remote_tier(ctx: Any, writes: bool) -> RemoteUploader | None:
+    """The remote tier of ``ctx`` (a TierContext): None without ``remote=`` (or on a rank that
+    writes nothing); in a group with a coordinator, a GroupUploader (each rank uploads its part,
+    rank 0 commits the step; the coordinator keeps one more slot, the one uploading); else a
+    RemoteUploader. Both probe the object store first (RemoteConfigError)."""
+    opts = ctx.options.remote
     if opts.remote is None or not writes:
         return None
-    if coord is not None:
-        up = GroupUploader(opts, on_error=on_error, group=group, coord=coord)
-        coord.remote, coord.extra_slots = up, 2
+    if ctx.coord is not None:
+        up = GroupUploader(opts, on_error=ctx.on_error, group=ctx.group, coord=ctx.coord)
+        ctx.coord.attach_remote(up)
         return up
-    return RemoteUploader(opts, on_error=on_error)
+    return RemoteUploader(opts, on_error=ctx.on_error)

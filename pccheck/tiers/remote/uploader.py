@@ -1,10 +1,11 @@
 """The background uploader: every ``remote_every``-th local commit, uploaded and committed remotely.
 
-Call protocol (the Checkpointer follows it)::
+It is a :class:`pccheck.tiers.base.Tier` after the disk (its call order; ``build_remote_tier``
+builds it)::
 
     up = RemoteUploader(options.remote, on_error=...)   # probes the store (RemoteConfigError)
     Orchestrator(..., retention=up.retention, on_commit=...)
-    up.attach(orchestrator)
+    up.start(orchestrator, epoch)
     up.on_commit(info)      # on the commit thread, after each local commit; only enqueues
     up.wait(timeout)        # True once every checkpoint queued so far is committed remotely
     up.close(timeout)       # waits (up to timeout), then stops; before the orchestrator closes
@@ -106,6 +107,9 @@ class RemoteProgress:
 class RemoteUploader:
     """Uploads committed local checkpoints to ``options.remote`` (a RemoteOptions)."""
 
+    name = "remote"
+    after_disk = True  # fed by the disk's durable commits
+
     def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], rank: int = 0) -> None:
         self.options = options
         self.store = ObjectStore(options.remote, connections=options.remote_concurrency + 4)
@@ -141,8 +145,21 @@ class RemoteUploader:
     def _take_generation(self) -> int:
         return next_generation(self.store)
 
-    def attach(self, orch: Any) -> None:
-        self._orch = orch
+    def start(self, disk: Any, epoch: int | None) -> None:
+        """Uploads from the slots of ``disk`` (the orchestrator whose commits it is given)."""
+        self._orch = disk
+
+    def prepare(self, layout: Any, metadata: Any, tree: Any) -> None:
+        """Nothing to size: the part buffers are made (and faulted in) by the upload thread."""
+
+    def on_step(self, step: int, snapshot: Any, metadata: Any, soft_cow: bool) -> None:
+        """Nothing: the remote tier takes the disk's durable commits (on_commit), not steps."""
+
+    def ensure_copied(self) -> None:
+        """Nothing: uploads read the disk's committed slots, never live tensors."""
+
+    def newest(self) -> dict[str, Any]:
+        return {"remote": self.progress.step}
 
     # -- the commit thread's side ------------------------------------------------------------------
 

@@ -1,0 +1,218 @@
+"""The disk store and the tiers around it, for one process's state: built in one place, fed in
+one order, torn down in one place.
+
+:class:`TierStack` owns the disk tier (the :class:`~pccheck.orchestrator.Orchestrator` over
+``path``, or ``path/rank-<r>`` in a group, with its :class:`~pccheck.group.GroupCoordinator`) and
+the configured tiers of :mod:`pccheck.tiers.base` (history, remote, memory; an unconfigured one is
+not in the list). Build order, each step collective in a group where it says so::
+
+    history  → coordinator → remote (probes the object store) → memory (collective: room on
+    every rank, replica links) → disk (the coordinator's prepare is collective; the store opens
+    now unless the state may still grow) → every tier's start(disk, epoch) → prepare
+
+Invariant (teardown): one ExitStack holds every close, pushed in the order that makes it unwind
+as memory (its checkpoints in flight, the newest replicated) → the disk's commits in flight (they
+queue the last uploads and copies) → remote (up to ``remote_timeout``) → the disk store → the
+coordinator → the history's copies. The same stack unwinds a construction that fails half way
+(remote timeout 0 then), so nothing built is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from ..group.distributed import GroupCoordinator
+from ..orchestrator.args import StartArgs
+from ..orchestrator.copy_engine import CopyEngine
+from ..orchestrator.engine_choice import select_copy_engine
+from ..orchestrator.options import EngineOptions
+from ..orchestrator.orchestrator import CommitInfo, Orchestrator
+from ..orchestrator.stats import StatsReport
+from ..persist.files import rank_dir
+from ..persist.layout import Layout
+from .base import Tier, TierContext
+from .memory.shm_store import build_memory_tier
+from .remote.group import build_remote_tier
+
+__all__ = ["TierStack"]
+
+log = logging.getLogger("pccheck")
+
+
+class TierStack:
+    """Builds and runs the disk tier and the configured tiers of one process (see the module
+    docstring). ``writes=False`` (a data-parallel replica whose rank 0 writes): no disk, no tier.
+
+    Args:
+        ctx: what the tiers are built from, without ``coord`` (the stack makes the coordinator).
+        engine: the disk tier's resolved engine options.
+        layout, snap: the state's first snapshot (its layout, arrays and tree).
+        prepared: open the disk store and make its pool now (else :meth:`prepare`, once the
+            state is final).
+        on_finished: called with each finished disk checkpoint's stats (the online tuner).
+        copy_engine, device_reserve: the snapshot options of the disk tier.
+    """
+
+    def __init__(self, ctx: TierContext, engine: EngineOptions, layout: Layout, snap: Any, *, writes: bool,
+                 prepared: bool, on_finished: Callable[[Any], None] | None = None,
+                 copy_engine: CopyEngine | None = None, device_reserve: Any = None) -> None:
+        group, opts = ctx.group, ctx.options
+        self.disk: Orchestrator | None = None
+        self.coord: GroupCoordinator | None = None
+        self.tiers: list[Tier] = []
+        self._remote_timeout: float | None = 0.0  # until close() says otherwise (a failed construction)
+        stack = contextlib.ExitStack()
+        try:
+            history = None
+            if opts.history.keep_every is not None and writes:
+                from ..ops.history import HistoryKeeper
+
+                history = HistoryKeeper(ctx.path, opts.history.keep_every, opts.history.max_history)
+                stack.callback(history.close)
+            if group is not None and opts.group.replicated is None:
+                self.coord = GroupCoordinator(ctx.path, group)
+                stack.callback(self.coord.close)
+            self.ctx = ctx = TierContext(ctx.path, opts, ctx.source, ctx.metadata, group, self.coord, ctx.on_error)
+            stack.callback(self._close_disk)
+            remote = build_remote_tier(ctx, writes)
+            if remote is not None:
+                stack.callback(lambda: remote.close(self._remote_timeout))
+            stack.callback(self._drain_disk)  # the disk's last commits queue their uploads and copies
+            memory = build_memory_tier(ctx, engine, layout, snap)
+            if memory is not None:
+                stack.callback(memory.close)
+                if self.coord is not None:  # the disk tier's epoch is newer than any in memory
+                    self.coord.seen_epoch = max(self.coord.seen_epoch, memory.seen_epoch)
+            self.tiers = [t for t in (history, remote, memory) if t is not None]
+            if writes:
+                self.disk = self._open_disk(engine, layout, snap, prepared, on_finished, copy_engine, device_reserve,
+                                            remote)
+                for tier in self.tiers:
+                    tier.start(self.disk, self.epoch)
+                    if prepared:
+                        tier.prepare(layout, ctx.metadata, snap.tree)
+        except BaseException:
+            stack.close()
+            raise
+        self._teardown = stack
+
+    def _open_disk(self, engine: EngineOptions, layout: Layout, snap: Any, prepared: bool,
+                   on_finished: Callable[[Any], None] | None, copy_engine: CopyEngine | None, device_reserve: Any,
+                   remote: Any) -> Orchestrator:
+        """The orchestrator over this process's store (``path``, or ``path/rank-<r>`` in a group),
+        its store opened now when ``prepared``."""
+        ctx, group = self.ctx, self.ctx.group
+        store_dir, world_size, rank = ctx.path, 1, 0
+        if self.coord is not None:
+            store_dir, world_size, rank = rank_dir(ctx.path, group.rank), group.world_size, group.rank
+            self.coord.prepare(store_dir)  # collective: every rank constructs together
+        retention = self.coord if self.coord is not None else remote.retention if remote is not None else None
+        self.disk = orch = Orchestrator(
+            store_dir, layout, engine, copy_engine=copy_engine or select_copy_engine(snap.arrays),
+            on_error=ctx.on_error, retention=retention, world_size=world_size, rank=rank, on_commit=self._on_commit,
+            on_finished=on_finished, device_reserve=device_reserve, pool=prepared)
+        if prepared:
+            orch.open_store(orch.slot_bytes(layout, ctx.metadata, snap.tree, self.epoch))
+        # else: the store and the chunk pool are sized once the state is final (prepare), instead
+        # of a generation and a pool replaced at the first checkpoint.
+        if self.coord is not None:
+            self.coord.start(orch)
+        return orch
+
+    @property
+    def epoch(self) -> int | None:
+        """The job incarnation recorded in each manifest (a group), else None."""
+        return self.coord.epoch if self.coord is not None else None
+
+    def tier(self, name: str) -> Any:
+        """The configured tier of that name, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    # -- the steps ---------------------------------------------------------------------------------
+
+    def on_step(self, step: int, snapshot: Callable[[], Any], metadata: Mapping[str, Any], soft_cow: bool) -> None:
+        """Every maybe_checkpoint call, before the disk's own checkpoint: the tiers beside the
+        disk take theirs on their own schedule."""
+        for tier in self.tiers:
+            if not tier.after_disk:
+                tier.on_step(step, snapshot, metadata, soft_cow)
+
+    def _on_commit(self, info: CommitInfo) -> None:
+        """A disk checkpoint became the durable latest (a commit thread)."""
+        if self.coord is not None:
+            self.coord.on_commit(info.step, info.slot)
+        for tier in self.tiers:
+            if tier.after_disk:
+                tier.on_commit(info)  # only enqueues: the copies run on the tiers' own threads
+
+    def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any], args: StartArgs) -> bool:
+        """The disk checkpoint of ``step`` (the orchestrator's start)."""
+        assert self.disk is not None
+        return self.disk.start(step, arrays, metadata, args)
+
+    def prepare(self, layout: Layout, metadata: Mapping[str, Any], tree: Any) -> float:
+        """Opens the stores and makes the pools for the state as it is now; returns the disk's
+        time. Raises the StorageError of a store that cannot be opened."""
+        assert self.disk is not None
+        took = self.disk.prepare(layout, metadata, tree, self.epoch)
+        for tier in self.tiers:
+            tier.prepare(layout, metadata, tree)
+        return took
+
+    def ensure_copied(self) -> None:
+        """Soft copy-on-write: returns once no checkpoint of any tier still reads live tensors."""
+        if self.disk is not None:
+            self.disk.ensure_copied()
+        for tier in self.tiers:
+            tier.ensure_copied()
+
+    def wait(self, tiers: tuple[str, ...] = (), timeout: float | None = None) -> bool:
+        """Blocks until every checkpoint in flight beside the disk and on it has committed; then,
+        for the tiers after the disk named in ``tiers``, until they hold everything taken so far
+        (up to ``timeout`` s; False on timeout)."""
+        for tier in self.tiers:
+            if not tier.after_disk:
+                tier.wait()
+        if self.disk is not None:
+            self.disk.wait()
+        return all([tier.wait(timeout) for tier in self.tiers if tier.after_disk and tier.name in tiers])
+
+    def finished(self) -> Sequence[Any]:
+        """The disk's finished checkpoints' stats, oldest first (the live sequence: no copy)."""
+        return self.disk.stats if self.disk is not None else ()
+
+    def newest(self) -> dict[str, Any]:
+        """The newest step per tier (``stats().tiers``)."""
+        out: dict[str, Any] = {"disk": self.disk.last_durable_step if self.disk is not None else None}
+        for tier in self.tiers:
+            out.update(tier.newest())
+        return out
+
+    def report(self) -> StatsReport:
+        """``Checkpointer.stats()``: the disk's checkpoints, and the newest step of every tier."""
+        o = self.disk
+        if o is None:
+            return StatsReport((), 0, None, None)
+        remote = self.tier("remote")
+        return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time,
+                           remote=remote.progress.as_dict() if remote is not None else None, tiers=self.newest())
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    def close(self, remote_timeout: float | None) -> None:
+        """Every close, in the module docstring's order; ``remote_timeout``: how long the remote
+        tier may still wait for the newest checkpoint. Idempotent."""
+        self._remote_timeout = remote_timeout
+        self._teardown.close()
+
+    def _drain_disk(self) -> None:
+        if self.disk is not None:
+            self.disk.wait()
+
+    def _close_disk(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
