@@ -14,7 +14,7 @@ import logging as _logging
 
 from .errors import (ConfigError, CorruptCheckpointError, CriuError, DeviceIOError, NativeExtensionError,
                      NoCheckpointError, NoSpaceError, PathNotWritableError, PCCheckError, RemoteConfigError,
-                     RemoteConflictError, RemoteError, SnapshotError, StoppedError,
+                     RemoteConflictError, RemoteError, ReplicationError, SnapshotError, StoppedError,
                      StorageError, StoreLockedError, UnsupportedDtypeError)
 from .checkpointer import Checkpointer  # loads the native core: fails early, with build instructions
 from .options import EngineOptions, GroupOptions, HistoryOptions, MemoryOptions, Options, RemoteOptions, SnapshotOptions
@@ -31,7 +31,7 @@ __all__ = [
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "RemoteError",
-    "RemoteConfigError", "RemoteConflictError", "StoppedError", "__version__",
+    "RemoteConfigError", "RemoteConflictError", "ReplicationError", "StoppedError", "__version__",
 ]
 
 _logging.getLogger("pccheck").addHandler(_logging.NullHandler())

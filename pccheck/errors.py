@@ -30,6 +30,7 @@ __all__ = [
     "RemoteConfigError",
     "RemoteConflictError",
     "StoppedError",
+    "ReplicationError",
     "ErrorSink",
     "storage_error_from_oserror",
 ]
@@ -102,6 +103,12 @@ class RemoteConfigError(RemoteError, ConfigError):
 class RemoteConflictError(RemoteError):
     """Another writer committed this step (or a newer generation) under the same prefix first
     (a 404, 409 or 412 on a conditional write: FORMAT.md §12). This job's upload is abandoned."""
+
+
+class ReplicationError(PCCheckError, ConnectionError):
+    """A memory-tier replica could not be sent or received (a peer died, a timeout, damaged
+    bytes). The own memory checkpoints and the disk tier are not affected; a restore falls back
+    to another replica or to the disk."""
 
 
 class StoppedError(PCCheckError, RuntimeError):

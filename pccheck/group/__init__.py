@@ -4,6 +4,8 @@
   global-commit protocol over the process group's key-value store and the store's retention policy;
   ``GLOBAL`` (the newest globally committed step); :func:`agree_and_load` (the ranks agree on the
   newest step all of them hold valid); :func:`detect_group` (pccheck's gloo group, made once).
+- ``keys.py``: :func:`wait_key`, the one way a background thread waits for a key of the job's
+  key-value store until it is stopped.
 
 Invariants owned here: a step is global only once every rank committed it durably; a rank never
 frees the slot of the newest global step it knows nor any newer one; ``GLOBAL`` is written durably

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import shutdown
+from .keys import wait_key
 from ..errors import CorruptCheckpointError, NoCheckpointError
 from ..orchestrator.retention import HeldSlots, Retention
 from ..persist.files import GLOBAL, rank_dir, write_durably
@@ -282,14 +283,7 @@ class GroupCoordinator(Retention):
     # -- the logs -------------------------------------------------------------------------------
 
     def _wait_key(self, key: str) -> str | None:
-        st = self.group.store
-        while not self._stop.is_set():
-            try:
-                st.wait([key], _POLL)
-                return st.get(key).decode()
-            except Exception:  # timeout (the store raises on it), or a store that went away
-                self._stop.wait(0.01)
-        return None
+        return wait_key(self.group.store, key, self._stop.is_set, slice_s=_POLL.total_seconds())
 
     def _follow_completions(self) -> None:
         """Rank 0: records every newly completed step as the global step, durably, then logs it."""

@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import ConfigError, PCCheckError
 from ..orchestrator.args import StartArgs
 from ..orchestrator.options import EngineOptions
-from ..orchestrator.orchestrator import Orchestrator
+from ..tiers.stack import TierStack
 from ..orchestrator.stats import CheckpointStats
 from ..persist.files import default_path
 from ..state.torch_state import Flattener, rebuild, tensor_from
@@ -77,7 +77,7 @@ class AccelerateHooks:
                               "pccheck.EngineOptions") from None
         self.accelerator = accelerator
         self.path = Path(path) if path is not None else default_path()
-        self._orch: Orchestrator | None = None
+        self._orch: TierStack | None = None
         self._past_stats: list[CheckpointStats] = []
         self._errors: list[PCCheckError] = []
         self._reported = 0
@@ -177,7 +177,7 @@ class AccelerateHooks:
             orch, self._orch = self._orch, None
         if orch is not None:
             orch.close()
-            self._past_stats = list(orch.stats)
+            self._past_stats = list(orch.finished())
         self._names.flush()
         self._raise_pending()
 
@@ -193,14 +193,14 @@ class AccelerateHooks:
     def stats(self) -> list[CheckpointStats]:
         """Per checkpoint since the store was opened: the copy, the persist and the outcome."""
         with self._lock:
-            return list(self._orch.stats) if self._orch is not None else list(self._past_stats)
+            return list(self._orch.finished()) if self._orch is not None else list(self._past_stats)
 
     @property
     def errors(self) -> list[PCCheckError]:
         """Checkpoints that failed in the background; the last committed one survived each."""
         return list(self._errors)
 
-    def _orchestrator(self, arrays: dict[str, Any]) -> Orchestrator:
+    def _orchestrator(self, arrays: dict[str, Any]) -> TierStack:
         if self._orch is None:
             self._orch = open_store(self.path, self.engine, arrays, self._errors.append)
         return self._orch

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from ..errors import ConfigError, NoCheckpointError, PCCheckError
 from ..orchestrator.args import StartArgs
 from ..orchestrator.options import EngineOptions
-from ..orchestrator.orchestrator import Orchestrator
+from ..tiers.stack import TierStack
 from ..orchestrator.stats import CheckpointStats
 from ..persist.recovery import load_newest
 from ..state.torch_state import Flattener, load_serialized, rebuild, tensor_from
@@ -117,7 +117,7 @@ class CheckpointIO(_LightningCheckpointIO):
         except TypeError as exc:
             raise ConfigError(f"pccheck.lightning.CheckpointIO: {exc}; the options are those of "
                               "pccheck.EngineOptions") from None
-        self._orch: Orchestrator | None = None
+        self._orch: TierStack | None = None
         self._past_stats: list[CheckpointStats] = []
         self._errors: list[PCCheckError] = []
         self._reported = 0
@@ -197,7 +197,7 @@ class CheckpointIO(_LightningCheckpointIO):
             self._optimizers, self._params = set(), frozenset()  # a later fit has new ones
         if orch is not None:
             orch.close()  # waits for the checkpoints in flight
-            self._past_stats = list(orch.stats)
+            self._past_stats = list(orch.finished())
         self._names.flush()
         for exc in self._errors[self._reported:]:
             log.error("pccheck: a Lightning checkpoint failed in the background (the last committed one stays "
@@ -222,7 +222,7 @@ class CheckpointIO(_LightningCheckpointIO):
         """Per checkpoint since the store was opened (kept after teardown): the stall, the copy,
         the optimizer step's wait for it (``cow_wait_s``), the persist and the outcome."""
         with self._lock:
-            return list(self._orch.stats) if self._orch is not None else list(self._past_stats)
+            return list(self._orch.finished()) if self._orch is not None else list(self._past_stats)
 
     def wait(self) -> None:
         """Waits until every checkpoint handed over is committed (or failed)."""
@@ -230,7 +230,7 @@ class CheckpointIO(_LightningCheckpointIO):
             if self._orch is not None:
                 self._orch.wait()
 
-    def _orchestrator(self, target: Path, arrays: dict[str, Any]) -> Orchestrator:
+    def _orchestrator(self, target: Path, arrays: dict[str, Any]) -> TierStack:
         if self._orch is None:
             if self.path is None:
                 self.path = target.parent / ".pccheck"

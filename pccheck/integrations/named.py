@@ -29,12 +29,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
-from ..orchestrator.engine_choice import select_copy_engine
+from ..options import Options
 from ..orchestrator.options import EngineOptions
-from ..orchestrator.orchestrator import Orchestrator
 from ..persist.files import fsync_dir
 from ..persist.layout import plan
 from ..persist.recovery import Restored, load_newest, load_slot, read_manifest, scan
+from ..state.torch_state import Snapshot
+from ..tiers.base import TierContext
+from ..tiers.stack import TierStack
 from ..tuner.config import resolve_auto
 
 __all__ = ["open_store", "Pointer", "Pointers", "pointer_bytes", "write_pointer", "stage_durable", "read_pointer",
@@ -48,13 +50,18 @@ _MAX_POINTER = 64 << 10  # a pointer is a few hundred bytes; anything larger is 
 
 
 def open_store(path: Path, engine: EngineOptions, arrays: Mapping[str, Any],
-               on_error: Callable[[PCCheckError], None]) -> Orchestrator:
-    """The orchestrator over the store at ``path`` that a plugin's named checkpoints go to: the
-    engine's "auto" fields take ``pccheck-tune``'s choice stored there, or the defaults."""
+               on_error: Callable[[PCCheckError], None]) -> TierStack:
+    """The tier stack over the store at ``path`` that a plugin's named checkpoints go to (the
+    same place every entry point gets its tiers from): the engine's "auto" fields take
+    ``pccheck-tune``'s choice stored there, or the defaults. The store opens at the first save,
+    sized for its manifest."""
     path.mkdir(parents=True, exist_ok=True)
     tuned = engine.with_values(resolve_auto(path, 1, engine.max_concurrent, engine.writer_threads,
                                             engine.chunk_size))
-    return Orchestrator(path, plan(arrays), tuned, copy_engine=select_copy_engine(arrays), on_error=on_error)
+    options = Options().updated(distributed=False)  # one store at `path`; the plugin names its saves
+    ctx = TierContext(path, options, None, {}, None, None, on_error)
+    return TierStack(ctx, tuned, plan(arrays), Snapshot(arrays, len(arrays), None), writes=True, prepared=True,
+                     open_now=False)
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,17 @@ class TierStack:
         ctx: what the tiers are built from, without ``coord`` (the stack makes the coordinator).
         engine: the disk tier's resolved engine options.
         layout, snap: the state's first snapshot (its layout, arrays and tree).
-        prepared: open the disk store and make its pool now (else :meth:`prepare`, once the
+        prepared: make the disk's pool now, and open its store (else :meth:`prepare`, once the
             state is final).
+        open_now: with ``prepared``, open the store now, sized for ``snap``'s manifest (False:
+            at the first checkpoint, sized for its own manifest: the integrations' named saves).
         on_finished: called with each finished disk checkpoint's stats (the online tuner).
         copy_engine, device_reserve: the snapshot options of the disk tier.
     """
 
     def __init__(self, ctx: TierContext, engine: EngineOptions, layout: Layout, snap: Any, *, writes: bool,
                  prepared: bool, on_finished: Callable[[Any], None] | None = None,
-                 copy_engine: CopyEngine | None = None, device_reserve: Any = None) -> None:
+                 copy_engine: CopyEngine | None = None, device_reserve: Any = None, open_now: bool = True) -> None:
         group, opts = ctx.group, ctx.options
         self.disk: Orchestrator | None = None
         self.coord: GroupCoordinator | None = None
@@ -89,7 +91,7 @@ class TierStack:
             self.tiers = [t for t in (history, remote, memory) if t is not None]
             if writes:
                 self.disk = self._open_disk(engine, layout, snap, prepared, on_finished, copy_engine, device_reserve,
-                                            remote)
+                                            remote, open_now)
                 for tier in self.tiers:
                     tier.start(self.disk, self.epoch)
                     if prepared:
@@ -101,7 +103,7 @@ class TierStack:
 
     def _open_disk(self, engine: EngineOptions, layout: Layout, snap: Any, prepared: bool,
                    on_finished: Callable[[Any], None] | None, copy_engine: CopyEngine | None, device_reserve: Any,
-                   remote: Any) -> Orchestrator:
+                   remote: Any, open_now: bool) -> Orchestrator:
         """The orchestrator over this process's store (``path``, or ``path/rank-<r>`` in a group),
         its store opened now when ``prepared``."""
         ctx, group = self.ctx, self.ctx.group
@@ -114,7 +116,7 @@ class TierStack:
             store_dir, layout, engine, copy_engine=copy_engine or select_copy_engine(snap.arrays),
             on_error=ctx.on_error, retention=retention, world_size=world_size, rank=rank, on_commit=self._on_commit,
             on_finished=on_finished, device_reserve=device_reserve, pool=prepared)
-        if prepared:
+        if prepared and open_now:
             orch.open_store(orch.slot_bytes(layout, ctx.metadata, snap.tree, self.epoch))
         # else: the store and the chunk pool are sized once the state is final (prepare), instead
         # of a generation and a pool replaced at the first checkpoint.
@@ -202,7 +204,7 @@ class TierStack:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def close(self, remote_timeout: float | None) -> None:
+    def close(self, remote_timeout: float | None = None) -> None:
         """Every close, in the module docstring's order; ``remote_timeout``: how long the remote
         tier may still wait for the newest checkpoint. Idempotent."""
         self._remote_timeout = remote_timeout

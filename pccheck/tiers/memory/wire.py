@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import PCCheckError
+from ...errors import PCCheckError, ReplicationError
+from ...group.keys import wait_key
 from ...orchestrator.copy_engine import CpuCopyEngine, Sources, abandon, acquire_chunk_for
 
 __all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
@@ -26,10 +27,6 @@ MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
 WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
 WINDOW = 4                   # chunks in flight per transfer (bench: 16 MiB x 1 ran ~1.5x one 256 MiB send)
 WAIT_SLICE = timedelta(milliseconds=500)  # KeyWaiter: one blocking wait; a thread sees its stop within it
-
-
-class ReplicationError(PCCheckError, ConnectionError):
-    """A replica could not be sent or received (a peer died, a timeout, damaged bytes)."""
 
 
 def gather_json(pg: Any, world: int, obj: Any, timeout_s: float) -> list[Any]:
@@ -100,32 +97,13 @@ class KeyWaiter:
 
     def wait(self, key: str, stop: Any) -> str | None:
         """The value of ``key`` once it is set, or None once ``stop`` (a threading.Event) is set."""
-        if not self._own:
-            return poll_key(self.store, key, stop)
-        import time
-
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.store.wait([key], WAIT_SLICE)
-                return self.store.get(key).decode()
-            except Exception:  # noqa: BLE001 - the slice ran out (the store raises), or the store went away
-                if time.monotonic() - t0 < WAIT_SLICE.total_seconds() / 2:
-                    stop.wait(0.01)  # not a timeout: do not spin on a store that went away
-        return None
+        return wait_key(self.store, key, stop.is_set, blocking=self._own, slice_s=WAIT_SLICE.total_seconds())
 
 
-def poll_key(store: Any, key: str, stop: Any, interval_s: float = 0.01) -> str | None:
-    """The value of ``key`` once it is set (non-blocking checks ``interval_s`` apart, so the
-    connection is never held by a wait), or None once ``stop`` (a threading.Event) is set."""
-    while not stop.is_set():
-        try:
-            if store.check([key]):
-                return store.get(key).decode()
-        except Exception:  # noqa: BLE001 - a store that went away: keep looking until stopped
-            pass
-        stop.wait(interval_s)
-    return None
+def poll_key(store: Any, key: str, stop: Any) -> str | None:
+    """The value of ``key`` once it is set (non-blocking checks, so the connection is never held
+    by a wait), or None once ``stop`` (a threading.Event) is set."""
+    return wait_key(store, key, stop.is_set, blocking=False)
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:

@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from ...errors import CorruptCheckpointError, PCCheckError, RemoteError
+from ...group.keys import wait_key
 from ...persist.recovery import read_store
 from .commit import advance_pointer, commit_step, next_generation
 from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, rank_part_from_json
@@ -176,13 +177,9 @@ class GroupUploader(RemoteUploader):
     def _run(self) -> None:
         _background_priority()
         self._warm_pool()
-        while not self._closing:
-            key = self._ns + f"up/{self._seen + 1}"
-            try:
-                self._kv.wait([key], _POLL)
-            except Exception:  # the store raises on its timeout: look again (or stop)
-                continue
-            step = int(self._kv.get(key).decode())
+        while (announced := wait_key(self._kv, self._ns + f"up/{self._seen + 1}", lambda: self._closing,
+                                     slice_s=_POLL.total_seconds())) is not None:
+            step = int(announced)
             with self._cv:
                 self._seen += 1
                 self._running = SlotRef(self._orch.store.file, 0, 0, step)
