@@ -163,6 +163,11 @@ def _with_aliases(aliases: dict[str, str]) -> Callable[[type], type]:
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kw: Any) -> None:
+            valid = [f.name for f in fields(cls)]
+            unknown = sorted(set(kw) - set(valid) - set(aliases))
+            if unknown:
+                raise ConfigError(f"unknown {cls.__name__} field(s) {', '.join(map(repr, unknown))}; valid: "
+                                  f"{', '.join(valid)} (older spellings: {', '.join(aliases)})")
             for old, new in aliases.items():
                 if old in kw:
                     if new in kw:

@@ -65,9 +65,46 @@ def test_roundtrip_stats_and_fallback_to_remote(s3_url, tmp_path):
     _assert_step(r, 3)
 
 
+def test_remote_every_selects_steps_not_commits(s3_url, tmp_path):
+    """every=4 with disk checkpoints at steps 2, 4, ..., 12: the steps divisible by 4 are uploaded
+    (each waited for, so none is superseded), not every 4th durable checkpoint (step 8 alone)."""
+    state = _arrays(0)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=pccheck.RemoteOptions(url=s3_url, every=4)) as ck:
+        for s in range(2, 13, 2):
+            _fill(state, s)
+            ck.checkpoint(s)
+            assert ck.wait(remote=True, timeout=60)
+        assert ck.stats().remote["remote_uploads"] == 3
+    assert sorted(s for _, s in committed(ObjectStore(s3_url))) == [4, 8, 12]
+
+
+def test_older_remote_keywords_are_aliases():
+    """The 0.1.0 remote keywords still build the same RemoteOptions; remote_every warns (it
+    counted durable checkpoints, `every` selects steps), unless 1 (each one in both meanings)."""
+    import warnings
+
+    url = "s3://bucket/prefix"
+    want = pccheck.RemoteOptions(url=url, keep_last=2, keep_every=3, part_size=16 * MiB, concurrency=2,
+                                 close_timeout=5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts = pccheck.Options().updated(remote=url, remote_every=1, remote_keep_last=2, remote_keep_every=3,
+                                         remote_part_size=16 * MiB, remote_concurrency=2, remote_close_timeout=5.0)
+        assert opts.remote == want
+        assert pccheck.RemoteOptions(remote=url, remote_keep_last=2, remote_keep_every=3, remote_part_size=16 * MiB,
+                                     remote_concurrency=2, remote_close_timeout=5.0) == want
+        assert (opts.remote.remote, opts.remote.remote_keep_last, opts.remote.remote_part_size) == (url, 2, 16 * MiB)
+    with pytest.warns(DeprecationWarning, match=r"step % 2 == 0.*RemoteOptions"):
+        assert pccheck.Options().updated(remote=url, remote_every=2).remote.every == 2
+    with pytest.warns(DeprecationWarning, match="counted durable checkpoints"):
+        assert pccheck.RemoteOptions(remote=url, remote_every=2).every == 2
+    with pytest.raises(pccheck.ConfigError, match="remote.every"):
+        pccheck.Options().updated(remote=pccheck.RemoteOptions(url=url, every=0))
+
+
 def test_remote_every_and_close_waits(s3_url, tmp_path):
     state = _arrays(0)
-    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_every=2) as ck:
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=pccheck.RemoteOptions(url=s3_url, every=2)) as ck:
         for s in range(1, 6):
             _fill(state, s)
             ck.checkpoint(s)
@@ -326,7 +363,8 @@ def test_remote_retention_keeps_last_and_every_and_collects_orphans(s3_url, tmp_
     store.put("data/g00000000/s9-dead/rank-0.bin", b"x")
     stale = store.start_multipart("data/g00000000/s9-beef/rank-0.bin")
     state = _arrays(0)
-    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_keep_last=2, remote_keep_every=3) as ck:
+    remote = pccheck.RemoteOptions(url=s3_url, keep_last=2, keep_every=3)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=remote) as ck:
         for s in range(1, 8):
             _fill(state, s)
             ck.checkpoint(s)
