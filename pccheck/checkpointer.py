@@ -191,7 +191,7 @@ class Checkpointer(Preparation):
         self._tuner: OnlineTuner | None = None
         if interval == AUTO:
             if group is not None:
-                log.info("pccheck: interval=\"auto\" in a group of %d ranks: the tuned interval %d is used "
+                log.info("pccheck: disk.every=\"auto\" in a group of %d ranks: the tuned interval %d is used "
                          "without online adaptation (every rank must checkpoint the same steps)",
                          group.world_size, interval_now)
             else:
@@ -204,7 +204,7 @@ class Checkpointer(Preparation):
 
     @property
     def interval(self) -> int:
-        """Steps between the checkpoints :meth:`maybe_checkpoint` takes; with ``interval="auto"``
+        """Steps between the checkpoints :meth:`maybe_checkpoint` takes; with ``disk.every="auto"``
         (one process) the online tuner's current choice. Setting it changes the interval from the
         next call on (the online tuner overrides it at its next call)."""
         return self._policy.interval
@@ -255,7 +255,7 @@ class Checkpointer(Preparation):
 
     def maybe_checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
         """Checkpoints if ``step % interval == 0``; returns whether it did. With
-        ``interval="auto"``, call it once per training iteration: the call times the iteration,
+        ``disk.every="auto"``, call it once per training iteration: the call times the iteration,
         and a checkpoint is due once ``interval`` steps have passed since the previous one (the
         first when ``step % interval == 0``).
 
@@ -419,7 +419,7 @@ class Checkpointer(Preparation):
 
     @property
     def interval_changes(self) -> list[IntervalChange]:
-        """Every change the online tuner made to the interval (``interval="auto"``), oldest first."""
+        """Every change the online tuner made to the interval (``disk.every="auto"``), oldest first."""
         return list(self._tuner.changes) if self._tuner is not None else []
 
     @property
