@@ -29,7 +29,7 @@ from .options import Options
 from .orchestrator.args import StartArgs
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.engine_choice import select_copy_engine
-from .orchestrator.options import AUTO, EngineOptions, check_int_or_auto
+from .orchestrator.options import AUTO, EngineOptions
 from .orchestrator.orchestrator import CommitInfo, Orchestrator
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path, rank_dir
@@ -84,35 +84,29 @@ class Checkpointer(Preparation):
         extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (LR scheduler,
             GradScaler, a sampler) or a plain JSON-able value.
         metadata: JSON-serialisable dict stored with every checkpoint.
-        interval: ``maybe_checkpoint(step)`` checkpoints when ``step % interval == 0``. "auto":
-            start from the interval in ``PATH/pccheck-tune.json`` (``pccheck-tune --write-config``;
-            10 without one) and adapt it online: each ``maybe_checkpoint`` call marks the end of
-            one iteration, the measured iteration time t and write time T_w re-derive the interval
-            (eq. (3) under the tuned overhead bound q) when they drift by more than 20%, every
-            change is logged and kept in :attr:`interval_changes`, and a checkpoint is taken once
-            ``interval`` steps have passed since the previous one. In a torch.distributed group the
-            tuned interval is used as is (the ranks must checkpoint the same steps).
-        options: a :class:`pccheck.Options` (engine, snapshot, history and group settings).
+        options: a :class:`pccheck.Options`: the engine, snapshot and group settings and the
+            three storage tiers, ``disk`` (when ``maybe_checkpoint`` checkpoints: every
+            ``disk.every`` steps, "auto": tuned online), ``memory`` and ``remote``.
         on_error: what happens when a background checkpoint fails: "raise" (default: the next
             ``maybe_checkpoint``/``checkpoint``/``wait``/``close`` raises it), "log" (logged,
             training goes on), or a callable given the exception (called on the writer thread).
             In every case the last committed checkpoint stays loadable.
-        **settings: any field of the option groups by its own name, overriding ``options``:
-            engine ``max_concurrent``, ``writer_threads``, ``chunk_size`` (each an int or "auto":
-            the tuned value, else 2, 2, 64 MiB), ``dram_budget``, ``storage``, ``when_busy``;
-            snapshot ``soft_cow``, ``capture_rng``, ``eager``, ``device_reserve``,
-            ``copy_engine``; history ``keep_every``, ``max_history``; group ``distributed``,
-            ``replicated``; remote ``remote`` (``"s3://bucket/prefix"``: the object-storage
-            tier), ``remote_every``, ``remote_part_size``, ``remote_concurrency``,
-            ``remote_close_timeout``, ``remote_keep_last``, ``remote_keep_every`` (see
-            :class:`pccheck.EngineOptions`, :class:`pccheck.SnapshotOptions`,
-            :class:`pccheck.HistoryOptions`, :class:`pccheck.GroupOptions`,
-            :class:`pccheck.RemoteOptions`). An unknown name raises ConfigError.
+        **settings: overrides of ``options``: the tiers as ``disk=pccheck.DiskOptions(...)``,
+            ``memory=pccheck.MemoryOptions(...)``, ``remote=pccheck.RemoteOptions(...)`` (or
+            ``remote="s3://bucket/prefix"``), and any field of the engine, snapshot and group
+            options by its own name: engine ``max_concurrent``, ``writer_threads``,
+            ``chunk_size`` (each an int or "auto": the tuned value, else 2, 2, 64 MiB),
+            ``dram_budget``, ``storage``, ``when_busy``; snapshot ``soft_cow``, ``capture_rng``,
+            ``eager``, ``device_reserve``, ``copy_engine``, ``spread_steps``; group
+            ``distributed``, ``replicated`` (see :class:`pccheck.Options`). The tier keywords of
+            pccheck 0.1.0 (``interval``, ``keep_every``, ``max_history``, ``memory_interval``,
+            ``remote_every``, ...) are accepted too (``pccheck.options.LEGACY_KEYWORDS``). An
+            unknown name raises ConfigError.
     """
 
     def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
                  extra_state: Mapping[str, Any] | None = None, metadata: Mapping[str, Any] | None = None,
-                 interval: int | str = 10, options: Options | None = None, on_error: OnError = "raise",
+                 options: Options | None = None, on_error: OnError = "raise",
                  **settings: Any) -> None:
         if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
             if path is not None:
@@ -121,7 +115,6 @@ class Checkpointer(Preparation):
         if options is not None and not isinstance(options, Options):
             raise ConfigError(f"options must be a pccheck.Options, got {type(options).__name__}")
         self.options: Options = (options or Options()).updated(**settings)
-        check_int_or_auto("interval", interval)
         if not (on_error in ("raise", "log") or callable(on_error)):
             raise ConfigError("on_error must be 'raise', 'log' or a callable taking the exception")
         self._source, self.soft_cow = _make_source(state, optimizer, extra_state, self.options)
@@ -146,7 +139,7 @@ class Checkpointer(Preparation):
         layout = plan(snap.arrays)
         self._initial_bytes = layout.data_len
         group = detect_group() if self.options.group.distributed else None
-        engine = self._tune(interval, group, layout)
+        engine = self._tune(self.options.disk.every, group, layout)
         # GoCkpt mode: the captured gradients come out of dram_budget, the chunk pool gets the rest.
         pool_budget, grad_budget = budget_split(self.options.snapshot.spread_steps, optimizer, engine.dram_budget)
         engine = replace(engine, dram_budget=pool_budget)
@@ -157,11 +150,13 @@ class Checkpointer(Preparation):
         if group is not None and self.options.group.replicated is None:
             self._coord = GroupCoordinator(self.path, group)
         self._history = None
-        hist = self.options.history
-        if hist.keep_every is not None and self._writes:
+        disk = self.options.disk
+        if disk.keeps_copies and self._writes:
             from .ops.history import HistoryKeeper
 
-            self._history = HistoryKeeper(self.path, hist.keep_every, hist.max_history)
+            legacy = disk.legacy_history  # pccheck 0.1.0's keep_every/max_history: counted in commits
+            self._history = HistoryKeeper(self.path, keep_last=disk.keep_last, keep_every=disk.keep_every,
+                                          legacy=(legacy.keep_every, legacy.max_history) if legacy else None)
         # The remote tier (pccheck.tiers.remote): probes the object store (RemoteConfigError).
         self._remote = build_remote_tier(self.options.remote, self._writes, self._coord, group, self._background_error)
         # The memory tier (pccheck.tiers.memory): collective in a group, before the disk tier's.
@@ -202,7 +197,7 @@ class Checkpointer(Preparation):
         self._tuner: OnlineTuner | None = None
         if interval == AUTO:
             if group is not None:
-                log.info("pccheck: interval=\"auto\" in a group of %d ranks: the tuned interval %d is used "
+                log.info("pccheck: disk.every=\"auto\" in a group of %d ranks: the tuned interval %d is used "
                          "without online adaptation (every rank must checkpoint the same steps)",
                          group.world_size, interval_now)
             else:
@@ -215,7 +210,7 @@ class Checkpointer(Preparation):
 
     @property
     def interval(self) -> int:
-        """Steps between the checkpoints :meth:`maybe_checkpoint` takes; with ``interval="auto"``
+        """Steps between the checkpoints :meth:`maybe_checkpoint` takes; with ``disk.every="auto"``
         (one process) the online tuner's current choice. Setting it changes the interval from the
         next call on (the online tuner overrides it at its next call)."""
         return self._policy.interval
@@ -266,7 +261,7 @@ class Checkpointer(Preparation):
 
     def maybe_checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
         """Checkpoints if ``step % interval == 0``; returns whether it did. With
-        ``interval="auto"``, call it once per training iteration: the call times the iteration,
+        ``disk.every="auto"``, call it once per training iteration: the call times the iteration,
         and a checkpoint is due once ``interval`` steps have passed since the previous one (the
         first when ``step % interval == 0``).
 
@@ -430,7 +425,7 @@ class Checkpointer(Preparation):
 
     @property
     def interval_changes(self) -> list[IntervalChange]:
-        """Every change the online tuner made to the interval (``interval="auto"``), oldest first."""
+        """Every change the online tuner made to the interval (``disk.every="auto"``), oldest first."""
         return list(self._tuner.changes) if self._tuner is not None else []
 
     @property
@@ -469,9 +464,9 @@ class Checkpointer(Preparation):
     def close(self, remote_timeout: float | None | str = "default") -> None:
         """Waits for checkpoints in flight, stops the writers and releases the store lock. With a
         remote tier it first waits for the newest checkpoint to be committed remotely, up to
-        ``remote_timeout`` s (default: the ``remote_close_timeout`` option; None: no limit)."""
+        ``remote_timeout`` s (default: the ``remote.close_timeout`` option; None: no limit)."""
         self._forget_exit()
-        self._remote_timeout = self.options.remote.remote_close_timeout if remote_timeout == "default" \
+        self._remote_timeout = self.options.remote.close_timeout if remote_timeout == "default" \
             else remote_timeout
         try:
             if self._spread is not None:
