@@ -12,6 +12,10 @@ Folder map:
                      background and committed on the store crash-safely (docs/FORMAT.md §12);
                      ``remote="s3://bucket/prefix"`` on a Checkpointer, ``load_latest("s3://...")``
       keep.py        the one retention rule of every tier (``keep_last``, ``keep_every``)
+      base.py        the Tier protocol (one life, its call order numbered) and TierContext, the
+                     frozen context every tier is built from
+      stack.py       TierStack: the disk store and the configured tiers of one process, built,
+                     fed and torn down (one ExitStack) in one place
 
 Each tier writes or mirrors the FORMAT.md store layout and checks every byte it reads. The remote
 tier reads only committed local slots (never training memory) and holds them from reuse through
