@@ -102,6 +102,48 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     - lazy= with sharded (DTensor) state: not supported yet;
     - lazy= in a group from a local store: only from the remote tier.
     """
+    req, tiers = _plan(path, model, optimizer, extra_state, map_location, zero_copy, verify, distributed, lazy,
+                       remote, memory_dir)
+    failure: Exception | None = None
+    for n, (tier, where) in enumerate(tiers):
+        try:
+            return _LOADERS[tier](where, req)
+        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+            if n + 1 == len(tiers):
+                raise
+            failure = exc
+            log.warning("pccheck: no valid checkpoint in the %s tier (%s); trying the %s tier", tier, exc,
+                        tiers[n + 1][0])
+    raise NoCheckpointError(f"no tier to load from ({failure})")  # unreachable: every path has a tier
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """What load_latest was asked for, checked against REFUSED."""
+
+    model: Any
+    optimizer: Any
+    extra_state: Mapping[str, Any] | None
+    map_location: Any
+    zero_copy: bool
+    verify: bool
+    lazy: bool
+    sharded: bool
+    group: Group | None
+    directory: Path | None  # the disk store (None: the path is s3://)
+
+    def state(self) -> TorchState | None:
+        return TorchState(self.model, self.optimizer, self.extra_state) if self.model is not None else None
+
+    def loaded(self, r: Restored) -> Restored:
+        return _as_loaded(r, self.model, self.optimizer, self.extra_state, self.map_location)
+
+
+def _plan(path: Any, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None, map_location: Any,
+          zero_copy: bool, verify: bool, distributed: bool, lazy: bool, remote: str | None,
+          memory_dir: Any) -> tuple[_Request, list[tuple[str, Any]]]:
+    """load_latest's request, checked against REFUSED (before anything is read), and its tiers,
+    nearest first."""
     if (optimizer is not None or extra_state) and model is None:
         raise _refuse("optimizer= or extra_state= without model=")
     use_memory = memory_dir is not None and memory_dir is not False
@@ -136,40 +178,8 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
         tiers.append(("disk", directory))
     if on_remote or remote is not None:
         tiers.append(("remote", str(path if on_remote else remote)))
-    req = _Request(model, optimizer, extra_state, map_location, zero_copy, verify, lazy, sharded, group, directory)
-    failure: Exception | None = None
-    for n, (tier, where) in enumerate(tiers):
-        try:
-            return _LOADERS[tier](where, req)
-        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
-            if n + 1 == len(tiers):
-                raise
-            failure = exc
-            log.warning("pccheck: no valid checkpoint in the %s tier (%s); trying the %s tier", tier, exc,
-                        tiers[n + 1][0])
-    raise NoCheckpointError(f"no tier to load from ({failure})")  # unreachable: every path has a tier
-
-
-@dataclasses.dataclass(frozen=True)
-class _Request:
-    """What load_latest was asked for, checked against REFUSED."""
-
-    model: Any
-    optimizer: Any
-    extra_state: Mapping[str, Any] | None
-    map_location: Any
-    zero_copy: bool
-    verify: bool
-    lazy: bool
-    sharded: bool
-    group: Group | None
-    directory: Path | None  # the disk store (None: the path is s3://)
-
-    def state(self) -> TorchState | None:
-        return TorchState(self.model, self.optimizer, self.extra_state) if self.model is not None else None
-
-    def loaded(self, r: Restored) -> Restored:
-        return _as_loaded(r, self.model, self.optimizer, self.extra_state, self.map_location)
+    return _Request(model, optimizer, extra_state, map_location, zero_copy, verify, lazy, sharded, group,
+                    directory), tiers
 
 
 def _from_memory(root: Path, req: _Request) -> Restored:
