@@ -114,17 +114,23 @@ class Checkpointer:
         # the tiers by the names the tests and benches look them up by
         self._orch, self._coord = self._stack.disk, self._stack.coord
         self._memory, self._remote, self._history = (self._stack.tier(n) for n in ("memory", "remote", "history"))
-        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) \
-            if self.soft_cow and self._orch is not None else None
-        # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
-        self._spread: SpreadMode | None = None
-        self._snapshots = PlainSnapshots(self._source, self.soft_cow, self._start)
-        if snapshot_opts.spread_steps != 1 and self._orch is not None:
-            self._spread = SpreadMode(snapshot_opts.spread_steps, optimizer, grad_budget, self._orch.copy_engine,
-                                      tuned=self.settings["spread_steps"])
-            self._snapshots = SpreadSnapshots(self._source, self.soft_cow, self._start, self._spread)
-        # its hooks last: the optimizer step's own hooks (copy-on-write, GoCkpt) run before it prepares
-        self._prep = Preparation(self._stack, self._source, optimizer, state, self.metadata, prepared)
+        try:
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) \
+                if self.soft_cow and self._orch is not None else None
+            # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
+            self._spread: SpreadMode | None = None
+            self._snapshots = PlainSnapshots(self._source, self.soft_cow, self._start)
+            if snapshot_opts.spread_steps != 1 and self._orch is not None:
+                self._spread = SpreadMode(snapshot_opts.spread_steps, optimizer, grad_budget,
+                                          self._orch.copy_engine, tuned=self.settings["spread_steps"])
+                self._snapshots = SpreadSnapshots(self._source, self.soft_cow, self._start, self._spread)
+            # its hooks last: the optimizer step's own hooks (copy-on-write, GoCkpt) run before it prepares
+            self._prep = Preparation(self._stack, self._source, optimizer, state, self.metadata, prepared)
+        except BaseException:
+            if getattr(self, "_hook", None) is not None:
+                self._hook.remove()
+            self._stack.close(0)  # nothing built is left running
+            raise
         # Left open at interpreter exit: closed then as close() closes it (checkpoints in flight
         # commit, the remote tier gets remote.close_timeout), before its threads could be cut off.
         self._forget_exit = shutdown.on_exit(self.close)
