@@ -6,6 +6,8 @@
   step after a SIGKILL, per system.
 - ``soak.py``: memory, file descriptors and threads over a long run.
 - ``integrations.py``: Lightning and Hugging Face Trainer runs that checkpoint through pccheck.
+- ``ab.py``: the same benches (persist, the emulated loop) against the library before and after a
+  change, interleaved round by round: the no-regression check of a refactor.
 
 Invariants: cells of one run are interleaved and wait for a quiet machine (``--quiet-wait``); the
 JSON records each window's foreign CPU use, so a disturbed cell is visible.
