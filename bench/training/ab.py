@@ -55,6 +55,12 @@ def _one(tree: Path, cell: str, work: Path) -> dict[str, float]:
     return {name: float(get(doc)) for name, get in figures.items()}
 
 
+def _commit(tree: Path) -> str | None:
+    """The commit a source tree is checked out at (its uncommitted changes are not named)."""
+    p = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return p.stdout.strip() or None if p.returncode == 0 else None
+
+
 def _verdict(before: list[float], after: list[float]) -> str:
     mb, ma = statistics.median(before), statistics.median(after)
     within = min(before) <= ma <= max(before) and min(after) <= mb <= max(after)
@@ -78,7 +84,8 @@ def run(before: Path, after: Path, rounds: int, cells: list[str]) -> dict[str, A
                for name, r in runs.items()}
     host = host_info(BENCH_DIR)
     return {"benchmark": "bench.ab", "machine": machine_label(host), "host": host, "date": host["date"],
-            "before": str(before), "after": str(after), "rounds": rounds, "cells": cells,
+            "before": str(before), "after": str(after), "before_commit": _commit(before),
+            "after_commit": _commit(after), "rounds": rounds, "cells": cells,
             "note": "lower is better for every figure; rounds alternate which side runs first",
             "figures": figures}
 
