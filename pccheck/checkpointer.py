@@ -131,9 +131,9 @@ class Checkpointer:
                 self._hook.remove()
             self._stack.close(0)  # nothing built is left running
             raise
-        # Left open at interpreter exit: closed then as close() closes it (checkpoints in flight
-        # commit, the remote tier gets remote.close_timeout), before its threads could be cut off.
-        self._forget_exit = shutdown.on_exit(self.close)
+        # Left open at interpreter exit: closed then as close() would (before its threads could be
+        # cut off); held strongly until close(): its threads run whether the script keeps it or not.
+        self._forget_exit = shutdown.on_exit(lambda: self.close())
 
     @property
     def interval(self) -> int:
