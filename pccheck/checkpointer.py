@@ -85,7 +85,7 @@ class Checkpointer:
         if options is not None and not isinstance(options, Options):
             raise ConfigError(f"options must be a pccheck.Options, got {type(options).__name__}")
         self.options: Options = (options or Options()).updated(**settings)
-        self._background_error = self._errors = ErrorSink(on_error)
+        self._errors = ErrorSink(on_error)
         snapshot_opts = self.options.snapshot
         self._source, self.soft_cow = make_source(state, optimizer, extra_state, snapshot_opts)
         if snapshot_opts.spread_steps != 1:
@@ -107,7 +107,7 @@ class Checkpointer:
         # rank 0, which alone writes (a plain store at `path`); this one never writes.
         writes = not (group is not None and self.options.group.replicated == "rank0" and group.rank != 0)
         prepared = not (writes and defer_prepare(self._source, optimizer, state))
-        ctx = TierContext(self.path, self.options, self._source, self.metadata, group, None, self._background_error)
+        ctx = TierContext(self.path, self.options, self._source, self.metadata, group, None, self._errors)
         self._stack = TierStack(ctx, replace(tuned.engine, dram_budget=pool_budget), layout, snap, writes=writes,
                                 prepared=prepared, on_finished=self._tuner.on_checkpoint if self._tuner else None,
                                 copy_engine=snapshot_opts.copy_engine, device_reserve=snapshot_opts.device_reserve)
@@ -194,7 +194,7 @@ class Checkpointer:
             # An I/O fault while preparing the slot or a new generation: the same policy as a
             # fault in the background part of the checkpoint.
             if isinstance(exc, StorageError) and not self._errors.raises:
-                self._background_error(exc)
+                self._errors(exc)
                 return False
             raise
         if not started:  # skipped (when_busy="skip")

@@ -104,17 +104,13 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     """
     req, tiers = _plan(path, model, optimizer, extra_state, map_location, zero_copy, verify, distributed, lazy,
                        remote, memory_dir)
-    failure: Exception | None = None
-    for n, (tier, where) in enumerate(tiers):
+    for (tier, where), (after, _) in zip(tiers, tiers[1:]):  # every tier but the last falls back
         try:
             return _LOADERS[tier](where, req)
         except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
-            if n + 1 == len(tiers):
-                raise
-            failure = exc
-            log.warning("pccheck: no valid checkpoint in the %s tier (%s); trying the %s tier", tier, exc,
-                        tiers[n + 1][0])
-    raise NoCheckpointError(f"no tier to load from ({failure})")  # unreachable: every path has a tier
+            log.warning("pccheck: no valid checkpoint in the %s tier (%s); trying the %s tier", tier, exc, after)
+    tier, where = tiers[-1]
+    return _LOADERS[tier](where, req)
 
 
 @dataclasses.dataclass(frozen=True)

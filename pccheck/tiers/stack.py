@@ -20,6 +20,7 @@ coordinator → the history's copies. The same stack unwinds a construction that
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -80,7 +81,7 @@ class TierStack:
             if group is not None and opts.group.replicated is None:
                 self.coord = GroupCoordinator(ctx.path, group)
                 stack.callback(self.coord.close)
-            self.ctx = ctx = TierContext(ctx.path, opts, ctx.source, ctx.metadata, group, self.coord, ctx.on_error)
+            self.ctx = ctx = dataclasses.replace(ctx, coord=self.coord)
             stack.callback(self._close_disk)
             remote = build_remote_tier(ctx, writes)
             if remote is not None:

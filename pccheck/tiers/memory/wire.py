@@ -20,7 +20,7 @@ from ...errors import PCCheckError, ReplicationError
 from ...group.keys import wait_key
 from ...orchestrator.copy_engine import CpuCopyEngine, Sources, abandon, acquire_chunk_for
 
-__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "poll_key", "MAX_JSON",
+__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "MAX_JSON",
            "WIRE_CHUNK", "WINDOW", "KeyWaiter", "WireCopyEngine"]
 
 MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
@@ -84,7 +84,7 @@ class KeyWaiter:
     has a connection of its own and blocks in the server's wait, ``WAIT_SLICE`` at a time (to see
     ``stop``): the key is seen as soon as it is set, at a few requests a second, where polling
     every 10 ms cost each waiting thread and the store's server ~0.01 CPU-s per 0.4 s
-    iteration. Elsewhere (a store shared with others) it polls (:func:`poll_key`). Use it
+    iteration. Elsewhere (a store shared with others) it polls (``wait_key(blocking=False)``). Use it
     from one thread only: a blocking wait holds its connection."""
 
     def __init__(self, store: Any, own: bool) -> None:
@@ -98,12 +98,6 @@ class KeyWaiter:
     def wait(self, key: str, stop: Any) -> str | None:
         """The value of ``key`` once it is set, or None once ``stop`` (a threading.Event) is set."""
         return wait_key(self.store, key, stop.is_set, blocking=self._own, slice_s=WAIT_SLICE.total_seconds())
-
-
-def poll_key(store: Any, key: str, stop: Any) -> str | None:
-    """The value of ``key`` once it is set (non-blocking checks, so the connection is never held
-    by a wait), or None once ``stop`` (a threading.Event) is set."""
-    return wait_key(store, key, stop.is_set, blocking=False)
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:
