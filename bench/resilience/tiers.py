@@ -22,6 +22,10 @@ Restore times, after the loop (``max`` over the ranks; each load a collective of
   ``load`` of the last ``async_save``; peer, raw and remote restores interleaved;
 - the raw link: one gloo ``send``/``recv`` of the same bytes between the two ranks.
 
+The memory tier's tmpfs footprint per rank (``tmpfs_bytes_per_rank``): the store files under each
+node's memory directory summed as ``du`` does, its own store and the replicas it holds, after the
+loop, and each over the state per rank.
+
 Each rank's CPU-seconds (user + system, every thread) during each node-loss restore and raw
 transfer are recorded too (``*_cpu_all_s``): the two simulated nodes share this machine's CPUs,
 so ``(rank 0's + rank 1's) / nproc`` is the shortest wall time that work can take here.
@@ -311,6 +315,8 @@ def worker(a: argparse.Namespace) -> None:
            "threads_per_iter": _per_iter(threads0, _threads_cpu(), a.iters)}  # [CPU-s, minor faults]
     if ck is not None:
         out["tiers"] = ck.stats().tiers
+        if a.config == "memory":
+            out["tmpfs_bytes"] = _tmpfs_bytes(Path(a.shm) / f"mem-node{rank}")
         ck.close()
     a.last, a.dcp_pg = last, dcp_pg
     if a.config == "memory" and a.remote_url:  # the same state, in the remote tier, for the node-loss restores
@@ -320,6 +326,24 @@ def worker(a: argparse.Namespace) -> None:
     print(json.dumps(out, default=str), flush=True)
     dist.destroy_process_group()
     os._exit(0)
+
+
+def _tmpfs_bytes(mem: Path) -> dict[str, int]:
+    """This node's memory-tier store files, as ``du`` counts them (allocated blocks; the stores are
+    populated whole when they open): ``own`` (``rank-<r>/``) and ``replicas`` (``replica-<s>/``),
+    and their apparent sizes (``*_apparent``)."""
+    from pccheck.persist.recovery import store_files
+
+    out = {"own": 0, "replicas": 0, "own_apparent": 0, "replicas_apparent": 0}
+    for d in sorted(mem.iterdir()) if mem.is_dir() else ():
+        kind = "own" if d.name.startswith("rank-") else "replicas" if d.name.startswith("replica-") else None
+        if kind is None or not d.is_dir():
+            continue
+        for _, f in store_files(d):
+            st = f.stat()
+            out[kind] += st.st_blocks * 512
+            out[f"{kind}_apparent"] += st.st_size
+    return out
 
 
 def _threads_cpu() -> dict[str, list[float]]:
@@ -476,6 +500,18 @@ def _summary(a: argparse.Namespace, configs: list[str], runs: dict[str, list[lis
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
+    # tmpfs per rank (the larger rank's, median over repeats): own store, replicas, in bytes and
+    # as a multiple of the state per rank
+    tmpfs: dict[str, float] = {}
+    mem_runs = [outs for outs in runs.get("memory", []) if all("tmpfs_bytes" in o for o in outs)]
+    for k in ("own", "replicas"):
+        if mem_runs:
+            tmpfs[k] = statistics.median(max(o["tmpfs_bytes"][k] for o in outs) for outs in mem_runs)
+    if tmpfs:
+        tmpfs["total"] = statistics.median(max(o["tmpfs_bytes"]["own"] + o["tmpfs_bytes"]["replicas"] for o in outs)
+                                           for outs in mem_runs)
+        tmpfs.update({f"{k}_over_state": v / a.size for k, v in list(tmpfs.items())})
+
     ratios = {
         "loop_slowdown_memory_replicas2": slow.get("memory"),
         "crash_restore_memory_over_disk": ratio(rest["crash_memory_s"], rest["crash_disk_s"]),
@@ -496,7 +532,7 @@ def _summary(a: argparse.Namespace, configs: list[str], runs: dict[str, list[lis
                                           for x, n in zip(runs[c], runs["none"])]
     return {"iters": a.iters, "warmup": a.warmup, "repeats": a.repeats, "iter_s": it, "slowdown": slow,
             "cpu_per_iter_s": cpu, "nproc": os.cpu_count(), "unit_cpu_s": units,
-            "restore_s": rest, "ratios": ratios, "per_repeat": per_repeat,
+            "restore_s": rest, "ratios": ratios, "per_repeat": per_repeat, "tmpfs_bytes_per_rank": tmpfs,
             "targets": {"loop_slowdown_memory_replicas2": "<= 1.05", "crash_restore_memory_over_disk": "<= 0.2",
                         "peer_vs_raw_gloo": ">= 0.8",
                         "node_loss_peer_over_remote": "<= 0.1"},
@@ -512,6 +548,11 @@ def report(a: argparse.Namespace, res: dict) -> None:
         print_table(f"2 nodes x 1 rank, {a.size / 2**20:.0f} MiB/rank, t={a.iter_time}s, every iteration (GPU emulated)",
                     ["config", "s/iter", "slowdown", "CPU-s/iter/rank"],
                     [[c, f"{it[c]:.4f}", f"{slow[c]:.3f}x" if c in slow else "-", f"{cpu[c]:.3f}"] for c in it])
+        tmpfs = res.get("tmpfs_bytes_per_rank") or {}
+        if tmpfs:
+            print_table("memory tier's tmpfs per rank (store files, du)", ["what", "MiB", "x state"],
+                        [[k, f"{tmpfs[k] / 2**20:.1f}", f"{tmpfs[k + '_over_state']:.2f}"]
+                         for k in ("own", "replicas", "total")])
         print_table("restore (s)", ["what", "seconds"],
                     [[k, f"{v:.3f}" if v is not None else "-"] for k, v in res["restore_s"].items()])
         print_table("ratios", ["ratio", "value", "per repeat"],

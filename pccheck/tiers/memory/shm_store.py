@@ -13,10 +13,11 @@ epoch is known) → :meth:`prepare` (once the state's size is final; else the fi
 opens the store) → :meth:`on_step` per iteration → :meth:`ensure_copied` before each optimizer
 step → :meth:`close`.
 
-Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
-6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
-newest replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` per source rank whose
-replicas this rank holds (replicas - 1 of them); in process memory a chunk pool per store (one
+Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process and
+in a replicated group (1 in flight and the newest replicated everywhere: MemoryCoordinator), 3 in
+a group without replication (§8: the global step too), plus ``REPLICA_SLOTS`` = 2 per source rank
+whose replicas this rank holds (replicas - 1 of them: the newest committed and the one being
+received); in process memory a chunk pool per store (one
 ``MEM_CHUNK`` for host state, which is copied in place; a whole snapshot's for device state, in the
 own store only) and one receive buffer of the state per source.
 """
@@ -52,7 +53,7 @@ log = logging.getLogger("pccheck")
 
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
-REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
+REPLICA_SLOTS = 2      # per source rank: the newest committed replica and the one being received
 MAX_WRITERS = 16       # the memory tier's writer threads: at most this many (half the host's cores)
 
 
@@ -80,17 +81,19 @@ def check_room(root: Path, need: int) -> None:
 
 class MemoryCoordinator(GroupCoordinator):
     """The group protocol of pccheck.distributed for the memory stores (its own key prefix and
-    GLOBAL under the memory root), keeping more: with replication, every committed step from the
-    second newest one *replicated everywhere* (every rank's replica committed on each of its
-    peers: replicate.Replicator follows that log) up to the latest. Invariant: a held slot is
-    given back only once its step is older than both the group's newest common step and the
-    second newest step replicated everywhere, so a slot is never rewritten while it is queued or
-    being sent, and every rank still holds the steps its lost peers' two replicas pair with (the
-    newest, and the one before it should the newest be damaged). Slots: 1 in flight, the
-    latest and ``extra_slots`` more; when replication lags further, the next memory checkpoint
-    waits for a slot (back-pressure), it never drops one."""
+    GLOBAL under the memory root). With replication the store has N + 1 = 2 slots, and the slot a
+    commit replaces is held until a newer step is *replicated everywhere* (every rank's replica
+    committed on each of its peers: replicate.Replicator follows that log). Invariant: every
+    rank's own store holds the newest step replicated everywhere, R, the one step every peer's
+    replica store is sure to hold too (a replica store keeps its newest committed replica while
+    it receives the next, and no rank sends R + 2 before R + 1 is replicated everywhere:
+    Replicator.throttle). The next memory checkpoint starts only once the previous one is
+    replicated everywhere, which frees the slot of the one before; when it cannot be (a peer
+    dropped, a replica or a commit failed), the Replicator stops taking memory checkpoints
+    instead, so R stays held (never waits for a slot that will not come back). Without
+    replication, §8's rule and slots (N + 2: the global step beside the latest)."""
 
-    extra_slots = 4
+    extra_slots = 0
 
     def __init__(self, path: Path, group: Group, shared_store: Any = None, prefix: str = "memory/") -> None:
         super().__init__(path, group)
@@ -99,14 +102,18 @@ class MemoryCoordinator(GroupCoordinator):
         self.shared_store, self.prefix = shared_store if shared_store is not None else group.store, prefix
         self._local = threading.local()
         self.replicating = False
-        self.replicated: list[int] = []  # the two newest steps replicated everywhere
+        self.replicated: int | None = None  # the newest step replicated everywhere
 
     def _settle_locked(self) -> None:
         if self.orch is not None:
-            keep = self.global_step
-            if self.replicating and self.replicated and keep is not None:
-                keep = min(keep, self.replicated[0])
+            keep = self.replicated if self.replicating else self.global_step
             self._slots.settle(self.orch, keep)
+
+    def protected_slots(self) -> tuple[int, ...]:
+        """None with replication: a reopened store of 2 slots whose latest step is newer than the
+        agreed one would have no slot left for the first checkpoint (a deadlock); the agreed step
+        is then given up to that checkpoint (FORMAT.md §13, "after a restart")."""
+        return () if self.replicating else super().protected_slots()
 
     def _wait_key(self, key: str) -> str | None:
         """Blocks (KeyWaiter) until ``key`` is set; each follower thread has a connection of its
@@ -118,16 +125,10 @@ class MemoryCoordinator(GroupCoordinator):
             w = self._local.waiter = KeyWaiter.connect(self.shared_store, self.prefix, 120.0)
         return w.wait(key, self._stop)
 
-    def degrade(self) -> None:
-        """A peer is gone: replication stops counting; the plain group rule keeps the slots."""
-        with self._lock:
-            self.replicating = False
-            self._settle_locked()
-
     def set_replicated(self, step: int) -> None:
         with self._lock:
-            if not self.replicated or step > self.replicated[-1]:
-                self.replicated = [*self.replicated, step][-2:]
+            if self.replicated is None or step > self.replicated:
+                self.replicated = step
                 self._settle_locked()
 
 
@@ -197,9 +198,10 @@ class MemoryTier:
         # the last finished memory checkpoints' timings (CheckpointStats), newest last
         self.recent: collections.deque[Any] = collections.deque(maxlen=64)
         self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
-        # slots beyond 1 in flight + the latest: none alone; §8's global step in a group; with
-        # replication the steps back to the second newest replicated everywhere (MemoryCoordinator)
-        extra = 0 if group is None else MemoryCoordinator.extra_slots if self.links.peers else GroupCoordinator.extra_slots
+        # slots beyond 1 in flight + the latest: none alone, none with replication (the latest is
+        # held until the next is replicated everywhere: MemoryCoordinator); §8's global step in a
+        # group without replication
+        extra = GroupCoordinator.extra_slots if group is not None and not self.links.peers else 0
         _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
         self.coord: MemoryCoordinator | None = None
         if group is not None:
@@ -258,7 +260,10 @@ class MemoryTier:
         if self.orch is None or step % self.interval:
             return False
         if self.replicator is not None:
-            self.replicator.throttle(int(step))  # replication at most LAG memory checkpoints behind
+            # the previous one committed (or failed) first: throttle then knows which it was
+            self.orch.wait()
+            if not self.replicator.throttle(int(step)):
+                return False  # the previous one cannot be replicated everywhere: the tier stopped
         snap = snapshot()
         try:
             return self.orch.start(int(step), snap.arrays, metadata, StartArgs(
