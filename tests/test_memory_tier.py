@@ -168,6 +168,9 @@ def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, refe
     2. both nodes' memory gone (the whole group), disks left: resume from disk, bit for bit."""
     job = Nodes(tmp_path, "--sleep", "0.3")
     job.kill_when(6)
+    for store in ("rank-0", "replica-1"):  # the footprint: 2 slots own, 2 per replica source
+        (_, file), = store_files(tmp_path / "node-0" / "mem" / store)
+        assert len(read_store(file).slots) == 2, store
     shutil.rmtree(tmp_path / "node-1")
     damaged = _damage_newest(tmp_path / "node-0" / "mem" / "replica-1")
     job = Nodes(tmp_path, "--resume", "--final")
@@ -238,7 +241,7 @@ def test_fsdp2_state_node_loss_resumes_from_the_peer_bit_for_bit(tmp_path):
     job = Nodes(tmp_path / "run", "--fsdp", "--resume", "--final")
     job.wait()
     start = _check(job, ref, {"memory", "peer"})
-    # replication lags by at most 3 steps (1 in flight, QUEUE = 2 waiting)
+    # replication lags by at most 1 step (a memory checkpoint waits for the previous one's)
     assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start >= 2, start
     _compare_final(tmp_path / "run", ref)
 
@@ -309,6 +312,18 @@ def test_replicas_beyond_nodes_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="replicas=2 needs at least 2 nodes"):
         pccheck.Checkpointer(m, torch.optim.SGD(m.parameters(), lr=0.1), tmp_path / "ck", memory_interval=1,
                              memory_dir=tmp_path / "mem", replicas=2)
+
+
+def test_memory_need_counts_two_slots_own_and_two_per_replica_source():
+    """check_room's size: 2 own slots (3 in a group without replicas: §8's global step) and 2
+    per source rank whose replicas this rank holds, each slot with its meta block, plus headers."""
+    from pccheck.tiers.memory.shm_store import BLOCK, REPLICA_SLOTS, memory_need
+
+    assert REPLICA_SLOTS == 2
+    slot = 1 << 20
+    assert memory_need(slot, 2, 0) == 2 * slot + 3 * BLOCK
+    assert memory_need(slot, 2, 1) == 4 * slot + 6 * BLOCK  # replicas=2: 4 x the state
+    assert memory_need(slot, 2, 2) == 6 * slot + 9 * BLOCK  # replicas=3
 
 
 def test_memory_dir_too_small_is_a_clear_error(tmp_path):
@@ -529,8 +544,9 @@ def test_throttle_waits_for_the_previous_checkpoint_and_stops_when_it_cannot_rep
     waits until the previous one (LAG = 1 back) is replicated everywhere while that can still
     happen (queued, being sent, or sent within COMMIT_GRACE_S); one that never committed here (its
     commit failed) is not waited for; one that committed here but cannot be replicated everywhere
-    any more (sent too long ago, a peer dropped) stops the tier: throttle returns False from then
-    on, so the own store keeps the newest step replicated everywhere instead of writing over it."""
+    any more (a failure of it or of a link reported in the replication log, a peer dropped, sent
+    too long ago) stops the tier: throttle returns False from then on, so the own store keeps the
+    newest step replicated everywhere instead of writing over it."""
     import time
     from collections import deque
     from types import SimpleNamespace
@@ -541,7 +557,7 @@ def test_throttle_waits_for_the_previous_checkpoint_and_stops_when_it_cannot_rep
         r = replicate.Replicator.__new__(replicate.Replicator)  # the throttle's state only: no links
         r._cv, r._queue, r._sending, r._sending_step = threading.Condition(), deque(), False, None
         r._sent_at, r._started, r._stopping, r._dead = {}, deque(maxlen=replicate.LAG), False, set()
-        r._committed, r.stopped, r.links = set(), None, SimpleNamespace(rank=0)
+        r._committed, r.stopped, r.links, r._failed, r._broken = set(), None, SimpleNamespace(rank=0), set(), False
         r.replicated, r.throttled_s = None, 0.0
         return r
 
@@ -573,3 +589,18 @@ def test_throttle_waits_for_the_previous_checkpoint_and_stops_when_it_cannot_rep
         r._committed.add(1)
         r._sending, r._sending_step, r._dead = True, 1, {1}  # still sending 1, but a peer was dropped
     assert not r.throttle(2) and "dropped" in r.stopped
+    for failed, broken, why in ((1, False, "failed"), (None, True, "broke")):
+        r = fresh()
+        assert r.throttle(1)
+        with r._cv:
+            r._committed.add(1)
+            r._sent_at[1] = time.monotonic()  # sent just now: the peers would be committing it
+        waiter = threading.Thread(target=r.throttle, args=(2,))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()
+        with r._cv:  # the log follower read "!1" (a replica of step 1 failed) or "!*" (a link broke)
+            r._failed, r._broken = {failed} - {None}, broken
+            r._cv.notify_all()
+        waiter.join(10)
+        assert not waiter.is_alive() and why in r.stopped, r.stopped

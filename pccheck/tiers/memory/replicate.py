@@ -56,7 +56,7 @@ TIMEOUT_S = 120.0        # one wire chunk, or one collective, at most
 MAX_DATA = 1 << 46       # bytes of one replica a receiver accepts
 QUEUE = 2                # committed memory checkpoints waiting to be sent, at most
 LAG = 1                  # memory checkpoints not replicated everywhere when the next one starts, at most
-COMMIT_GRACE_S = 5.0     # how long a sent replica's step is waited for to be committed everywhere
+COMMIT_GRACE_S = TIMEOUT_S  # how long a sent step is waited for to be replicated everywhere, no failure reported
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,8 @@ class Replicator:
         self._committed: set[int] = set()              # steps committed here (offered), recent ones
         self._stopping = False
         self.stopped: str | None = None       # why the tier takes no more memory checkpoints
+        self._failed: set[int] = set()        # steps some rank reported will not replicate (rlog "!s")
+        self._broken = False                  # some rank reported a broken link (rlog "!*")
         self.throttled_s = 0.0                # time memory checkpoints waited for the queue
         self._dead: set[int] = set()          # peers a send to failed: no more sends to them
         self.sent_step: int | None = None     # newest step every live peer received
@@ -216,12 +218,14 @@ class Replicator:
         before it is replicated everywhere, so every own store and every replica store holds the
         newest step replicated everywhere, R, and no rank writes over it. When the previous one
         committed here but cannot be replicated everywhere any more (a peer was dropped, or its
-        replicas were not all committed within COMMIT_GRACE_S of being sent: a replica failed its
-        checks, a rank's commit failed), this returns False from then on: the tier stops taking
-        memory checkpoints (an error logged; the disk tier goes on) rather than write over R,
-        which the peers' replicas pair with (the own store has no third slot). A previous one
-        that never committed here (its commit failed) left its slot free: no wait. Bounded: a
-        peer that stopped receiving is dropped by the sender after TIMEOUT_S."""
+        a failure was reported in the replication log for it: a replica failed its checks, a
+        rank's commit of it failed, a pair's link broke (:meth:`report_failed`); or its replicas
+        were not all committed within COMMIT_GRACE_S of being sent, the last resort), this returns
+        False from then on: the tier stops taking memory checkpoints (an error logged; the disk
+        tier goes on) rather than write over R, which the peers' replicas pair with (the own store
+        has no third slot). A previous one that never committed here (its commit failed) left
+        its slot free: no wait. Bounded: a peer that stopped receiving is dropped by the sender
+        after TIMEOUT_S."""
         t0 = time.perf_counter()
         with self._cv:
             if self.stopped is None:
@@ -230,8 +234,10 @@ class Replicator:
                     self._cv.wait(0.05)
                 if need is not None and need in self._committed and not self._stopping and (
                         self.replicated is None or self.replicated < need):
-                    self.stopped = (f"the memory checkpoint of step {need} could not be replicated everywhere "
-                                    f"({'a peer was dropped' if self._dead else 'a replica or a commit failed'})")
+                    why = ("a peer was dropped" if self._dead else "replication broke on a link" if self._broken
+                           else "a replica or a rank's commit of it failed" if need in self._failed
+                           else f"not replicated everywhere within {COMMIT_GRACE_S:.0f} s of being sent")
+                    self.stopped = f"the memory checkpoint of step {need} could not be replicated everywhere ({why})"
                     log.error("pccheck: %s; the memory tier takes no more checkpoints on rank %d (its store keeps "
                               "step %s, the newest replicated everywhere, which the peers' replicas pair with)",
                               self.stopped, self.links.rank, self.replicated)
@@ -240,14 +246,17 @@ class Replicator:
                 for old in [s for s in self._sent_at if need is None or s < need]:
                     del self._sent_at[old]
                 self._committed = {s for s in self._committed if need is None or s >= need}
+                self._failed = {s for s in self._failed if need is None or s >= need}
         self.throttled_s += time.perf_counter() - t0
         return self.stopped is None
 
     def _awaits(self, step: int | None) -> bool:
         """Whether ``step`` is not replicated everywhere yet but still may be (under ``_cv``):
         this rank has it queued or is sending it, or sent it less than COMMIT_GRACE_S ago (the
-        peers are committing it; the log follower sees it). False once a peer was dropped."""
-        if step is None or self._dead or (self.replicated is not None and self.replicated >= step):
+        peers are committing it; the log follower sees it). False once a peer was dropped or a
+        failure of it (or of a link) was reported."""
+        if step is None or self._dead or self._broken or step in self._failed or (
+                self.replicated is not None and self.replicated >= step):
             return False
         if self._sending_step == step or any(info.step == step for info in self._queue):
             return True
@@ -274,6 +283,8 @@ class Replicator:
             except Exception:
                 log.exception("pccheck: replicating the memory checkpoint of step %d failed", info.step)
             finally:
+                if not sent:
+                    self.report_failed(info.step)
                 with self._cv:
                     self._sending, self._sending_step = False, None
                     if sent:  # its peers are committing it now (throttle may wait for that)
@@ -312,6 +323,7 @@ class Replicator:
                     log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
                               "to it", man.step, dst, exc)
                     self._dead.add(dst)  # throttle stops the tier: the own store keeps R
+                    self.report_failed(None)
                     with self._cv:
                         self._cv.notify_all()
             del view
@@ -357,16 +369,21 @@ class Replicator:
                 doc = json.loads(v)
             except ValueError:
                 log.error("pccheck: a malformed replica header from rank %d; replication from it stops", src)
+                self.report_failed(None)
                 return
             if not isinstance(doc, dict) or doc.get("end") is True:
+                if not isinstance(doc, dict):
+                    self.report_failed(None)
                 return
             try:
                 self._receive(src, doc)
             except CorruptCheckpointError as exc:  # every byte arrived: the link is still in step
                 log.error("pccheck: replica from rank %d discarded: %s", src, exc)
+                self.report_failed(doc["step"] if type(doc.get("step")) is int else None)
             except Exception as exc:  # noqa: BLE001 - a timeout or a dead peer: the pair is gone
                 log.error("pccheck: receiving a replica from rank %d failed (%s); replication from it stops",
                           src, exc)
+                self.report_failed(None)
                 return
 
     def _receive(self, src: int, doc: dict) -> None:
@@ -409,7 +426,8 @@ class Replicator:
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
                                 copy_engine=WireCopyEngine(), on_error=_log_error, retention=Retention(),
-                                world_size=self.links.world, rank=src, on_commit=committed, populate_store=True)
+                                world_size=self.links.world, rank=src, on_commit=committed, populate_store=True,
+                                on_finished=self.finished)
             self._stores[src] = orch
         return orch
 
@@ -423,10 +441,36 @@ class Replicator:
         except Exception as exc:  # noqa: BLE001 - the store went away: nothing more is counted
             log.warning("pccheck: counting the replica of step %d failed: %s", step, exc)
 
+    def finished(self, st: Any) -> None:
+        """A checkpoint of a store this rank writes ended (on_finished of the own memory store and
+        of each replica store): one that failed will never be replicated everywhere."""
+        if st.outcome == "failed":
+            self.report_failed(st.step)
+
+    def report_failed(self, step: int | None) -> None:
+        """Tells every rank, through the replication log, that ``step`` will never be replicated
+        everywhere (``None``: that no later step will, a link broke), so their throttles stop the
+        tier at once instead of after COMMIT_GRACE_S. Not while closing (the end of the job)."""
+        if self._stopping:
+            return
+        try:
+            i = self._kv.add("rlog", 1)
+            self._kv.set(f"rlog/{i}", "!*" if step is None else f"!{int(step)}")
+        except Exception as exc:  # noqa: BLE001 - the store went away: the throttle's bound remains
+            log.warning("pccheck: reporting a replication failure failed: %s", exc)
+
     def _follow_replicated(self) -> None:
         i = 1
         while (v := self._wait_key("log", f"rlog/{i}", delete=False)) is not None:
             i += 1
+            if v.startswith("!"):  # report_failed's entry
+                with self._cv:
+                    if v == "!*":
+                        self._broken = True
+                    else:
+                        self._failed.add(int(v[1:]))
+                    self._cv.notify_all()
+                continue
             step = int(v)
             if self.replicated is None or step > self.replicated:
                 if self.coord is not None:  # the slot before it is free before throttle lets the next start

@@ -230,7 +230,7 @@ class MemoryTier:
         layout, arrays, self._arrays = self._layout, self._arrays, {}
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
-                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False,
+                                 on_commit=self._on_commit, on_finished=self._finished, pool=False,
                                  populate_store=True)
         if self.coord is not None:
             self.coord.start(self.orch)
@@ -246,6 +246,11 @@ class MemoryTier:
             took = self.orch.prepare(layout, metadata, tree, self.epoch)
             log.debug("pccheck: memory store prepared in %.3f s", took)
 
+    def _finished(self, st: Any) -> None:
+        self.recent.append(st)
+        if self.replicator is not None:
+            self.replicator.finished(st)  # a failed own commit: the other ranks stop at once
+
     def _on_commit(self, info: CommitInfo) -> None:
         if self.coord is not None:
             self.coord.on_commit(info.step, info.slot)
@@ -260,7 +265,9 @@ class MemoryTier:
         if self.orch is None or step % self.interval:
             return False
         if self.replicator is not None:
-            # the previous one committed (or failed) first: throttle then knows which it was
+            # the previous one committed (or failed) first, whatever when_busy says: throttle then
+            # knows which it was, and a start never waits inside the store for a slot that only the
+            # previous one's replication frees (2 slots: MemoryCoordinator)
             self.orch.wait()
             if not self.replicator.throttle(int(step)):
                 return False  # the previous one cannot be replicated everywhere: the tier stopped
