@@ -10,15 +10,15 @@ JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`
 counter, the manifest with the crc32c of every array), then sends the slot's data region chunk by
 chunk (wire.py: a few in flight). Invariant (wire.py): the receiver posts a receive only after it
 read the header. The receiver thread of each source writes the received bytes into
-``replica-<src>/``, a store of two slots (the newest committed replica and the one being
+``replica-<src>/``, a store of three slots (the two newest committed replicas and the one being
 received) committed with the protocol of §4, telling it the
 manifest's crc32c (``StartArgs.expect_crcs``): the writers' own checksums must match every array
 before the commit, so a damaged replica is never committed and a peer holds only committed,
-checked replicas (the newest; a damaged one falls back to the disk tier) at the cost of no checksum pass of the tier's own on either end.
+checked replicas (the newest two) at the cost of no checksum pass of the tier's own on either end.
 Each replica commit adds 1 to ``rc/<step>``; the commit that brings it to world × (replicas - 1)
 appends the step to ``rlog``: the newest step *replicated everywhere*, which every rank follows
-and its memory coordinator keeps until a newer one is (shm_store.MemoryCoordinator): the step a
-lost peer's replicas pair with.
+and its memory coordinator keeps with the one before it (shm_store.MemoryCoordinator): the steps
+a lost peer's replicas pair with, its newest or, that one damaged, the older.
 """
 
 from __future__ import annotations
@@ -216,16 +216,16 @@ class Replicator:
 
         Invariant (the slots, MemoryCoordinator): a memory checkpoint starts only once the one
         before it is replicated everywhere, so every own store and every replica store holds the
-        newest step replicated everywhere, R, and no rank writes over it. When the previous one
-        committed here but cannot be replicated everywhere any more (a peer was dropped, or its
-        a failure was reported in the replication log for it: a replica failed its checks, a
-        rank's commit of it failed, a pair's link broke (:meth:`report_failed`); or its replicas
+        two newest steps replicated everywhere, R' and R, and no rank writes over them. When the
+        previous one committed here but cannot be replicated everywhere any more (a peer was
+        dropped; a failure of it was reported in the replication log: a replica failed its checks,
+        a rank's commit of it failed, a pair's link broke (:meth:`report_failed`); or its replicas
         were not all committed within COMMIT_GRACE_S of being sent, the last resort), this returns
         False from then on: the tier stops taking memory checkpoints (an error logged; the disk
-        tier goes on) rather than write over R, which the peers' replicas pair with (the own store
-        has no third slot). A previous one that never committed here (its commit failed) left
-        its slot free: no wait. Bounded: a peer that stopped receiving is dropped by the sender
-        after TIMEOUT_S."""
+        tier goes on) rather than write over R', the older step the peers' replicas pair with (the
+        own store has no fourth slot). A previous one that never committed here (its commit
+        failed) left its slot free: no wait. Bounded: a peer that stopped receiving is dropped by
+        the sender after TIMEOUT_S."""
         t0 = time.perf_counter()
         with self._cv:
             if self.stopped is None:
@@ -425,7 +425,7 @@ class Replicator:
                 self._count_replica(info.step)
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
-                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=Retention(),
+                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=_KeepTwo(),
                                 world_size=self.links.world, rank=src, on_commit=committed, populate_store=True,
                                 on_finished=self.finished)
             self._stores[src] = orch
@@ -500,6 +500,15 @@ class Replicator:
             t.join(5)
         for orch in self._stores.values():
             orch.close()
+
+
+class _KeepTwo(Retention):
+    """A replica store: one slot being received and the two newest committed replicas. The native
+    free queue hands out the slot freed longest ago, so while one is received the two newest stay
+    valid: a damaged newest replica falls back to the older one, which the own stores still hold
+    (MemoryCoordinator keeps the two newest steps replicated everywhere)."""
+
+    extra_slots = 1
 
 
 def _log_error(exc: PCCheckError) -> None:

@@ -13,10 +13,10 @@ epoch is known) → :meth:`prepare` (once the state's size is final; else the fi
 opens the store) → :meth:`on_step` per iteration → :meth:`ensure_copied` before each optimizer
 step → :meth:`close`.
 
-Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process and
-in a replicated group (1 in flight and the newest replicated everywhere: MemoryCoordinator), 3 in
-a group without replication (§8: the global step too), plus ``REPLICA_SLOTS`` = 2 per source rank
-whose replicas this rank holds (replicas - 1 of them: the newest committed and the one being
+Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process, 3
+in a group (1 in flight, the latest, and §8's global step; with replication the two newest steps
+replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` = 3 per source rank whose
+replicas this rank holds (replicas - 1 of them: the two newest committed and the one being
 received); in process memory a chunk pool per store (one
 ``MEM_CHUNK`` for host state, which is copied in place; a whole snapshot's for device state, in the
 own store only) and one receive buffer of the state per source.
@@ -53,7 +53,7 @@ log = logging.getLogger("pccheck")
 
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
-REPLICA_SLOTS = 2      # per source rank: the newest committed replica and the one being received
+REPLICA_SLOTS = 3      # per source rank: the two newest committed replicas and the one being received
 MAX_WRITERS = 16       # the memory tier's writer threads: at most this many (half the host's cores)
 
 
@@ -81,19 +81,20 @@ def check_room(root: Path, need: int) -> None:
 
 class MemoryCoordinator(GroupCoordinator):
     """The group protocol of pccheck.distributed for the memory stores (its own key prefix and
-    GLOBAL under the memory root). With replication the store has N + 1 = 2 slots, and the slot a
-    commit replaces is held until a newer step is *replicated everywhere* (every rank's replica
-    committed on each of its peers: replicate.Replicator follows that log). Invariant: every
-    rank's own store holds the newest step replicated everywhere, R, the one step every peer's
-    replica store is sure to hold too (a replica store keeps its newest committed replica while
-    it receives the next, and no rank sends R + 2 before R + 1 is replicated everywhere:
-    Replicator.throttle). The next memory checkpoint starts only once the previous one is
-    replicated everywhere, which frees the slot of the one before; when it cannot be (a peer
-    dropped, a replica or a commit failed), the Replicator stops taking memory checkpoints
-    instead, so R stays held (never waits for a slot that will not come back). Without
-    replication, §8's rule and slots (N + 2: the global step beside the latest)."""
+    GLOBAL under the memory root). With replication the store has N + 2 = 3 slots, and a slot a
+    commit replaced is held until it is older than the second newest step *replicated
+    everywhere* (every rank's replica committed on each of its peers: replicate.Replicator
+    follows that log). Invariant: every rank's own store holds the two newest steps replicated
+    everywhere, R' < R, the two every peer's replica store holds too (it keeps its two newest
+    committed replicas while it receives the next, and no rank sends R + 2 before R + 1 is
+    replicated everywhere: Replicator.throttle), so a lost peer's replicas pair with a step the
+    survivors hold even when its newest replica is damaged. The next memory checkpoint starts
+    only once the previous one is replicated everywhere, which frees the slot of R'; when it
+    cannot be (a peer dropped, a replica or a commit failed), the Replicator stops taking memory
+    checkpoints instead, so R' and R stay held (never waits for a slot that will not come back).
+    Without replication, §8's rule and slots (N + 2: the global step beside the latest)."""
 
-    extra_slots = 0
+    extra_slots = 1
 
     def __init__(self, path: Path, group: Group, shared_store: Any = None, prefix: str = "memory/") -> None:
         super().__init__(path, group)
@@ -102,18 +103,15 @@ class MemoryCoordinator(GroupCoordinator):
         self.shared_store, self.prefix = shared_store if shared_store is not None else group.store, prefix
         self._local = threading.local()
         self.replicating = False
-        self.replicated: int | None = None  # the newest step replicated everywhere
+        self.replicated: list[int] = []  # the two newest steps replicated everywhere
 
     def _settle_locked(self) -> None:
         if self.orch is not None:
-            keep = self.replicated if self.replicating else self.global_step
+            if not self.replicating:
+                keep = self.global_step
+            else:
+                keep = self.replicated[0] if self.replicated else None
             self._slots.settle(self.orch, keep)
-
-    def protected_slots(self) -> tuple[int, ...]:
-        """None with replication: a reopened store of 2 slots whose latest step is newer than the
-        agreed one would have no slot left for the first checkpoint (a deadlock); the agreed step
-        is then given up to that checkpoint (FORMAT.md §13, "after a restart")."""
-        return () if self.replicating else super().protected_slots()
 
     def _wait_key(self, key: str) -> str | None:
         """Blocks (KeyWaiter) until ``key`` is set; each follower thread has a connection of its
@@ -127,8 +125,8 @@ class MemoryCoordinator(GroupCoordinator):
 
     def set_replicated(self, step: int) -> None:
         with self._lock:
-            if self.replicated is None or step > self.replicated:
-                self.replicated = step
+            if not self.replicated or step > self.replicated[-1]:
+                self.replicated = [*self.replicated, step][-2:]
                 self._settle_locked()
 
 
@@ -198,10 +196,9 @@ class MemoryTier:
         # the last finished memory checkpoints' timings (CheckpointStats), newest last
         self.recent: collections.deque[Any] = collections.deque(maxlen=64)
         self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
-        # slots beyond 1 in flight + the latest: none alone, none with replication (the latest is
-        # held until the next is replicated everywhere: MemoryCoordinator); §8's global step in a
-        # group without replication
-        extra = GroupCoordinator.extra_slots if group is not None and not self.links.peers else 0
+        # slots beyond 1 in flight + the latest: none alone; one in a group: §8's global step, or
+        # with replication the second newest step replicated everywhere (MemoryCoordinator)
+        extra = 0 if group is None else MemoryCoordinator.extra_slots if self.links.peers else GroupCoordinator.extra_slots
         _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
         self.coord: MemoryCoordinator | None = None
         if group is not None:
@@ -267,7 +264,7 @@ class MemoryTier:
         if self.replicator is not None:
             # the previous one committed (or failed) first, whatever when_busy says: throttle then
             # knows which it was, and a start never waits inside the store for a slot that only the
-            # previous one's replication frees (2 slots: MemoryCoordinator)
+            # previous one's replication frees (MemoryCoordinator)
             self.orch.wait()
             if not self.replicator.throttle(int(step)):
                 return False  # the previous one cannot be replicated everywhere: the tier stopped
