@@ -17,16 +17,18 @@ from .errors import (ConfigError, CorruptCheckpointError, CriuError, DeviceIOErr
                      RemoteConflictError, RemoteError, ReplicationError, SnapshotError, StoppedError,
                      StorageError, StoreLockedError, UnsupportedDtypeError)
 from .checkpointer import Checkpointer  # loads the native core: fails early, with build instructions
-from .options import EngineOptions, GroupOptions, HistoryOptions, MemoryOptions, Options, RemoteOptions, SnapshotOptions
+from .options import (DiskOptions, EngineOptions, GroupOptions, HistoryOptions, MemoryOptions, Options, RemoteOptions,
+                      SnapshotOptions)
 from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
 from .lazy import LazyRestore
 from .restore import load_latest
+from .tuner.policy import FixedInterval, OnlineTuned
 from .version import __version__
 
 __all__ = [
-    "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "HistoryOptions", "GroupOptions",
-    "RemoteOptions", "MemoryOptions",
+    "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "GroupOptions", "DiskOptions",
+    "MemoryOptions", "RemoteOptions", "HistoryOptions", "FixedInterval", "OnlineTuned",
     "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",

@@ -26,7 +26,6 @@ from .group.distributed import detect_group
 from .lazy import wait_for_pending
 from .options import Options
 from .orchestrator.copy_engine import CopyEngine
-from .orchestrator.options import check_int_or_auto
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path
 from .persist.layout import plan
@@ -60,23 +59,24 @@ class Checkpointer:
         extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (LR scheduler,
             GradScaler, a sampler) or a plain JSON-able value.
         metadata: JSON-serialisable dict stored with every checkpoint.
-        interval: ``maybe_checkpoint(step)`` checkpoints when ``step % interval == 0``. "auto":
-            start from ``PATH/pccheck-tune.json`` (10 without one) and adapt it online as the
-            iteration and write times drift (:class:`pccheck.tuner.policy.OnlineTuned`; each change
-            is kept in :attr:`interval_changes`); in a group the tuned interval is used as is.
-        options: a :class:`pccheck.Options` (every setting, grouped).
+        options: a :class:`pccheck.Options`: the engine, snapshot and group settings and the
+            three storage tiers, ``disk`` (``maybe_checkpoint`` checkpoints every ``disk.every``
+            steps; "auto": from ``PATH/pccheck-tune.json``, adapted online as the iteration and
+            write times drift, each change kept in :attr:`interval_changes`), ``memory`` and ``remote``.
         on_error: what happens when a background checkpoint fails: "raise" (default: the next
             ``maybe_checkpoint``/``checkpoint``/``wait``/``close`` raises it), "log" (logged,
             training goes on), or a callable given the exception (called on the writer thread).
             In every case the last committed checkpoint stays loadable.
-        **settings: any field of the option groups by its own name, overriding ``options``
-            (``max_concurrent=2``, ``memory_interval=1``, ``remote="s3://bucket/prefix"``, ...;
-            :class:`pccheck.Options` lists them). An unknown name raises ConfigError.
+        **settings: overrides of ``options``: a tier as ``disk=pccheck.DiskOptions(...)``,
+            ``memory=...``, ``remote=...`` (or ``remote="s3://bucket/prefix"``), any engine,
+            snapshot or group field by its own name (``max_concurrent=2``), and pccheck 0.1.0's tier
+            keywords (``interval``, ``memory_interval``, ...; ``pccheck.options.LEGACY_KEYWORDS``).
+            An unknown name raises ConfigError.
     """
 
     def __init__(self, state: Any, optimizer: Any = None, path: str | os.PathLike[str] | None = None, *,
                  extra_state: Mapping[str, Any] | None = None, metadata: Mapping[str, Any] | None = None,
-                 interval: int | str = 10, options: Options | None = None, on_error: OnError = "raise",
+                 options: Options | None = None, on_error: OnError = "raise",
                  **settings: Any) -> None:
         if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
             if path is not None:
@@ -85,7 +85,6 @@ class Checkpointer:
         if options is not None and not isinstance(options, Options):
             raise ConfigError(f"options must be a pccheck.Options, got {type(options).__name__}")
         self.options: Options = (options or Options()).updated(**settings)
-        check_int_or_auto("interval", interval)
         self._background_error = self._errors = ErrorSink(on_error)
         snapshot_opts = self.options.snapshot
         self._source, self.soft_cow = make_source(state, optimizer, extra_state, snapshot_opts)
@@ -99,7 +98,7 @@ class Checkpointer:
         layout = plan(snap.arrays)
         self._initial_bytes = layout.data_len
         group = detect_group() if self.options.group.distributed else None
-        tuned = choose_policy(self.path, interval, self.options.engine, group,
+        tuned = choose_policy(self.path, self.options.disk.every, self.options.engine, group,
                               None if self._source.may_grow() else layout.data_len, snapshot_opts.spread_steps)
         self.settings, self._tuner, self._policy = tuned.settings, tuned.tuner, tuned.policy
         # GoCkpt mode: the captured gradients come out of dram_budget, the chunk pool gets the rest.
@@ -127,12 +126,12 @@ class Checkpointer:
         # its hooks last: the optimizer step's own hooks (copy-on-write, GoCkpt) run before it prepares
         self._prep = Preparation(self._stack, self._source, optimizer, state, self.metadata, prepared)
         # Left open at interpreter exit: closed then as close() closes it (checkpoints in flight
-        # commit, the remote tier gets remote_close_timeout), before its threads could be cut off.
+        # commit, the remote tier gets remote.close_timeout), before its threads could be cut off.
         self._forget_exit = shutdown.on_exit(self.close)
 
     @property
     def interval(self) -> int:
-        """Steps between the checkpoints :meth:`maybe_checkpoint` takes (``interval="auto"``: the
+        """Steps between the checkpoints :meth:`maybe_checkpoint` takes (``disk.every="auto"``: the
         online tuner's current choice). Set: from the next call on (until the tuner's next change)."""
         return self._policy.interval
 
@@ -144,7 +143,7 @@ class Checkpointer:
 
     def maybe_checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
         """Checkpoints if ``step % interval == 0``; returns whether it did. With
-        ``interval="auto"``, call it once per training iteration: the call times the iteration,
+        ``disk.every="auto"``, call it once per training iteration: the call times the iteration,
         and a checkpoint is due once ``interval`` steps have passed since the previous one (the
         first when ``step % interval == 0``).
 
@@ -234,7 +233,7 @@ class Checkpointer:
 
     @property
     def interval_changes(self) -> list[IntervalChange]:
-        """Every change the online tuner made to the interval (``interval="auto"``), oldest first."""
+        """Every change the online tuner made to the interval (``disk.every="auto"``), oldest first."""
         return list(self._tuner.changes) if self._tuner is not None else []
 
     @property
@@ -265,9 +264,9 @@ class Checkpointer:
     def close(self, remote_timeout: float | None | str = "default") -> None:
         """Waits for checkpoints in flight, stops the writers and releases the store lock. With a
         remote tier it first waits for the newest checkpoint to be committed remotely, up to
-        ``remote_timeout`` s (default: the ``remote_close_timeout`` option; None: no limit)."""
+        ``remote_timeout`` s (default: the ``remote.close_timeout`` option; None: no limit)."""
         self._forget_exit()
-        timeout = self.options.remote.remote_close_timeout if remote_timeout == "default" else remote_timeout
+        timeout = self.options.remote.close_timeout if remote_timeout == "default" else remote_timeout
         try:
             try:
                 self._snapshots.settle()

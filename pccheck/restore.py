@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pathlib import Path
 
@@ -24,11 +24,40 @@ from .persist.recovery import Restored
 from .sharded.dtensor import has_dtensors
 from .sharded.load import load_sharded, newest_is_sharded
 from .state.torch_state import TorchState, nested_state
+from .tiers.memory.paths import default_memory_dir
 from .tiers.remote.objstore import is_remote
 
 __all__ = ["load_latest"]
 
 log = logging.getLogger("pccheck")
+
+
+# Every combination load_latest refuses, and why (one table: the docstring shows it). Each is
+# checked before anything is read or changed.
+REFUSED: list[tuple[str, str]] = [
+    ("optimizer= or extra_state= without model=", "pass model= together with optimizer= / extra_state="),
+    ("memory_dir= with lazy= or zero_copy=", "memory_dir= loads eagerly and copies: drop lazy= / zero_copy="),
+    ("an s3:// path or remote= with zero_copy= or verify=False",
+     "a remote load reads and checks every byte: it takes no zero_copy= or verify=False"),
+    ("a sharded checkpoint or model with zero_copy= or verify=False",
+     "a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: load it without zero_copy= or "
+     "verify=False"),
+    ("zero_copy= with model=", "zero_copy=True returns the arrays as read-only views of the store file; with model= "
+     "they are copied into it anyway: drop zero_copy="),
+    ("zero_copy= in a group's rank stores", "zero_copy=True maps one store file; in a group each rank loads its "
+     "part: drop zero_copy="),
+    ("lazy= without model=", "lazy=True restores a model in place: pass model= (and optimizer=)"),
+    ("lazy= with zero_copy=, verify=False or map_location=", "lazy=True loads into the model's own tensors and "
+     "checks every array: it takes no zero_copy=, verify=False or map_location="),
+    ("lazy= with sharded (DTensor) state", "lazy=True does not restore sharded (DTensor) state yet; load it eagerly"),
+    ("lazy= in a group from a local store", "lazy=True in a torch.distributed group restores from the remote tier "
+     "only: pass the s3:// URL as the path (load_latest(url, ..., lazy=True)), or load eagerly"),
+]
+_WHY = dict(REFUSED)
+
+
+def _refuse(case: str) -> ConfigError:
+    return ConfigError(_WHY[case])
 
 
 def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None, optimizer: Any = None,
@@ -38,139 +67,171 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
                 memory_dir: str | os.PathLike[str] | bool | None = None) -> Restored | LazyRestore:
     """Loads the newest valid checkpoint under ``path`` (default ``$PCCHECK_DIR`` or ./checkpoints).
 
-    Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``. Raises
-    NoCheckpointError when there is none. See :func:`pccheck.persist.recovery.load_newest` for
-    how the checkpoint is picked and validated. In a torch.distributed group (every rank calls
-    this at the same point) the ranks agree on the newest step all of them hold valid and each
-    loads its own part (pccheck.group.distributed); every rank returns the same ``step``.
+    Returns a :class:`Restored` with ``step``, ``state`` and ``metadata``; ``r.tier`` says which
+    tier it came from. Raises NoCheckpointError when no tier holds one. In a torch.distributed
+    group (every rank calls this at the same point) the ranks agree on the newest step all of them
+    can load and each loads its own part; every rank returns the same ``step``.
 
-    With ``lazy=True`` (needs ``model``) it returns a :class:`pccheck.lazy.LazyRestore` once the
-    metadata is read: the tensors load in the background, in first-use order, and each module's
-    forward (and the optimizer's step) waits only for what it needs; ``r.wait()`` waits for all
-    (pccheck/lazy/restore.py says what it does not cover). The array checksums are checked as
-    the tensors arrive; a mismatch raises at the next wait point.
+    The tiers are tried in order, nearest first, each falling back to the next when it holds no
+    valid checkpoint (NoCheckpointError, CorruptCheckpointError or an OSError):
 
-    The remote tier (pccheck/tiers/remote, FORMAT.md §12): ``path="s3://bucket/prefix"`` loads the
-    newest committed remote step whose every checksum holds (falling back to older ones);
-    ``remote="s3://..."`` beside a local ``path`` loads from the remote when the local store is
-    missing or holds nothing valid. ``r.tier`` says which. A sharded step (FORMAT.md §9) loads
-    from the remote on any world size, each rank fetching only the chunks its shards need;
-    ``lazy=True`` from an s3:// path works in a group too (each rank restores its own part).
+    1. ``memory_dir`` (a path, or True for ``/dev/shm/pccheck/<store>``): the memory tier
+       (pccheck.tiers.memory.nearest): the ranks agree on the newest step each can obtain from its
+       own memory, a peer's replica or its own disk, and each loads from the nearest;
+    2. the disk store at ``path`` (its own rank store in a group; a sharded set, FORMAT.md §9, on
+       any number of ranks);
+    3. the remote tier: ``path="s3://bucket/prefix"`` itself, or ``remote="s3://..."`` beside a
+       local ``path`` (FORMAT.md §12; a sharded step on any world size).
 
-    With ``memory_dir`` (a path, or True for the default ``/dev/shm/pccheck/<store>``) the memory
-    tier is searched too (pccheck.tiers.memory.nearest): the ranks agree on the newest step each
-    can obtain from its own memory, a peer's replica or its own disk, and each loads from the
-    nearest (with ``remote=`` too: the remote tier when none of those holds a valid step); ``Restored.tier`` says which. Every rank must pass it.
+    The mode is the same on every tier: eager (every array read and checked, then put back), lazy
+    (``lazy=True``, needs ``model``: returns a :class:`pccheck.lazy.LazyRestore` once the metadata
+    is read; the tensors load in the background in first-use order, and each module's forward and
+    the optimizer's step wait only for what they need; ``r.wait()`` waits for all), or sharded
+    (a DTensor model, or a sharded checkpoint: each rank builds its own boxes).
+
+    Refused, with a ConfigError saying what to do (the table pccheck.restore.REFUSED):
+
+    - optimizer= or extra_state= without model=: nothing to put them back into;
+    - memory_dir= with lazy= or zero_copy=: the memory tier loads eagerly and copies;
+    - an s3:// path or remote= with zero_copy= or verify=False: a remote load checks every byte;
+    - a sharded checkpoint or model with zero_copy= or verify=False: read and checked chunk by chunk;
+    - zero_copy= with model=: the arrays would be copied into the model anyway;
+    - zero_copy= in a group's rank stores: each rank loads its own part;
+    - lazy= without model=: a lazy restore fills a model in place;
+    - lazy= with zero_copy=, verify=False or map_location=: it fills the model's own tensors, checked;
+    - lazy= with sharded (DTensor) state: not supported yet;
+    - lazy= in a group from a local store: only from the remote tier.
     """
     if (optimizer is not None or extra_state) and model is None:
-        raise ConfigError("pass model= together with optimizer= / extra_state=")
+        raise _refuse("optimizer= or extra_state= without model=")
     use_memory = memory_dir is not None and memory_dir is not False
+    on_remote = is_remote(path)
     if use_memory and (lazy or zero_copy):
-        raise ConfigError("memory_dir= loads eagerly and copies: drop lazy= / zero_copy=")
-    if lazy and (is_remote(path) or (remote is not None and not use_memory)):
-        return _remote_lazily(path, remote, detect_group() if distributed else None, model, optimizer, extra_state,
-                              zero_copy, verify, map_location)
-    if is_remote(path) or (remote is not None and not use_memory):
-        if zero_copy or not verify:
-            raise ConfigError("a remote load reads and checks every byte: it takes no zero_copy= or verify=False")
-        group = detect_group() if distributed else None
-        return _remote_or_local(path, remote, group, model, optimizer, extra_state, map_location)
-    directory = Path(path) if path is not None else default_path()
-    group = detect_group() if distributed else None
+        raise _refuse("memory_dir= with lazy= or zero_copy=")
+    if (on_remote or remote is not None) and (zero_copy or not verify):
+        raise _refuse("an s3:// path or remote= with zero_copy= or verify=False")
+    if zero_copy and model is not None:
+        raise _refuse("zero_copy= with model=")
     if lazy:
-        return _load_lazily(directory, group, model, optimizer, extra_state, zero_copy, verify, map_location)
-    # A sharded checkpoint (FORMAT.md §9) loads on any number of ranks: each rank builds what its
-    # own model holds from every saved rank's shards (pccheck.sharded.load).
-    # A model with DTensor parameters takes any checkpoint the same way (its own box of each).
-    if (model is not None and has_dtensors(model)) or newest_is_sharded(directory):
-        if zero_copy or not verify:
-            raise ConfigError("a sharded checkpoint (or a sharded model) is read and checked chunk by chunk: "
-                              "load it without zero_copy= or verify=False")
-        state = TorchState(model, optimizer, extra_state) if model is not None else None
-        if use_memory:
-            return _sharded_from_memory(directory, memory_dir, group, state, map_location)
-        return load_sharded(directory, group, state, map_location, decode=nested_state)
+        if model is None:
+            raise _refuse("lazy= without model=")
+        if zero_copy or not verify or map_location is not None:
+            raise _refuse("lazy= with zero_copy=, verify=False or map_location=")
+        if has_dtensors(model):
+            raise _refuse("lazy= with sharded (DTensor) state")
+    group = detect_group() if distributed else None
+    directory = None if on_remote else Path(path) if path is not None else default_path()
+    if lazy and group is not None and directory is not None:
+        raise _refuse("lazy= in a group from a local store")
+    sharded = directory is not None and not lazy and (
+        (model is not None and has_dtensors(model)) or newest_is_sharded(directory))
+    if sharded and (zero_copy or not verify):
+        raise _refuse("a sharded checkpoint or model with zero_copy= or verify=False")
+    # The tiers, nearest first. The memory tier's vote covers this rank's own disk already, so
+    # eagerly the disk is not read a second time; a sharded set is built from every rank's disk.
+    tiers: list[tuple[str, Any]] = []
     if use_memory:
-        r = _from_memory(directory, memory_dir, group, remote, verify)
-    elif group is not None and rank_dir(directory, group.rank).is_dir():
-        r = agree_and_load(directory, group, verify=verify)
+        tiers.append(("memory", default_memory_dir(directory) if memory_dir is True else Path(memory_dir)))
+    if directory is not None and (not use_memory or sharded):
+        tiers.append(("disk", directory))
+    if on_remote or remote is not None:
+        tiers.append(("remote", str(path if on_remote else remote)))
+    req = _Request(model, optimizer, extra_state, map_location, zero_copy, verify, lazy, sharded, group, directory)
+    failure: Exception | None = None
+    for n, (tier, where) in enumerate(tiers):
+        try:
+            return _LOADERS[tier](where, req)
+        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+            if n + 1 == len(tiers):
+                raise
+            failure = exc
+            log.warning("pccheck: no valid checkpoint in the %s tier (%s); trying the %s tier", tier, exc,
+                        tiers[n + 1][0])
+    raise NoCheckpointError(f"no tier to load from ({failure})")  # unreachable: every path has a tier
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """What load_latest was asked for, checked against REFUSED."""
+
+    model: Any
+    optimizer: Any
+    extra_state: Mapping[str, Any] | None
+    map_location: Any
+    zero_copy: bool
+    verify: bool
+    lazy: bool
+    sharded: bool
+    group: Group | None
+    directory: Path | None  # the disk store (None: the path is s3://)
+
+    def state(self) -> TorchState | None:
+        return TorchState(self.model, self.optimizer, self.extra_state) if self.model is not None else None
+
+    def loaded(self, r: Restored) -> Restored:
+        return _as_loaded(r, self.model, self.optimizer, self.extra_state, self.map_location)
+
+
+def _from_memory(root: Path, req: _Request) -> Restored:
+    """Each rank's own part of the newest step every rank can obtain from memory, a peer's
+    replica or its own disk (pccheck.tiers.memory.nearest); sharded: the chunks it lacks from the
+    ranks that stored them (pccheck.tiers.memory.sharded)."""
+    from .tiers.memory import load_nearest
+
+    assert req.directory is not None
+    r = load_nearest(req.directory, root, req.group, verify=req.verify)
+    if req.sharded:
+        from .tiers.memory.sharded import build_sharded
+
+        return build_sharded(r, req.group, req.state(), req.map_location, decode=nested_state)
+    return req.loaded(r)
+
+
+def _from_disk(directory: Path, req: _Request) -> Restored | LazyRestore:
+    """The disk store: its newest valid slot (a group: the newest step every rank holds valid, each
+    its own part; a sharded set: resharded onto this job), eagerly or lazily."""
+    group = req.group
+    if req.lazy:
+        located = locate(directory)  # recovery's rule, on meta records and manifests
+        if isinstance(located.manifest.tree, dict) and "shards" in located.manifest.tree:
+            raise _refuse("lazy= with sharded (DTensor) state")
+        return restore_lazily(located, req.state())
+    if req.sharded:
+        return load_sharded(directory, group, req.state(), req.map_location, decode=nested_state)
+    if group is not None and rank_dir(directory, group.rank).is_dir():  # collective
+        if req.zero_copy:
+            raise _refuse("zero_copy= in a group's rank stores")
+        r = agree_and_load(directory, group, verify=req.verify)
     else:
-        r = recovery.load_newest(directory, zero_copy=zero_copy and model is None, verify=verify)
+        r = recovery.load_newest(directory, zero_copy=req.zero_copy, verify=req.verify)
         if group is not None:  # replicated="rank0": everyone read rank 0's store; same step?
             _check_same_step(group, r.step)
-    return _as_loaded(r, model, optimizer, extra_state, map_location)
+    return req.loaded(r)
 
 
-def _from_memory(directory: Path, memory_dir: Any, group: Group | None, remote: str | None,
-                 verify: bool) -> Restored:
-    """Each rank's own part of the newest step every rank can obtain (pccheck.tiers.memory), the
-    remote tier when none is (with ``remote=``)."""
-    from .tiers.memory import default_memory_dir, load_nearest
-
-    root = default_memory_dir(directory) if memory_dir is True else Path(memory_dir)
-    try:
-        return load_nearest(directory, root, group, verify=verify)
-    except (NoCheckpointError, CorruptCheckpointError) as exc:
-        if remote is None:
-            raise
-        from .tiers.remote.load import load_remote
-
-        log.warning("pccheck: no step every rank can obtain from memory, peers or disk (%s); loading "
-                    "from the remote tier %s", exc, remote)
-        return load_remote(str(remote), group)
-
-
-def _sharded_from_memory(directory: Path, memory_dir: Any, group: Group | None, state: TorchState | None,
-                         map_location: Any) -> Restored:
-    """A sharded (DTensor) state through the memory tier: every rank's own slot from its nearest
-    tier, the chunks it lacks from the ranks that stored them (pccheck.tiers.memory.sharded);
-    when no step can be built that way (another world size, every tier gone), the disk store's
-    resharded load (pccheck.sharded.load)."""
-    from .tiers.memory.sharded import build_sharded
-
-    try:
-        r = _from_memory(directory, memory_dir, group, None, True)
-        return build_sharded(r, group, state, map_location, decode=nested_state)
-    except (NoCheckpointError, CorruptCheckpointError) as exc:  # every rank alike: the plans and the vote agree
-        log.warning("pccheck: no sharded step from the memory tier (%s); loading the disk store %s", exc, directory)
-        return load_sharded(directory, group, state, map_location, decode=nested_state)
-
-
-def _remote_or_local(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,
-                     extra_state: Mapping[str, Any] | None, map_location: Any) -> Restored:
-    """``path`` itself when it is s3://, else the local store at ``path`` (a group: every rank's
-    store, agreed; a sharded one through pccheck.sharded), falling back to ``remote`` when
-    nothing there is valid. Loaded into the objects when given."""
-    if is_remote(path):
-        return _from_remote(path, group, model, optimizer, extra_state, map_location)
-    directory = Path(path) if path is not None else default_path()
-    try:
-        if (model is not None and has_dtensors(model)) or newest_is_sharded(directory):
-            state = TorchState(model, optimizer, extra_state) if model is not None else None
-            return load_sharded(directory, group, state, map_location, decode=nested_state)
-        if group is not None and rank_dir(directory, group.rank).is_dir():  # collective, as load_latest's
-            r = agree_and_load(directory, group)
-        else:
-            r = recovery.load_newest(directory)
-    except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
-        log.warning("pccheck: no valid local checkpoint under %s (%s); loading from the remote tier %s",
-                    directory, exc, remote)
-        return _from_remote(str(remote), group, model, optimizer, extra_state, map_location)
-    return _as_loaded(r, model, optimizer, extra_state, map_location)
-
-
-def _from_remote(url: str, group: Group | None, model: Any, optimizer: Any,
-                 extra_state: Mapping[str, Any] | None, map_location: Any) -> Restored:
-    """The remote tier: a sharded step (or any step into a sharded model) through the local
-    resharding planner on remote sets (each rank GETs the byte ranges its shards need, any
-    world size; FORMAT.md §12.7), else each rank's part whole (pccheck.tiers.remote.load)."""
-    from .tiers.remote.load import load_remote
+def _from_remote(url: str, req: _Request) -> Restored | LazyRestore:
+    """The remote tier: lazily (each rank its own part, by ranged GETs), a sharded step (or any
+    step into a sharded model) through the resharding planner on remote sets (each rank GETs the
+    byte ranges its shards need, any world size; FORMAT.md §12.7), else each rank's part whole
+    (pccheck.tiers.remote.load)."""
+    from .tiers.remote.load import load_remote, locate_remote
     from .tiers.remote.sharded import newest_remote_is_sharded, remote_sets
 
+    group, model = req.group, req.model
+    if req.lazy:
+        located = locate_remote(url, group)
+        tree = located.manifest.tree
+        if isinstance(tree, dict) and "shards" in tree:  # the same step, so the same answer, on every rank
+            raise _refuse("lazy= with sharded (DTensor) state")
+        return restore_lazily(located, req.state(), read=located.read)
     if (model is not None and has_dtensors(model)) or newest_remote_is_sharded(url, group):
-        state = TorchState(model, optimizer, extra_state) if model is not None else None
-        return load_sharded(url, group, state, map_location, decode=nested_state, sets=remote_sets(url, group))
-    return _as_loaded(load_remote(url, group), model, optimizer, extra_state, map_location)
+        return load_sharded(url, group, req.state(), req.map_location, decode=nested_state,
+                            sets=remote_sets(url, group))
+    return req.loaded(load_remote(url, group))
+
+
+_LOADERS: dict[str, Callable[[Any, _Request], Any]] = {"memory": _from_memory, "disk": _from_disk,
+                                                        "remote": _from_remote}
 
 
 def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str, Any] | None,
@@ -198,52 +259,6 @@ def _as_loaded(r: Restored, model: Any, optimizer: Any, extra_state: Mapping[str
         state = nested_state(tree, r.state, as_tensor)
     state["step"] = r.step
     return dataclasses.replace(r, state=state)
-
-
-def _load_lazily(directory: Path, group: Group | None, model: Any, optimizer: Any,
-                 extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
-                 map_location: Any) -> LazyRestore:
-    if model is None:
-        raise ConfigError("lazy=True restores a model in place: pass model= (and optimizer=)")
-    if zero_copy or not verify or map_location is not None:
-        raise ConfigError("lazy=True loads into the model's own tensors and checks every array: "
-                          "it takes no zero_copy=, verify=False or map_location=")
-    if group is not None:
-        raise ConfigError("lazy=True is not supported in a torch.distributed group yet; load eagerly")
-    located = locate(directory)  # recovery's rule, on meta records and manifests
-    if isinstance(located.manifest.tree, dict) and "shards" in located.manifest.tree or has_dtensors(model):
-        raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
-    return restore_lazily(located, TorchState(model, optimizer, extra_state))
-
-
-def _remote_lazily(path: Any, remote: str | None, group: Group | None, model: Any, optimizer: Any,
-                   extra_state: Mapping[str, Any] | None, zero_copy: bool, verify: bool,
-                   map_location: Any) -> LazyRestore:
-    """lazy=True from the remote tier: ``path`` itself when s3://, else the local store, falling
-    back to ``remote`` when it holds nothing (the arrays then arrive by ranged GETs). In a group
-    only from an s3:// ``path``: the ranks agree on the step (locate_remote), each restores its
-    own part."""
-    from .tiers.remote.load import locate_remote
-
-    if group is not None and not is_remote(path):
-        raise ConfigError("lazy=True in a torch.distributed group restores from the remote tier only: pass the "
-                          "s3:// URL as the path (load_latest(url, ..., lazy=True)), or load eagerly")
-    if not is_remote(path):
-        try:
-            return _load_lazily(Path(path) if path is not None else default_path(), None, model, optimizer,
-                                extra_state, zero_copy, verify, map_location)
-        except NoCheckpointError as exc:
-            log.warning("pccheck: no local checkpoint to restore lazily (%s); from the remote tier %s", exc, remote)
-            path = remote
-    if zero_copy or not verify or map_location is not None:
-        raise ConfigError("lazy=True takes no zero_copy=, verify=False or map_location=")
-    if model is None or has_dtensors(model):
-        raise ConfigError("lazy=True restores a model (without DTensors) in place: pass model=")
-    located = locate_remote(str(path), group)
-    tree = located.manifest.tree
-    if isinstance(tree, dict) and "shards" in tree:  # the same step, so the same answer, on every rank
-        raise ConfigError("lazy=True does not restore sharded (DTensor) state yet; load it eagerly")
-    return restore_lazily(located, TorchState(model, optimizer, extra_state), read=located.read)
 
 
 def _check_same_step(group: Group, step: int) -> None:

@@ -14,7 +14,7 @@ SIGABRT, exit 134. Under torchrun that is a failed worker, and the elastic agent
 The hook runs at the start of the interpreter's thread shutdown, before it joins non-daemon
 threads, because ``concurrent.futures`` pools (the commit threads, the upload senders) still take
 work only until then. So a Checkpointer left open is closed at exit as ``close()`` would close it:
-its checkpoints in flight commit, and a remote upload finishes within ``remote_close_timeout``.
+its checkpoints in flight commit, and a remote upload finishes within ``remote.close_timeout``.
 ``os._exit`` and a fatal signal end the process without running any of this, which is safe: no
 thread is interrupted by the interpreter, the kernel ends them all at once, and the commit protocol
 keeps the last committed checkpoint loadable.
@@ -39,7 +39,7 @@ log = logging.getLogger("pccheck")
 
 # How long the exit hook waits for one thread of pccheck's after its owner was told to stop. Each
 # owner's stop bounds its own work (a lazy load stops between arrays, a Checkpointer's close waits
-# for its commits and for ``remote_close_timeout``); this bounds a thread whose owner never was
+# for its commits and for ``remote.close_timeout``); this bounds a thread whose owner never was
 # registered, so an exit can never hang forever on one.
 JOIN_S = 60.0
 

@@ -1,11 +1,15 @@
-"""History retention (``keep_every`` / ``max_history``): background copies to PATH/history/.
+"""The disk tier's kept checkpoints (``DiskOptions(keep_last=, keep_every=)``): background copies to
+PATH/history/.
 
 What is checked, all with a real Checkpointer and real files:
 
-* every k-th committed checkpoint becomes step-XXXXXX.safetensors (+ .json sidecar) holding exactly
+* ``keep_every=k`` keeps every disk checkpoint whose step % k == 0 (steps, not commits), and
+  ``keep_last=m`` the newest m besides them (pccheck.tiers.keep, the rule of every tier); the
+  0.1.0 spellings ``keep_every``/``max_history`` still work, warning where their meaning changed;
+* each kept checkpoint becomes step-XXXXXX.safetensors (+ .json sidecar) holding exactly
   that step's bytes: it loads with the safetensors library, and arrays safetensors cannot type
   (structured, big-endian) come back bit-exact from their raw bytes and the sidecar's dtypes;
-* ``max_history`` deletes the oldest history files only; store files and slots are never touched;
+* ``keep_last`` deletes the oldest history files only; store files and slots are never touched;
 * retention never blocks or removes the latest committed checkpoint: with the copier held back,
   every checkpoint still commits and the latest always loads; copies of slots the writer reused
   meanwhile are skipped with a warning, never written with mixed bytes;
@@ -29,7 +33,12 @@ from pccheck.ops.history import HistoryKeeper, history_files
 from pccheck.orchestrator.orchestrator import CommitInfo
 from pccheck.persist.recovery import read_manifest, read_store
 
-KW = dict(interval=1, max_concurrent=2, writer_threads=2, chunk_size=16 << 10)
+KW = dict(max_concurrent=2, writer_threads=2, chunk_size=16 << 10)
+
+
+def disk(**kw) -> pccheck.DiskOptions:
+    """The disk tier checkpointing every step (``maybe_checkpoint`` of each one) with ``kw``."""
+    return pccheck.DiskOptions(**{"every": 1, **kw})
 REC = np.dtype([("id", "<i8"), ("name", "S5"), ("xy", "<f4", (2,))])
 
 
@@ -117,7 +126,7 @@ def store_bytes(d: Path) -> dict[str, int]:
 def test_every_kth_checkpoint_is_kept_bit_exact(tmp_path: Path) -> None:
     d = tmp_path / "c"
     state = expected(0)
-    with pccheck.Checkpointer(state, d, keep_every=3, **KW) as ck:
+    with pccheck.Checkpointer(state, d, disk=disk(keep_every=3), **KW) as ck:
         checkpoint_steps(ck, state, range(1, 11), drain=True)
     files = history_files(d)
     assert [s for s, _ in files] == [3, 6, 9]
@@ -138,12 +147,12 @@ def test_every_kth_checkpoint_is_kept_bit_exact(tmp_path: Path) -> None:
     assert pccheck.load_latest(d).step == 10
 
 
-def test_max_history_deletes_only_the_oldest_history_files(tmp_path: Path) -> None:
+def test_keep_last_deletes_only_the_oldest_history_files(tmp_path: Path) -> None:
     d = tmp_path / "c"
     state = expected(0)
     (d / "history").mkdir(parents=True)
     (d / "history" / "NOTES.txt").write_text("mine")  # not a history file: never touched
-    with pccheck.Checkpointer(state, d, keep_every=1, max_history=3, **KW) as ck:
+    with pccheck.Checkpointer(state, d, disk=disk(keep_last=3), **KW) as ck:
         checkpoint_steps(ck, state, range(1, 9), drain=True)
         before = store_bytes(d)
         keeper = ck._history
@@ -169,7 +178,7 @@ def test_retention_never_blocks_or_removes_the_latest(tmp_path: Path, caplog) ->
     d = tmp_path / "c"
     state = expected(0)
     done = threading.Event()
-    with pccheck.Checkpointer(state, d, keep_every=1, max_history=4, **KW) as ck:
+    with pccheck.Checkpointer(state, d, disk=disk(keep_last=4), **KW) as ck:
         keeper = ck._history
         assert keeper is not None
         with keeper.paused():
@@ -207,7 +216,7 @@ def test_a_copy_that_does_not_match_its_checksums_is_discarded(tmp_path: Path, c
     copied bytes no longer matches the manifest, so no history file is written."""
     d = tmp_path / "c"
     state = expected(0)
-    with pccheck.Checkpointer(state, d, **KW) as ck:
+    with pccheck.Checkpointer(state, d, disk=disk(), **KW) as ck:
         checkpoint_steps(ck, state, [1])
     store = d / "store-000001.pcc"
     image = read_store(store)
@@ -221,7 +230,7 @@ def test_a_copy_that_does_not_match_its_checksums_is_discarded(tmp_path: Path, c
         f.seek(off)
         f.write(b"\x01\x02\x03")
     caplog.set_level(logging.WARNING, logger="pccheck")
-    keeper = HistoryKeeper(d, 1, None)
+    keeper = HistoryKeeper(d, keep_last=None)
     keeper(CommitInfo(1, counter, slot, store))
     keeper(CommitInfo(1, counter + 7, slot, store))  # a counter the slot no longer holds
     keeper.close()
@@ -235,7 +244,7 @@ def test_a_copy_that_does_not_match_its_checksums_is_discarded(tmp_path: Path, c
 def test_close_drains_pending_copies_even_when_paused(tmp_path: Path) -> None:
     d = tmp_path / "c"
     state = expected(0)
-    ck = pccheck.Checkpointer(state, d, keep_every=1, **{**KW, "max_concurrent": 3})
+    ck = pccheck.Checkpointer(state, d, disk=disk(keep_last=None), **{**KW, "max_concurrent": 3})
     keeper = ck._history
     assert keeper is not None
     with keeper.paused():
@@ -253,7 +262,7 @@ def test_a_broken_history_directory_never_reaches_training(tmp_path: Path, caplo
     d.mkdir()
     (d / "history").write_text("a file where the directory should be")
     state = expected(0)
-    with pccheck.Checkpointer(state, d, keep_every=1, **KW) as ck:
+    with pccheck.Checkpointer(state, d, disk=disk(keep_last=None), **KW) as ck:
         checkpoint_steps(ck, state, range(1, 4))
         assert ck._history is not None and ck._history.wait_idle(30)
         assert ck._history.counts.failed == 3
@@ -262,10 +271,13 @@ def test_a_broken_history_directory_never_reaches_training(tmp_path: Path, caplo
 
 
 def test_keeper_rejects_bad_arguments(tmp_path: Path) -> None:
-    for args in ((0, None), (1, 0)):
+    for kw in ({}, {"keep_last": -1}, {"keep_every": 0}, {"keep_last": None, "max_pending": 0}):
         with pytest.raises(pccheck.ConfigError):
-            HistoryKeeper(tmp_path, *args)
-    with pytest.raises(pccheck.ConfigError):
+            HistoryKeeper(tmp_path, **kw)  # {}: keeps nothing
+    for kw in ({"keep_every": 0}, {"keep_last": -1}, {"keep_last": 1.5}, {"every": 0}, {"every": "often"}):
+        with pytest.raises(pccheck.ConfigError, match=f"disk.{next(iter(kw))}"):
+            pccheck.DiskOptions(**kw)
+    with pytest.raises(pccheck.ConfigError, match="keep_every"):
         pccheck.Checkpointer(expected(0), tmp_path / "c", keep_every=0)
 
 
@@ -273,7 +285,7 @@ def test_history_of_a_store_that_grows_a_new_generation(tmp_path: Path) -> None:
     """The state outgrows its slots mid-run: copies read whichever store file the commit named."""
     d = tmp_path / "c"
     state = expected(0)
-    with pccheck.Checkpointer(state, d, keep_every=1, **KW) as ck:
+    with pccheck.Checkpointer(state, d, disk=disk(keep_last=None), **KW) as ck:
         checkpoint_steps(ck, state, [1, 2], drain=True)
         state["big"] = np.arange(200_000, dtype=np.float32)
         fill(state, 3)
@@ -292,9 +304,9 @@ def test_history_goes_beside_the_store_file_of_each_commit(tmp_path: Path) -> No
     top = tmp_path / "c"
     for rank in (0, 1):
         state = expected(rank)
-        with pccheck.Checkpointer(state, top / f"rank-{rank}", **KW) as ck:
+        with pccheck.Checkpointer(state, top / f"rank-{rank}", disk=disk(), **KW) as ck:
             checkpoint_steps(ck, state, [5])
-    keeper = HistoryKeeper(top, 1, 1)  # as a distributed Checkpointer constructs it: the top path
+    keeper = HistoryKeeper(top, keep_last=1)  # as a distributed Checkpointer constructs it: the top path
     for rank in (0, 1):
         store = top / f"rank-{rank}" / "store-000001.pcc"
         image = read_store(store)
@@ -305,3 +317,125 @@ def test_history_goes_beside_the_store_file_of_each_commit(tmp_path: Path) -> No
     assert not (top / "history").exists()
     for rank in (0, 1):
         assert [s for s, _ in history_files(top / f"rank-{rank}")] == [5]
+
+
+# -- the tier table's meanings: every, keep_last, keep_every on the disk tier ---------------------
+
+
+def _steps(d: Path) -> list[int]:
+    return sorted(s for s, _ in history_files(d))
+
+
+def test_disk_every_and_keep_every_count_steps_not_commits(tmp_path: Path) -> None:
+    """every=2: disk checkpoints at steps 2, 4, ..., 12 (six commits); keep_every=4 keeps the
+    steps divisible by 4, not every 4th commit (which would be step 8 alone)."""
+    d = tmp_path / "c"
+    state = expected(0)
+    with pccheck.Checkpointer(state, d, disk=pccheck.DiskOptions(every=2, keep_every=4), **KW) as ck:
+        checkpoint_steps(ck, state, range(1, 13), drain=True)
+        assert won(ck) == 6 and ck.interval == 2
+    assert _steps(d) == [4, 8, 12]
+    for step, f in history_files(d):
+        assert_is_step(f, step)
+
+
+def test_disk_keep_last_keeps_the_newest_besides_keep_every(tmp_path: Path) -> None:
+    """keep_last=2 with keep_every=4 over steps 1..10: the newest two (9, 10) and, whatever
+    keep_last says, every step divisible by 4 (4, 8): the rule the remote tier applies too."""
+    d = tmp_path / "c"
+    state = expected(0)
+    with pccheck.Checkpointer(state, d, disk=disk(keep_last=2, keep_every=4), **KW) as ck:
+        checkpoint_steps(ck, state, range(1, 11), drain=True)
+        assert ck._history.counts.kept == 10
+    assert _steps(d) == [4, 8, 9, 10]
+
+
+def test_the_older_history_keywords_still_work(tmp_path: Path) -> None:
+    """keep_every=1 with max_history=m (each commit copied, the newest m kept) is keep_last=m,
+    silently; keep_every=k > 1 keeps its 0.1.0 meaning (every k-th commit, counted) and warns with
+    the per-tier spelling, without changing what is kept."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts = pccheck.Options().updated(interval=1, keep_every=1, max_history=3)
+        assert opts.disk == pccheck.DiskOptions(every=1, keep_last=3)
+        assert pccheck.Options(history=pccheck.HistoryOptions(keep_every=1, max_history=3)).disk == \
+            pccheck.DiskOptions(keep_last=3)
+        assert pccheck.Options().updated(keep_every=1).disk == pccheck.DiskOptions(keep_last=None)
+        # given in two calls, as 0.1.0's replace() of the history group allowed
+        assert pccheck.Options().updated(keep_every=1).updated(max_history=3).disk == pccheck.DiskOptions(keep_last=3)
+    with pytest.warns(DeprecationWarning, match=r"0\.1\.0 meaning.*DiskOptions\(keep_every="):
+        opts = pccheck.Options().updated(keep_every=4)
+    assert opts.disk.keep_every is None and opts.disk.legacy_history == pccheck.HistoryOptions(keep_every=4)
+    assert opts.history.keep_every == 4 and opts.history.max_history is None
+    with pytest.warns(DeprecationWarning, match="0.1.0 meaning"):
+        opts = pccheck.Options().updated(keep_every=4, max_history=2)
+    assert (opts.disk.keep_last, opts.disk.keep_every) == (0, None)
+    assert (opts.history.keep_every, opts.history.max_history) == (4, 2)
+    assert pccheck.Options(disk=pccheck.DiskOptions(keep_every=8)).history is None  # steps: no 0.1.0 spelling
+    with pytest.raises(pccheck.ConfigError, match="cannot be combined"):
+        pccheck.Options().updated(disk=pccheck.DiskOptions(keep_every=8), keep_every=2)
+    d = tmp_path / "c"
+    state = expected(0)
+    with pytest.warns(DeprecationWarning, match="0.1.0 meaning"):
+        ck = pccheck.Checkpointer(state, d, interval=1, keep_every=4, **KW)
+    with ck:
+        checkpoint_steps(ck, state, range(1, 10), drain=True)
+    assert _steps(d) == [4, 8]
+
+
+def test_keep_every_with_max_history_keeps_the_0_1_0_copies(tmp_path: Path) -> None:
+    """pccheck 0.1.0: keep_every=2, max_history=3 over steps 1..10 at interval 1 copies every 2nd
+    commit (2, 4, 6, 8, 10) and keeps the newest three of those copies: 6, 8, 10."""
+    d = tmp_path / "c"
+    state = expected(0)
+    with pytest.warns(DeprecationWarning):
+        ck = pccheck.Checkpointer(state, d, interval=1, keep_every=2, max_history=3, **KW)
+    with ck:
+        checkpoint_steps(ck, state, range(1, 11), drain=True)
+        assert ck._history.counts.kept == 5 and ck._history.counts.deleted == 2
+    assert _steps(d) == [6, 8, 10]
+    for step, f in history_files(d):
+        assert_is_step(f, step)
+    # the same through the 0.1.0 group
+    d2 = tmp_path / "g"
+    with pytest.warns(DeprecationWarning):
+        opts = pccheck.Options(history=pccheck.HistoryOptions(keep_every=2, max_history=3))
+    with pccheck.Checkpointer(state, d2, options=opts, interval=1, **KW) as ck:
+        checkpoint_steps(ck, state, range(1, 11), drain=True)
+    assert _steps(d2) == [6, 8, 10]
+
+
+def test_keep_every_counts_commits_not_steps(tmp_path: Path) -> None:
+    """0.1.0's keep_every=k copies every k-th commit, whatever its step: at interval 3 from step 0
+    the commits are steps 0, 3, 6, 9, 12, 15 and keep_every=2 copies 3, 9, 15 (no multiple of 6
+    among them). max_history alone copies nothing, as in 0.1.0."""
+    d = tmp_path / "c"
+    state = expected(0)
+    with pytest.warns(DeprecationWarning):
+        ck = pccheck.Checkpointer(state, d, interval=3, keep_every=2, **KW)
+    with ck:
+        checkpoint_steps(ck, state, range(0, 16), drain=True)
+    assert _steps(d) == [3, 9, 15]
+    with pytest.warns(DeprecationWarning, match="no copies"):
+        ck = pccheck.Checkpointer(state, tmp_path / "m", interval=1, max_history=3, **KW)
+    with ck:
+        assert ck._history is None
+
+
+def test_keeper_legacy_mode_counts_calls(tmp_path: Path) -> None:
+    """HistoryKeeper(legacy=(k, m)) selects by the count of commits it is told of (so an
+    explicit checkpoint, a resumed run or interval="auto" count as in 0.1.0) and caps the copies
+    at m; bad legacy values are refused."""
+    for bad in ((0, None), (2, 0)):
+        with pytest.raises(pccheck.ConfigError):
+            HistoryKeeper(tmp_path, legacy=bad)
+    with pytest.raises(pccheck.ConfigError):
+        HistoryKeeper(tmp_path, keep_last=2, legacy=(2, None))
+    keeper = HistoryKeeper(tmp_path, legacy=(3, None))
+    with keeper.paused():
+        for step in (5, 7, 11, 12, 100, 101):  # any steps: the 3rd and 6th are queued
+            keeper(CommitInfo(step, step, 0, tmp_path / "none.pcc"))
+        assert [i.step for i in keeper._pending] == [11, 101]
+    keeper.close()

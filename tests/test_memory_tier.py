@@ -323,6 +323,35 @@ def test_memory_need_counts_three_slots_own_and_three_per_replica_source():
     assert memory_need(slot, 3, 2) == 9 * slot + 12 * BLOCK  # replicas=3
 
 
+def test_memory_every_keep_last_and_keep_every_as_the_tier_table_says(tmp_path):
+    """memory.every=3 beside disk.every=5 over steps 1..10: RAM takes 3, 6, 9 and holds only its
+    slots, so keep_last must be 0 and keep_every None (a ConfigError naming the disk tier's
+    fields otherwise); the 0.1.0 keywords memory_interval/memory_dir are silent aliases."""
+    import warnings
+
+    state = {"w": np.zeros(1000, dtype=np.float32)}
+    mem = tmp_path / "mem"
+    with pccheck.Checkpointer(state, tmp_path / "ck", disk=pccheck.DiskOptions(every=5),
+                              memory=pccheck.MemoryOptions(every=3, dir=mem)) as ck:
+        for step in range(1, 11):
+            state["w"][...] = step
+            ck.maybe_checkpoint(step)
+            ck.wait()
+        assert [c.step for c in ck._memory.recent] == [3, 6, 9]
+        assert ck.stats().tiers["memory"] == 9 and ck.last_durable_step == 10
+    for kw in ({"keep_last": 2}, {"keep_last": None}, {"keep_every": 4}):
+        with pytest.raises(ConfigError, match="keeps only its slots.*DiskOptions"):
+            pccheck.MemoryOptions(every=1, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts = pccheck.Options().updated(memory_interval=3, memory_dir=mem, replicas=1)
+        assert opts.memory == pccheck.MemoryOptions(every=3, dir=mem) == \
+            pccheck.MemoryOptions(memory_interval=3, memory_dir=mem)
+        assert (opts.memory.memory_interval, opts.memory.memory_dir) == (3, mem)
+    with pytest.raises(ConfigError, match="memory.every"):
+        pccheck.Options().updated(memory_interval=0)
+
+
 def test_memory_dir_too_small_is_a_clear_error(tmp_path):
     small = tmp_path / "small"
     small.mkdir()

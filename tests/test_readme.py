@@ -54,4 +54,4 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
         if "ck" in ns:
             ns["ck"].close()
     assert ns["r"].step == 20  # block 1: the last checkpoint of interval 10 within 25 steps
-    assert ns["opts"].history.keep_every == 100
+    assert ns["opts"].disk.keep_every == 1000 and ns["opts"].disk.keep_last == 3

@@ -65,9 +65,55 @@ def test_roundtrip_stats_and_fallback_to_remote(s3_url, tmp_path):
     _assert_step(r, 3)
 
 
+def test_remote_every_selects_steps_not_commits(s3_url, tmp_path):
+    """every=4 with disk checkpoints at steps 2, 4, ..., 12: the steps divisible by 4 are uploaded
+    (each waited for, so none is superseded), not every 4th durable checkpoint (step 8 alone)."""
+    state = _arrays(0)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=pccheck.RemoteOptions(url=s3_url, every=4)) as ck:
+        for s in range(2, 13, 2):
+            _fill(state, s)
+            ck.checkpoint(s)
+            assert ck.wait(remote=True, timeout=60)
+        assert ck.stats().remote["remote_uploads"] == 3
+    assert sorted(s for _, s in committed(ObjectStore(s3_url))) == [4, 8, 12]
+
+
+def test_older_remote_keywords_are_aliases():
+    """The 0.1.0 remote keywords still build the same RemoteOptions; remote_every warns (it
+    counted durable checkpoints, `every` selects steps), unless 1 (each one in both meanings)."""
+    import warnings
+
+    url = "s3://bucket/prefix"
+    want = pccheck.RemoteOptions(url=url, keep_last=2, keep_every=3, part_size=16 * MiB, concurrency=2,
+                                 close_timeout=5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts = pccheck.Options().updated(remote=url, remote_every=1, remote_keep_last=2, remote_keep_every=3,
+                                         remote_part_size=16 * MiB, remote_concurrency=2, remote_close_timeout=5.0)
+        assert opts.remote == want
+        assert pccheck.RemoteOptions(remote=url, remote_keep_last=2, remote_keep_every=3, remote_part_size=16 * MiB,
+                                     remote_concurrency=2, remote_close_timeout=5.0) == want
+        assert (opts.remote.remote, opts.remote.remote_keep_last, opts.remote.remote_part_size) == (url, 2, 16 * MiB)
+    # remote_every=k > 1 keeps counting durable checkpoints (legacy_every), and says so
+    with pytest.warns(DeprecationWarning, match=r"0\.1\.0 meaning.*RemoteOptions\(url=\.\.\., every=N\)"):
+        r = pccheck.Options().updated(remote=url, remote_every=2).remote
+    assert (r.every, r.legacy_every, r.remote_every) == (1, 2, 2)
+    with pytest.warns(DeprecationWarning, match="counted as they commit"):
+        assert pccheck.RemoteOptions(remote=url, remote_every=2) == r
+    with pytest.warns(DeprecationWarning):  # the older flat keyword over a tier object, as for the others
+        assert pccheck.Options().updated(remote=pccheck.RemoteOptions(url=url, every=5), remote_every=3).remote == \
+            pccheck.RemoteOptions(url=url, legacy_every=3)
+    with pytest.raises(pccheck.ConfigError, match="cannot be combined"):
+        pccheck.RemoteOptions(url=url, every=4, legacy_every=2)
+    with pytest.raises(pccheck.ConfigError, match="remote_every"):
+        pccheck.Options().updated(remote_every=0)
+    with pytest.raises(pccheck.ConfigError, match="remote.every"):
+        pccheck.Options().updated(remote=pccheck.RemoteOptions(url=url, every=0))
+
+
 def test_remote_every_and_close_waits(s3_url, tmp_path):
     state = _arrays(0)
-    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_every=2) as ck:
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=pccheck.RemoteOptions(url=s3_url, every=2)) as ck:
         for s in range(1, 6):
             _fill(state, s)
             ck.checkpoint(s)
@@ -76,6 +122,34 @@ def test_remote_every_and_close_waits(s3_url, tmp_path):
     steps = {s for _, s in committed(store)}
     assert steps <= {2, 4} and 4 in steps  # only every 2nd; close() waited for the newest
     _assert_step(pccheck.load_latest(s3_url), 4)
+
+
+def test_remote_every_keeps_counting_durable_checkpoints(s3_url, tmp_path):
+    """pccheck 0.1.0's remote_every=k uploads every k-th durable checkpoint: interval=10 with
+    remote_every=2 over steps 1..60 uploads 20, 40, 60; from step 0 (commits 0, 10, 20, ...) it
+    uploads 10, 30, 50, which no step rule gives; explicit checkpoints count too."""
+    for first, want in ((1, [20, 40, 60]), (0, [10, 30, 50])):
+        url = f"{s3_url}-{first}"
+        state = _arrays(0)
+        with pytest.warns(DeprecationWarning, match="0.1.0 meaning"):
+            ck = pccheck.Checkpointer(state, tmp_path / f"ck{first}", interval=10, remote=url, remote_every=2)
+        with ck:
+            for s in range(first, 61):
+                _fill(state, s)
+                if ck.maybe_checkpoint(s):
+                    assert ck.wait(remote=True, timeout=60)
+            assert ck.stats().remote["remote_uploads"] == 3
+        assert sorted(s for _, s in committed(ObjectStore(url))) == want
+    url = f"{s3_url}-x"
+    state = _arrays(0)
+    with pytest.warns(DeprecationWarning):
+        ck = pccheck.Checkpointer(state, tmp_path / "ckx", remote=pccheck.RemoteOptions(url=url, remote_every=3))
+    with ck:
+        for s in (5, 7, 11, 13, 17, 19):
+            _fill(state, s)
+            ck.checkpoint(s)
+            assert ck.wait(remote=True, timeout=60)
+    assert sorted(s for _, s in committed(ObjectStore(url))) == [11, 19]
 
 
 @pytest.mark.parametrize("mode,survivor", [("parts", 1), ("manifest", 1), ("pointer", 2)])
@@ -326,7 +400,8 @@ def test_remote_retention_keeps_last_and_every_and_collects_orphans(s3_url, tmp_
     store.put("data/g00000000/s9-dead/rank-0.bin", b"x")
     stale = store.start_multipart("data/g00000000/s9-beef/rank-0.bin")
     state = _arrays(0)
-    with pccheck.Checkpointer(state, tmp_path / "ck", remote=s3_url, remote_keep_last=2, remote_keep_every=3) as ck:
+    remote = pccheck.RemoteOptions(url=s3_url, keep_last=2, keep_every=3)
+    with pccheck.Checkpointer(state, tmp_path / "ck", remote=remote) as ck:
         for s in range(1, 8):
             _fill(state, s)
             ck.checkpoint(s)
@@ -456,9 +531,7 @@ def test_an_older_commit_reported_late_never_supersedes_a_newer_one(s3_url, tmp_
             _fill(state, s)
             ck.checkpoint(s)
             ck.wait()
-        up = ck._remote
-        with up._cv:  # replay step 1's commit report after step 2's
-            up._commits -= 1
+        up = ck._remote  # replay step 1's commit report after step 2's
         up.on_commit(CommitInfo(1, 1, 0, ck._orch.store.file))
         assert ck.wait(remote=True, timeout=60)
         assert ck.stats().remote_step == 2

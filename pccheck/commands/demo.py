@@ -97,8 +97,8 @@ def train(directory: str, steps: int, resume: bool) -> None:
         start = r.step
         print(f"LOADED {time.perf_counter() - t0:.6f}", flush=True)
     print(f"START {start}", flush=True)
-    ck = pccheck.Checkpointer(model, opt, path=directory, extra_state={"sched": sched}, interval=10,
-                              max_concurrent=2, chunk_size=1 << 20)
+    ck = pccheck.Checkpointer(model, opt, path=directory, extra_state={"sched": sched},
+                              disk=pccheck.DiskOptions(every=10), max_concurrent=2, chunk_size=1 << 20)
     for step in range(start + 1, steps + 1):
         model.train()
         x, y = _batch(step, data)

@@ -249,9 +249,9 @@ def _render(console: Console, profile: Profile, choice: Choice, c: Constraints, 
     for note in choice.notes:
         console.print(f"note: {note}")
     if written:
-        console.print(f"wrote {written}: Checkpointer(..., interval=\"auto\", max_concurrent=\"auto\", ...) reads it")
+        console.print(f"wrote {written}: Checkpointer(..., disk=DiskOptions(every=\"auto\"), max_concurrent=\"auto\", ...) reads it")
     else:
-        console.print("pass --write-config to store this choice for Checkpointer(..., interval=\"auto\")")
+        console.print("pass --write-config to store this choice for Checkpointer(..., disk=DiskOptions(every=\"auto\"))")
 
 
 # -- the command ---------------------------------------------------------------------------------

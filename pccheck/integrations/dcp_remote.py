@@ -61,7 +61,7 @@ class RemoteTarget:
 
     def __init__(self, url: str, options: RemoteOptions | None = None) -> None:
         self.url = url
-        self.options = options or RemoteOptions(remote=url)
+        self.options = options or RemoteOptions(url=url)
         self.store = ObjectStore(url)
         self.store.probe()
 
@@ -78,9 +78,9 @@ class RemoteTarget:
         checksums say so); RemoteError if the store fails."""
         o = self.options
         ref = SlotRef(commit.store_file, commit.slot, commit.counter, commit.step)
-        with ThreadPoolExecutor(o.remote_concurrency, thread_name_prefix="pccheck-remote-part") as senders:
-            part = upload_slot(self.store, ref, generation, rank, o.remote_part_size,
-                               BufferPool(o.remote_concurrency + 1, o.remote_part_size), senders, lambda: False)
+        with ThreadPoolExecutor(o.concurrency, thread_name_prefix="pccheck-remote-part") as senders:
+            part = upload_slot(self.store, ref, generation, rank, o.part_size,
+                               BufferPool(o.concurrency + 1, o.part_size), senders, lambda: False)
         self.store.put_new(part_key(generation, commit.step, rank), json.dumps(part.as_json()).encode("utf-8"))
 
     def commit(self, generation: int, step: int, world_size: int) -> None:

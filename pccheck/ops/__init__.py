@@ -4,8 +4,8 @@
   the store below a directory a user knows (a Lightning ``dirpath``, a job root); ``pccheck ls``,
   ``verify`` and ``inspect`` render it, ``load_latest(lazy=True)`` uses ``locate`` (FORMAT.md §7).
 - ``export.py``: a checkpoint as a safetensors or torch file, written durably (``pccheck export``).
-- ``history.py``: every k-th committed checkpoint copied to ``PATH/history/`` in the background
-  (``keep_every``, ``max_history``; FORMAT.md §1's ``history/``).
+- ``history.py``: the disk tier's kept checkpoints, copied to ``PATH/history/`` in the background
+  (``DiskOptions(keep_last=..., keep_every=...)``; FORMAT.md §1's ``history/``).
 
 Invariants owned here: nothing here writes a store file or frees a slot; everything is read with
 the recovery readers, as untrusted input; a history copy never blocks a checkpoint nor pins a slot,

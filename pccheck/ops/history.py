@@ -1,9 +1,13 @@
-"""Debugging history: every k-th committed checkpoint, copied to ``PATH/history/`` in the background.
+"""The disk tier's kept checkpoints: copies in ``PATH/history/``, made in the background.
 
 The store keeps only N+1 slots, so old checkpoints are overwritten within N+1 commits. For
 debugging a run (the paper's second use case) it helps to keep some of them. With
-``Checkpointer(..., keep_every=k, max_history=m)`` every k-th checkpoint that becomes the durable
-latest is copied to::
+``disk=pccheck.DiskOptions(keep_last=m, keep_every=k)`` the tier keeps copies of its newest m
+checkpoints and of every one whose ``step % k == 0`` (the rule of every tier,
+pccheck.tiers.keep): each checkpoint that becomes the durable latest and that the rule may keep
+(any, with ``keep_last`` != 0; else those of a step divisible by k) is copied to (pccheck
+0.1.0's ``keep_every=k, max_history=m``, counted in commits, keeps its behaviour: every k-th
+commit copied, the newest m copies kept; HistoryKeeper's ``legacy``)::
 
     PATH/history/step-XXXXXX.safetensors   the arrays (safetensors), with step, counter and metadata
                                            in its ``__metadata__``
@@ -22,8 +26,9 @@ Invariants (what retention must never do to the store):
 * It never pins a slot: the writer may reuse the slot while it is being copied. The copy is
   validated against the manifest's crc32c array by array and discarded (with a warning) if the
   slot was overwritten meanwhile, so a history file always holds exactly one checkpoint's bytes.
-* ``max_history`` deletes the oldest history files only (by modification time), never a store
-  file or slot, and never the file just written.
+* ``keep_last`` deletes only history files (the oldest by modification time, beyond the newest
+  m, never one of a step divisible by ``keep_every``), never a store file or slot, and never the
+  file just written.
 * Each file is written to a temporary name, fsynced, renamed, and the directory fsynced
   (:func:`pccheck.persist.files.write_durably`).
 
@@ -53,6 +58,7 @@ from .export import SafetensorsEntry, safetensors_dtype, safetensors_header
 from ..persist.files import HISTORY_DIR, fsync_dir, write_durably
 from ..persist.reader import crc32c
 from ..persist.recovery import read_manifest, read_store
+from ..tiers.keep import retained
 
 __all__ = ["HistoryKeeper", "HistoryCounts", "HISTORY_DIR", "history_files"]
 
@@ -70,7 +76,7 @@ class HistoryCounts:
     kept: int      # history files written
     skipped: int   # checkpoints not copied: the slot was overwritten first, or the store was unreadable
     dropped: int   # checkpoints dropped from a full queue before their copy started
-    deleted: int   # old history files deleted by max_history
+    deleted: int   # old history files deleted by keep_last
     failed: int    # copies that failed with an error (logged)
 
 
@@ -93,11 +99,11 @@ def history_files(path: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 class HistoryKeeper:
-    """Copies every ``keep_every``-th committed checkpoint to ``path/history`` in the background.
+    """Copies committed checkpoints to ``path/history`` in the background and prunes the copies.
 
     Call protocol (a :class:`pccheck.tiers.base.Tier` after the disk; the tier stack follows it)::
 
-        keeper = HistoryKeeper(path, keep_every, max_history)
+        keeper = HistoryKeeper(path, keep_last=m, keep_every=k)
         keeper(info)      # (= on_commit) on a commit thread, after each checkpoint that became the
                           # durable latest (a CommitInfo); only enqueues, returns at once, never raises
         keeper.close()    # on Checkpointer.close: finishes pending copies, joins the thread
@@ -105,26 +111,43 @@ class HistoryKeeper:
     Args:
         path: the store directory; history goes to ``path/history`` (created on first copy), or
             rather beside the store file each commit names (``CommitInfo.store_file``).
-        keep_every: copy the k-th, 2k-th, ... committed checkpoint (counted by this keeper).
-        max_history: keep at most this many history files (oldest deleted); None keeps all.
+        keep_last: keep copies of the newest m committed checkpoints (each one is copied); 0: none
+            by this rule; None: a copy of every one, none deleted.
+        keep_every: also keep a copy of every committed checkpoint whose ``step % k == 0``, never
+            deleted; None: none by this rule.
         max_pending: copies queued at most; beyond it the oldest queued one is dropped.
+        legacy: pccheck 0.1.0's ``(keep_every, max_history)``, counted in commits, instead of
+            keep_last/keep_every (``DiskOptions.legacy_history``): every k-th call copies (the
+            keeper counts the commits it is told of, whatever their step) and beyond m copies the
+            oldest by modification time are deleted (None: none), never the file just written.
+            This is what ``keep_every=k, max_history=m`` did in 0.1.0, kept exactly for that spelling.
     """
 
     name = "history"
     after_disk = True  # fed by the disk's durable commits
 
-    def __init__(self, path: Path, keep_every: int, max_history: int | None, *, max_pending: int = 8) -> None:
-        if keep_every < 1 or (max_history is not None and max_history < 1) or max_pending < 1:
-            raise ConfigError(f"keep_every, max_history and max_pending must be >= 1; got {keep_every}, "
-                              f"{max_history}, {max_pending}")
+    def __init__(self, path: Path, *, keep_last: int | None = 0, keep_every: int | None = None,
+                 max_pending: int = 8, legacy: tuple[int, int | None] | None = None) -> None:
+        if legacy is not None:
+            every_kth, most = legacy
+            if every_kth < 1 or (most is not None and most < 1) or keep_last != 0 or keep_every is not None \
+                    or max_pending < 1:
+                raise ConfigError(f"HistoryKeeper: legacy (keep_every, max_history) must be (>= 1, >= 1 or None) "
+                                  f"without keep_last/keep_every, got {legacy!r}, {keep_last!r}, {keep_every!r}")
+        elif (keep_last is not None and keep_last < 0) or (keep_every is not None and keep_every < 1) \
+                or max_pending < 1 or (keep_last == 0 and keep_every is None):
+            raise ConfigError(f"HistoryKeeper keeps nothing or got a bad value: keep_last {keep_last!r} (>= 0 or "
+                              f"None), keep_every {keep_every!r} (>= 1 or None; one of them must keep something), "
+                              f"max_pending {max_pending!r} (>= 1)")
         self.path = Path(path)
         self.directory = self.path / HISTORY_DIR
+        self.keep_last = keep_last
         self.keep_every = keep_every
-        self.max_history = max_history
+        self.legacy = legacy
+        self._commits = 0  # legacy mode: the commits told of so far
         self._max_pending = max_pending
         self._cv = threading.Condition()
         self._pending: collections.deque[Any] = collections.deque()
-        self._commits = 0
         self._paused = 0
         self._busy = False
         self._closed = False
@@ -159,12 +182,16 @@ class HistoryKeeper:
     # -- the hook -------------------------------------------------------------------------------
 
     def __call__(self, info: Any) -> None:
-        """Notes one committed checkpoint (a ``CommitInfo``); queues a copy of every k-th. No I/O."""
+        """Notes one committed checkpoint (a ``CommitInfo``); queues a copy if the rule may keep it
+        (``keep_last`` != 0, or its step divisible by ``keep_every``). No I/O."""
         with self._cv:
             if self._closed:
                 return
-            self._commits += 1
-            if self._commits % self.keep_every:
+            if self.legacy is not None:
+                self._commits += 1
+                if self._commits % self.legacy[0]:
+                    return
+            elif self.keep_last == 0 and info.step % self.keep_every:
                 return
             if len(self._pending) >= self._max_pending:
                 old = self._pending.popleft()
@@ -297,18 +324,19 @@ class HistoryKeeper:
         log.info("pccheck: kept step %d in %s", man.step, self._file(man.step))
 
     def _prune(self, keep: Path) -> None:
-        if self.max_history is None:
+        most = self.legacy[1] if self.legacy is not None else self.keep_last
+        if most is None:
             return
-        files = history_files(self.directory.parent)
-        excess = len(files) - self.max_history
+        files = history_files(self.directory.parent)[::-1]  # newest first; only history files
+        if self.legacy is not None:  # 0.1.0: the oldest files beyond m go, whatever their step
+            doomed = [f for f in files[::-1] if f[1] != keep][:max(0, len(files) - most)]
+        else:
+            stay = retained(files, lambda f: f[0], self.keep_last, self.keep_every)
+            doomed = [f for f in files if f not in stay and f[1] != keep]
         removed = 0
-        for _, p in files:  # oldest first; only history files, never a store file
-            if removed >= excess:
-                break
-            if p == keep:
-                continue
-            p.unlink(missing_ok=True)
-            p.with_suffix(".json").unlink(missing_ok=True)
+        for f in doomed:
+            f[1].unlink(missing_ok=True)
+            f[1].with_suffix(".json").unlink(missing_ok=True)
             removed += 1
         if removed:
             fsync_dir(self.directory)

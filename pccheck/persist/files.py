@@ -6,7 +6,7 @@ and the one way to write a small file durably.
     PATH/pccheck-tune.json     the tuner's choice (tuner/config.py)
     PATH/GLOBAL                a group's newest globally committed step (distributed.py)
     PATH/rank-<r>/             one rank's store directory (distributed.py)
-    PATH/history/              keep_every copies (history.py)
+    PATH/history/              the disk tier's kept copies (keep_last, keep_every; history.py)
 """
 
 from __future__ import annotations

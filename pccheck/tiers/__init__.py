@@ -5,12 +5,17 @@ Folder map:
 
     tiers/
       memory/        the memory tier: RAM that survives the process (a tmpfs store, written by the
-                     §4 protocol every ``memory_interval`` steps), replicated to peer nodes
+                     §4 protocol every ``memory.every`` steps), replicated to peer nodes
                      (Gemini's group placement), and the restore from the nearest tier
                      (``memory/nearest.py``; docs/FORMAT.md §13)
       remote/        the object-storage tier (S3): committed local checkpoints uploaded in the
                      background and committed on the store crash-safely (docs/FORMAT.md §12);
                      ``remote="s3://bucket/prefix"`` on a Checkpointer, ``load_latest("s3://...")``
+      keep.py        the one retention rule of every tier (``keep_last``, ``keep_every``)
+      base.py        the Tier protocol (one life, its call order numbered) and TierContext, the
+                     frozen context every tier is built from
+      stack.py       TierStack: the disk store and the configured tiers of one process, built,
+                     fed and torn down (one ExitStack) in one place
 
 Each tier writes or mirrors the FORMAT.md store layout and checks every byte it reads. The remote
 tier reads only committed local slots (never training memory) and holds them from reuse through

@@ -69,10 +69,13 @@ class TierStack:
         stack = contextlib.ExitStack()
         try:
             history = None
-            if opts.history.keep_every is not None and writes:
+            disk = opts.disk
+            if disk.keeps_copies and writes:
                 from ..ops.history import HistoryKeeper
 
-                history = HistoryKeeper(ctx.path, opts.history.keep_every, opts.history.max_history)
+                legacy = disk.legacy_history  # pccheck 0.1.0's keep_every/max_history: counted in commits
+                history = HistoryKeeper(ctx.path, keep_last=disk.keep_last, keep_every=disk.keep_every,
+                                        legacy=(legacy.keep_every, legacy.max_history) if legacy else None)
                 stack.callback(history.close)
             if group is not None and opts.group.replicated is None:
                 self.coord = GroupCoordinator(ctx.path, group)

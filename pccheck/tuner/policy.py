@@ -1,9 +1,9 @@
 """When a checkpoint is due: the save-decision policies ``Checkpointer.maybe_checkpoint`` asks
 (as Orbax's ``save_decision_policy.py`` does for its CheckpointManager).
 
-- :class:`FixedInterval` (``interval=int``, and ``"auto"`` in a group): every ``interval`` steps,
-  ``step % interval == 0``.
-- :class:`OnlineTuned` (``interval="auto"`` in one process): the online tuner's interval
+- :class:`FixedInterval` (``DiskOptions(every=int)``, and ``"auto"`` in a group): every
+  ``interval`` steps, ``step % interval == 0``.
+- :class:`OnlineTuned` (``DiskOptions(every="auto")`` in one process): the online tuner's interval
   (:class:`~pccheck.tuner.online.OnlineTuner`, re-derived while training runs), counted from
   the last checkpoint taken.
 
@@ -52,7 +52,7 @@ class FixedInterval:
 
 
 class OnlineTuned:
-    """``interval="auto"``: each call ends a training iteration for the tuner, which may change the
+    """``DiskOptions(every="auto")``: each call ends a training iteration for the tuner, which may change the
     interval; a checkpoint is due once ``interval`` steps have passed since the last one taken (the
     first, or after the steps restarted, when ``step % interval == 0``)."""
 

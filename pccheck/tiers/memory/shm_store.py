@@ -1,7 +1,7 @@
 """The memory tier: a store (FORMAT.md §1-§5, unchanged) on tmpfs, written every k iterations.
 
 ``MemoryTier`` owns a second :class:`~pccheck.orchestrator.Orchestrator`, over
-``/dev/shm/pccheck/<store>`` (``memory_dir=``), that writes in ``mmap`` mode (tmpfs refuses
+``/dev/shm/pccheck/<store>`` (``MemoryOptions.dir``), that writes in ``mmap`` mode (tmpfs refuses
 O_DIRECT; a barrier there is an ``msync`` of tmpfs pages, so a memory checkpoint survives the
 process, not the machine). It is fed the same snapshots as the disk tier: the same
 ``TorchState``, at the same ``maybe_checkpoint`` call, with the same soft copy-on-write guard
@@ -71,12 +71,12 @@ def check_room(root: Path, need: int) -> None:
         free = shutil.disk_usage(root).free
     except OSError as exc:
         raise StorageError(exc.errno or errno.EIO, f"cannot use the memory tier directory {root}: "
-                           f"{exc.strerror or exc}; pass memory_dir= on a tmpfs with room") from None
+                           f"{exc.strerror or exc}; pass memory=pccheck.MemoryOptions(dir=...) on a tmpfs with room") from None
     have = sum(f.stat().st_size for d in [root, *root.glob("*")] if d.is_dir() for _, f in store_files(d))
     if free + have < need:
         raise NoSpaceError(errno.ENOSPC, f"the memory tier needs {need / 2**20:.1f} MiB on {root} (own slots and "
                            f"replicas of the state) but only {(free + have) / 2**20:.1f} MiB are free there: "
-                           f"enlarge /dev/shm (docker --shm-size), pass memory_dir= elsewhere, or lower replicas")
+                           f"enlarge /dev/shm (docker --shm-size), pass MemoryOptions(dir=...) elsewhere, or lower replicas")
 
 
 class MemoryCoordinator(GroupCoordinator):
@@ -169,7 +169,7 @@ class MemoryTier:
         from .replicate import ReplicaLinks  # collective when replicas > 1
 
         if interval < 1:
-            raise ConfigError(f"memory_interval must be a positive integer, got {interval}")
+            raise ConfigError(f"memory.every must be a positive integer, got {interval}")
         self.root, self.interval, self.group = root, interval, group
         self._layout, self._arrays = layout, arrays  # the first snapshot's: the store's layout, the copy engine
         self.dir = memory_rank_dir(root, group.rank if group is not None else None)
@@ -188,7 +188,7 @@ class MemoryTier:
             chunk = int(engine.chunk_size)
             budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
         # Writers: tmpfs is written by memcpy, so the CPU, not a device queue, sets the pace. At
-        # memory_interval=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
+        # memory.every=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
         # next iteration waited for them (bench/README.md, "On a GPU"): half the host's cores, at least the disk's.
         writers = max(int(engine.writer_threads), min(MAX_WRITERS, (os.cpu_count() or 2) // 2))
         self._engine = replace(engine, max_concurrent=1, storage="mmap", chunk_size=chunk, dram_budget=budget,
@@ -315,24 +315,24 @@ class MemoryTier:
 
 
 def build_memory_tier(ctx: TierContext, engine: EngineOptions, layout: Layout, snap: Any) -> MemoryTier | None:
-    """The memory tier of ``ctx`` (None when ``memory_interval`` is not set). Collective in a
+    """The memory tier of ``ctx`` (None when ``memory.every`` is not set). Collective in a
     group; raises ConfigError for a combination it does not support, NoSpaceError when the
     memory directory's file system is too small for ``memory_need`` bytes."""
     from ...persist.layout import manifest_upper_bound
 
     t, opts = ctx.options.memory, ctx.options
-    if t.memory_interval is None:
+    if t.every is None:
         return None
     if opts.group.replicated is not None:
         raise ConfigError("the memory tier needs every rank to write its own state: drop replicated='rank0'")
     if opts.snapshot.spread_steps != 1:
         raise ConfigError("the memory tier does not take spread checkpoints yet: use spread_steps=1")
-    root = Path(t.memory_dir) if t.memory_dir is not None else default_memory_dir(ctx.path)
+    root = Path(t.dir) if t.dir is not None else default_memory_dir(ctx.path)
     data = layout.data_len
     if ctx.source.may_grow():  # Adam's state appears at its first step: two moments per parameter
         data *= 3
     man = manifest_upper_bound(layout, ctx.metadata, tree=snap.tree, epoch=2**62) + (64 << 10)
     slot = data + (man + BLOCK - 1) // BLOCK * BLOCK
     on_device = select_copy_engine(snap.arrays).name != "cpu"
-    return MemoryTier(root, t.memory_interval, t.replicas, engine, slot, ctx.group, ctx.on_error, layout,
+    return MemoryTier(root, t.every, t.replicas, engine, slot, ctx.group, ctx.on_error, layout,
                       snap.arrays, device_bytes=data if on_device else 0)

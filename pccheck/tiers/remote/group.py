@@ -65,7 +65,7 @@ class GroupUploader(RemoteUploader):
         self.group, self._kv, self._coord = group, group.store, coord
         # the same n on every rank: each counts its own constructions (all construct together)
         self._ns = f"remote/i{group.store.add(f'remote/instances/{group.rank}', 1)}/"
-        self._globals = 0                 # rank 0: global steps published so far
+        self._globals = 0                 # rank 0: global steps published so far (legacy_every)
         self._wanted: int | None = None   # rank 0: the newest selected global step not announced
         self._busy = False                # rank 0: an announced step is in progress
         self._done_steps: set[int] = set()
@@ -87,7 +87,7 @@ class GroupUploader(RemoteUploader):
         """Rank 0, in the publishing thread before ``step`` enters the global log."""
         self._globals += 1
         log.debug("pccheck: global step %d published (busy %s)", step, self._busy)
-        if self._globals % self.options.remote_every == 0:
+        if self._selected(step, self._globals):
             self._wanted = step
             if not self._busy:
                 self._announce(step)
@@ -216,7 +216,7 @@ class GroupUploader(RemoteUploader):
         while not self._closing:
             try:
                 t0 = time.perf_counter()
-                part = upload_slot(self.store, ref, self.generation, self.rank, self.options.remote_part_size,
+                part = upload_slot(self.store, ref, self.generation, self.rank, self.options.part_size,
                                    self._take_pool(), self._senders, lambda: self._closing)
                 self.store.put_new(part_key(self.generation, step, self.rank),
                                    json.dumps(part.as_json()).encode("utf-8"))
@@ -282,12 +282,12 @@ class GroupUploader(RemoteUploader):
 
 
 def build_remote_tier(ctx: Any, writes: bool) -> RemoteUploader | None:
-    """The remote tier of ``ctx`` (a TierContext): None without ``remote=`` (or on a rank that
+    """The remote tier of ``ctx`` (a TierContext): None without a URL (or on a rank that
     writes nothing); in a group with a coordinator, a GroupUploader (each rank uploads its part,
     rank 0 commits the step; the coordinator keeps one more slot, the one uploading); else a
     RemoteUploader. Both probe the object store first (RemoteConfigError)."""
     opts = ctx.options.remote
-    if opts.remote is None or not writes:
+    if opts.url is None or not writes:
         return None
     if ctx.coord is not None:
         up = GroupUploader(opts, on_error=ctx.on_error, group=ctx.group, coord=ctx.coord)

@@ -1,4 +1,5 @@
-"""Retention on the remote tier (FORMAT.md §12.6): keep-last / keep-every, like the local history.
+"""Retention on the remote tier (FORMAT.md §12.6): ``keep_last`` / ``keep_every``, the rule every
+tier applies (pccheck.tiers.keep).
 
 :func:`prune` runs on the uploader's thread after a remote commit. It deletes a step by deleting
 its manifest first (the step is no longer committed: readers never pick it again), then the
@@ -16,6 +17,7 @@ from ...errors import CorruptCheckpointError, RemoteError
 from .commit import committed, read_pointer
 from .layout import DATA, MAX_MANIFEST_BYTES, decode_manifest, manifest_key
 from .objstore import NotFound, ObjectStore
+from ..keep import retained
 
 __all__ = ["prune", "PruneCounts"]
 
@@ -31,11 +33,7 @@ def _keep(steps: list[tuple[int, int]], keep_last: int | None, keep_every: int |
           pinned: set[tuple[int, int]]) -> set[tuple[int, int]]:
     """Which committed (generation, step)s stay: the newest ``keep_last``, every step divisible
     by ``keep_every``, and the pinned ones (newest and pointer)."""
-    keep = set(pinned)
-    keep.update(steps[:keep_last] if keep_last is not None else steps)
-    if keep_every is not None:
-        keep.update(gs for gs in steps if gs[1] % keep_every == 0)
-    return keep
+    return set(pinned) | retained(steps, lambda gs: gs[1], keep_last, keep_every)
 
 
 def _generation_of(key: str) -> int | None:

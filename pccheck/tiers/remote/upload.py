@@ -139,9 +139,9 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
     raw, arrays, data_len = _read_manifest(ref)
     while len(parts_of(data_len, part_size)) > MAX_PARTS:
         part_size *= 2
-    if part_size > pool.size:  # the buffers hold remote_part_size bytes: a part must fit in one
+    if part_size > pool.size:  # the buffers hold part_size bytes: a part must fit in one
         raise ConfigError(f"step {ref.step}'s {data_len} bytes need parts of {part_size} bytes ({MAX_PARTS} parts "
-                          f"at most per upload): set remote_part_size to at least {part_size}")
+                          f"at most per upload): set RemoteOptions(part_size=...) to at least {part_size}")
     key = data_key(generation, ref.step, uuid.uuid4().hex[:16], rank)
     upload_id = store.start_multipart(key, crc32c=True)
     crcs = _Crcs(arrays)

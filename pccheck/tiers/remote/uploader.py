@@ -1,4 +1,5 @@
-"""The background uploader: every ``remote_every``-th local commit, uploaded and committed remotely.
+"""The background uploader: the local commits of steps divisible by ``RemoteOptions.every``
+(or, for pccheck 0.1.0's ``remote_every=k``, every k-th one), uploaded and committed remotely.
 
 It is a :class:`pccheck.tiers.base.Tier` after the disk (its call order; ``build_remote_tier``
 builds it)::
@@ -64,7 +65,7 @@ def _background_priority() -> None:
 class UploadRetention(Retention):
     """The orchestrator's policy while a remote tier uploads: replaced slots are held (the
     uploader gives back those it does not need), one more slot per held upload (the running
-    one; and the queued one when ``remote_every`` > 1, since a commit not uploaded can replace
+    one; and the queued one when ``every`` > 1, since a commit not uploaded can replace
     it), and no generation retired while an upload reads an older one."""
 
     hold_replaced = True
@@ -105,18 +106,18 @@ class RemoteProgress:
 
 
 class RemoteUploader:
-    """Uploads committed local checkpoints to ``options.remote`` (a RemoteOptions)."""
+    """Uploads committed local checkpoints to ``options.url`` (a RemoteOptions)."""
 
     name = "remote"
     after_disk = True  # fed by the disk's durable commits
 
     def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], rank: int = 0) -> None:
         self.options = options
-        self.store = ObjectStore(options.remote, connections=options.remote_concurrency + 4)
+        self.store = ObjectStore(options.url, connections=options.concurrency + 4)
         self.store.probe()  # RemoteConfigError: wrong credentials, no bucket, no conditional writes
         self.generation = self._take_generation()
         self.rank = rank
-        self.retention = UploadRetention(self, options.remote_every)
+        self.retention = UploadRetention(self, options.legacy_every or options.every)
         self.progress = RemoteProgress()
         self._on_error = on_error
         self._orch: Any = None
@@ -125,13 +126,13 @@ class RemoteUploader:
         self._running: SlotRef | None = None
         self._held: set[int] = set()  # replaced slots of generation _held_gen, held for us
         self._held_gen = 0
-        self._commits = 0
         self._newest_counter = 0  # the highest local commit counter seen by on_commit
+        self._commits = 0  # legacy_every (pccheck 0.1.0's remote_every): the local commits told of so far
         self._stopped = False   # a lost race: nothing more is uploaded
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
         self._pool: BufferPool | None = None
-        self._senders = ThreadPoolExecutor(options.remote_concurrency, thread_name_prefix="pccheck-remote-part",
+        self._senders = ThreadPoolExecutor(options.concurrency, thread_name_prefix="pccheck-remote-part",
                                            initializer=_background_priority)
         # retention runs beside the uploads, not before the next one starts; one pass at a time,
         # requests made meanwhile coalesce into one more pass (_prune_queued)
@@ -140,7 +141,7 @@ class RemoteUploader:
         self._prune_queued = False
         self._pruning = 0  # passes submitted and not finished (wait() waits for them)
         self._thread = shutdown.thread(self._run, "pccheck-remote")
-        log.info("pccheck: remote tier %s (generation %d)", options.remote, self.generation)
+        log.info("pccheck: remote tier %s (generation %d)", options.url, self.generation)
 
     def _take_generation(self) -> int:
         return next_generation(self.store)
@@ -164,7 +165,8 @@ class RemoteUploader:
     # -- the commit thread's side ------------------------------------------------------------------
 
     def on_commit(self, info: Any) -> None:
-        """A local commit (CommitInfo) became the durable latest: queue every k-th. No I/O."""
+        """A local commit (CommitInfo) became the durable latest: queued if its step is divisible
+        by ``every`` (superseding the one queued). No I/O."""
         with self._cv:
             self._commits += 1
             # Two commit threads may call in either order after their CASes: a commit older than
@@ -172,7 +174,7 @@ class RemoteUploader:
             # supersede the newer one queued (its slot is already replaced).
             newer = info.counter > self._newest_counter
             self._newest_counter = max(self._newest_counter, info.counter)
-            if newer and not self._stopped and not self._closing and self._commits % self.options.remote_every == 0:
+            if newer and not self._stopped and not self._closing and self._selected(info.step, self._commits):
                 if self._pending is not None:
                     self.progress.superseded += 1
                     log.info("pccheck: remote upload of step %d superseded by step %d", self._pending[0].step, info.step)
@@ -182,6 +184,13 @@ class RemoteUploader:
                     self.progress.behind_since = self._pending[1]
                 self._cv.notify_all()
             self._settle()
+
+    def _selected(self, step: int, count: int) -> bool:
+        """Whether the durable checkpoint of ``step``, the ``count``-th told of, is uploaded: its
+        step divisible by ``every``; with ``legacy_every`` (pccheck 0.1.0's ``remote_every=k``,
+        kept exactly for that spelling) every k-th one counted, whatever its step."""
+        k = self.options.legacy_every
+        return count % k == 0 if k is not None else step % self.options.every == 0
 
     def _settle(self) -> None:
         """Gives back the held slots no upload needs (called with the lock held)."""
@@ -239,7 +248,7 @@ class RemoteUploader:
         """The part buffers, allocated once (first touch: about 0.6 s per 160 MiB here), on the
         upload thread when it starts, so the first upload does not wait for them."""
         if self._pool is None:
-            self._pool = BufferPool(self.options.remote_concurrency + 1, self.options.remote_part_size)
+            self._pool = BufferPool(self.options.concurrency + 1, self.options.part_size)
         return self._pool
 
     def _warm_pool(self) -> None:
@@ -302,7 +311,7 @@ class RemoteUploader:
     def _upload(self, ref: SlotRef, t_commit: float) -> None:
         opts = self.options
         t0 = time.perf_counter()
-        part = upload_slot(self.store, ref, self.generation, self.rank, opts.remote_part_size, self._take_pool(),
+        part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
                            self._senders, lambda: self._closing)
         commit_step(self.store, StepManifest(self.generation, ref.step, 1, time.time(), (part,)))
         advance_pointer(self.store, self.generation, ref.step)
@@ -313,7 +322,7 @@ class RemoteUploader:
             p.upload_s += time.perf_counter() - t0
             p.history.append((ref.step, t_commit, p.time, part.size, time.perf_counter() - t0))
         log.info("pccheck: step %d committed remotely (%s, generation %d)", ref.step, self.store.url, self.generation)
-        if opts.remote_keep_last is not None or opts.remote_keep_every is not None:
+        if opts.keep_last is not None or opts.keep_every is not None:
             self._schedule_prune()
 
     def _schedule_prune(self) -> None:
@@ -329,7 +338,7 @@ class RemoteUploader:
         with self._cv:
             self._prune_queued = False  # a commit from now on queues another pass
         try:
-            prune(self.store, self.generation, self.options.remote_keep_last, self.options.remote_keep_every)
+            prune(self.store, self.generation, self.options.keep_last, self.options.keep_every)
         except (RemoteError, OSError) as exc:  # the next pass tries again; the commit stands
             log.warning("pccheck: remote retention failed (%s); it runs again after the next commit", exc)
         except Exception:  # a bug: retention stops for this pass, uploads go on
