@@ -161,10 +161,15 @@ def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, refe
     """One chain of faults on two simulated nodes (replicas=2, memory every step, disk every 4):
     1. SIGKILL of every process, then node 1 lost (its memory and disk wiped) and the newest
        replica of rank 1 on node 0 damaged: rank 0 resumes from its own memory, rank 1 pulls the
-       older intact replica from node 0, never the damaged one; bit for bit to the end;
+       older intact replica from node 0, never the damaged one; bit for bit to the end (node 1's
+       disk is gone with it: the older replica is rank 1's only copy, so a replica store keeps
+       two committed replicas and the own store the two steps they pair with);
     2. both nodes' memory gone (the whole group), disks left: resume from disk, bit for bit."""
     job = Nodes(tmp_path, "--sleep", "0.3")
     job.kill_when(6)
+    for store in ("rank-0", "replica-1"):  # the footprint: 3 slots own, 3 per replica source
+        (_, file), = store_files(tmp_path / "node-0" / "mem" / store)
+        assert len(read_store(file).slots) == 3, store
     shutil.rmtree(tmp_path / "node-1")
     damaged = _damage_newest(tmp_path / "node-0" / "mem" / "replica-1")
     job = Nodes(tmp_path, "--resume", "--final")
@@ -233,7 +238,7 @@ def test_fsdp2_state_node_loss_resumes_from_the_peer_bit_for_bit(tmp_path):
     job = Nodes(tmp_path / "run", "--fsdp", "--resume", "--final")
     job.wait()
     start = _check(job, ref, {"memory", "peer"})
-    # replication lags by at most 3 steps (1 in flight, QUEUE = 2 waiting)
+    # replication lags by at most 1 step (a memory checkpoint waits for the previous one's)
     assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start >= 2, start
     _compare_final(tmp_path / "run", ref)
 
@@ -304,6 +309,18 @@ def test_replicas_beyond_nodes_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="replicas=2 needs at least 2 nodes"):
         pccheck.Checkpointer(m, torch.optim.SGD(m.parameters(), lr=0.1), tmp_path / "ck", memory_interval=1,
                              memory_dir=tmp_path / "mem", replicas=2)
+
+
+def test_memory_need_counts_three_slots_own_and_three_per_replica_source():
+    """check_room's size: own slots (2 single-process, 3 in a group) and 3 per source rank whose
+    replicas this rank holds, each slot with its meta block, plus headers."""
+    from pccheck.tiers.memory.shm_store import BLOCK, REPLICA_SLOTS, MemoryCoordinator, memory_need
+
+    assert REPLICA_SLOTS == 3 and MemoryCoordinator.extra_slots == 1
+    slot = 1 << 20
+    assert memory_need(slot, 2, 0) == 2 * slot + 3 * BLOCK
+    assert memory_need(slot, 3, 1) == 6 * slot + 8 * BLOCK   # replicas=2: 6 x the state
+    assert memory_need(slot, 3, 2) == 9 * slot + 12 * BLOCK  # replicas=3
 
 
 def test_memory_every_keep_last_and_keep_every_as_the_tier_table_says(tmp_path):
@@ -548,25 +565,35 @@ def test_key_waiter_sees_a_key_set_later_and_ends_at_stop():
     assert waiter.wait("never", stop) is None
 
 
-def test_throttle_waits_for_the_checkpoint_lag_back_while_it_can_still_replicate():
-    """Replicator.throttle (the node-loss bound): the memory checkpoint of step s waits until the
-    one LAG (2) checkpoints back is replicated everywhere while that can still happen (queued,
-    being sent, or sent within COMMIT_GRACE_S), and never for a step that will not come (not
-    offered: its checkpoint failed; sent too long ago; a peer dropped)."""
+def test_throttle_waits_for_the_previous_checkpoint_and_stops_when_it_cannot_replicate():
+    """Replicator.throttle (the slots and the node-loss bound): the memory checkpoint of step s
+    waits until the previous one (LAG = 1 back) is replicated everywhere while that can still
+    happen (queued, being sent, or sent within COMMIT_GRACE_S); one that never committed here (its
+    commit failed) is not waited for; one that committed here but cannot be replicated everywhere
+    any more (a failure of it or of a link reported in the replication log, a peer dropped, sent
+    too long ago) stops the tier: throttle returns False from then on, so the own store keeps the
+    newest step replicated everywhere instead of writing over it."""
     import time
     from collections import deque
+    from types import SimpleNamespace
 
     from pccheck.tiers.memory import replicate
 
-    r = replicate.Replicator.__new__(replicate.Replicator)  # the throttle's state only: no links
-    r._cv, r._queue, r._sending, r._sending_step = threading.Condition(), deque(), False, None
-    r._sent_at, r._started, r._stopping, r._dead = {}, deque(maxlen=replicate.LAG), False, set()
-    r.replicated, r.throttled_s = None, 0.0
-    r.throttle(1)
-    r.throttle(2)  # nothing LAG back yet
+    def fresh() -> replicate.Replicator:
+        r = replicate.Replicator.__new__(replicate.Replicator)  # the throttle's state only: no links
+        r._cv, r._queue, r._sending, r._sending_step = threading.Condition(), deque(), False, None
+        r._sent_at, r._started, r._stopping, r._dead = {}, deque(maxlen=replicate.LAG), False, set()
+        r._committed, r.stopped, r.links, r._failed, r._broken = set(), None, SimpleNamespace(rank=0), set(), False
+        r.replicated, r.throttled_s = None, 0.0
+        return r
+
+    assert replicate.LAG == 1
+    r = fresh()
+    assert r.throttle(1)  # nothing before it
     with r._cv:
+        r._committed.add(1)
         r._sent_at[1] = time.monotonic()  # step 1 sent: the peers are committing it
-    waiter = threading.Thread(target=r.throttle, args=(3,))
+    waiter = threading.Thread(target=r.throttle, args=(2,))
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive()  # waits for step 1 to be replicated everywhere
@@ -574,13 +601,32 @@ def test_throttle_waits_for_the_checkpoint_lag_back_while_it_can_still_replicate
         r.replicated = 1
         r._cv.notify_all()
     waiter.join(10)
-    assert not waiter.is_alive() and list(r._started) == [2, 3]
-    r.throttle(4)  # step 2 was never offered (its commit failed): no wait
+    assert not waiter.is_alive() and list(r._started) == [2] and r.stopped is None
+    assert r.throttle(3)  # step 2 never committed here (its commit failed): its slot is free, no wait
     with r._cv:
-        r._sent_at[3] = time.monotonic() - replicate.COMMIT_GRACE_S - 1  # sent long ago, never committed
+        r._committed.add(3)
+        r._sent_at[3] = time.monotonic() - replicate.COMMIT_GRACE_S - 1  # sent long ago, never replicated
     t0 = time.monotonic()
-    r.throttle(5)
+    assert not r.throttle(4) and r.stopped and not r.throttle(5)  # stopped for good: step 1..3's slot kept
+    assert time.monotonic() - t0 < replicate.COMMIT_GRACE_S and list(r._started) == [3]
+    r = fresh()
+    assert r.throttle(1)
     with r._cv:
-        r._sending, r._sending_step, r._dead = True, 4, {1}  # still sending 4 (LAG back), but a peer was dropped
-    r.throttle(6)
-    assert time.monotonic() - t0 < replicate.COMMIT_GRACE_S and list(r._started) == [5, 6]
+        r._committed.add(1)
+        r._sending, r._sending_step, r._dead = True, 1, {1}  # still sending 1, but a peer was dropped
+    assert not r.throttle(2) and "dropped" in r.stopped
+    for failed, broken, why in ((1, False, "failed"), (None, True, "broke")):
+        r = fresh()
+        assert r.throttle(1)
+        with r._cv:
+            r._committed.add(1)
+            r._sent_at[1] = time.monotonic()  # sent just now: the peers would be committing it
+        waiter = threading.Thread(target=r.throttle, args=(2,))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()
+        with r._cv:  # the log follower read "!1" (a replica of step 1 failed) or "!*" (a link broke)
+            r._failed, r._broken = {failed} - {None}, broken
+            r._cv.notify_all()
+        waiter.join(10)
+        assert not waiter.is_alive() and why in r.stopped, r.stopped

@@ -11,7 +11,7 @@ Files and roles:
 - ``placement.py``: the node of a process and Gemini's group / mixed placement (pure).
 - ``wire.py``: JSON gathers and chunked byte transfers on pccheck's own gloo group, bounded.
 - ``replicate.py``: ``ReplicaLinks`` (who sends to whom), ``Replicator`` (background sender and
-  receivers; replicas committed into ``replica-<src>/`` stores of two slots).
+  receivers; replicas committed into ``replica-<src>/`` stores of three slots; the throttle).
 - ``nearest.py``: ``load_nearest``: the newest step every rank can obtain, each rank's part from
   its nearest tier (own memory → a peer's replica → own disk), every byte checked, voted.
 
@@ -19,7 +19,10 @@ Invariants: nothing received from a peer is unpickled (JSON headers, raw bytes, 
 by persist.layout); every size and offset from a peer is bounds-checked before use; a gloo
 receive is posted only when the sender is known to be sending; a slot is never reused while it
 is being sent; a replica is written only after every array matched its crc32c, and committed by
-the §4 protocol, so a peer holds only committed replicas (the newest two per source).
+the §4 protocol, so a peer holds only committed replicas (the newest two per source, beside the
+slot receiving the next); a rank starts a memory checkpoint only once its previous one is
+replicated everywhere, so every store holds the two newest such steps (FORMAT.md §13: 3 own
+slots, 3 per source).
 """
 
 from .nearest import TIERS, load_nearest

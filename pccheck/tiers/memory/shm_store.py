@@ -13,10 +13,11 @@ epoch is known) → :meth:`prepare` (once the state's size is final; else the fi
 opens the store) → :meth:`on_step` per iteration → :meth:`ensure_copied` before each optimizer
 step → :meth:`close`.
 
-Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
-6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
-newest replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` per source rank whose
-replicas this rank holds (replicas - 1 of them); in process memory a chunk pool per store (one
+Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process, 3
+in a group (1 in flight, the latest, and §8's global step; with replication the two newest steps
+replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` = 3 per source rank whose
+replicas this rank holds (replicas - 1 of them: the two newest committed and the one being
+received); in process memory a chunk pool per store (one
 ``MEM_CHUNK`` for host state, which is copied in place; a whole snapshot's for device state, in the
 own store only) and one receive buffer of the state per source.
 """
@@ -52,7 +53,7 @@ log = logging.getLogger("pccheck")
 
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
-REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
+REPLICA_SLOTS = 3      # per source rank: the two newest committed replicas and the one being received
 MAX_WRITERS = 16       # the memory tier's writer threads: at most this many (half the host's cores)
 
 
@@ -80,17 +81,20 @@ def check_room(root: Path, need: int) -> None:
 
 class MemoryCoordinator(GroupCoordinator):
     """The group protocol of pccheck.distributed for the memory stores (its own key prefix and
-    GLOBAL under the memory root), keeping more: with replication, every committed step from the
-    second newest one *replicated everywhere* (every rank's replica committed on each of its
-    peers: replicate.Replicator follows that log) up to the latest. Invariant: a held slot is
-    given back only once its step is older than both the group's newest common step and the
-    second newest step replicated everywhere, so a slot is never rewritten while it is queued or
-    being sent, and every rank still holds the steps its lost peers' two replicas pair with (the
-    newest, and the one before it should the newest be damaged). Slots: 1 in flight, the
-    latest and ``extra_slots`` more; when replication lags further, the next memory checkpoint
-    waits for a slot (back-pressure), it never drops one."""
+    GLOBAL under the memory root). With replication the store has N + 2 = 3 slots, and a slot a
+    commit replaced is held until it is older than the second newest step *replicated
+    everywhere* (every rank's replica committed on each of its peers: replicate.Replicator
+    follows that log). Invariant: every rank's own store holds the two newest steps replicated
+    everywhere, R' < R, the two every peer's replica store holds too (it keeps its two newest
+    committed replicas while it receives the next, and no rank sends R + 2 before R + 1 is
+    replicated everywhere: Replicator.throttle), so a lost peer's replicas pair with a step the
+    survivors hold even when its newest replica is damaged. The next memory checkpoint starts
+    only once the previous one is replicated everywhere, which frees the slot of R'; when it
+    cannot be (a peer dropped, a replica or a commit failed), the Replicator stops taking memory
+    checkpoints instead, so R' and R stay held (never waits for a slot that will not come back).
+    Without replication, §8's rule and slots (N + 2: the global step beside the latest)."""
 
-    extra_slots = 4
+    extra_slots = 1
 
     def __init__(self, path: Path, group: Group, shared_store: Any = None, prefix: str = "memory/") -> None:
         super().__init__(path, group)
@@ -103,9 +107,10 @@ class MemoryCoordinator(GroupCoordinator):
 
     def _settle_locked(self) -> None:
         if self.orch is not None:
-            keep = self.global_step
-            if self.replicating and self.replicated and keep is not None:
-                keep = min(keep, self.replicated[0])
+            if not self.replicating:
+                keep = self.global_step
+            else:
+                keep = self.replicated[0] if self.replicated else None
             self._slots.settle(self.orch, keep)
 
     def _wait_key(self, key: str) -> str | None:
@@ -117,12 +122,6 @@ class MemoryCoordinator(GroupCoordinator):
         if w is None:
             w = self._local.waiter = KeyWaiter.connect(self.shared_store, self.prefix, 120.0)
         return w.wait(key, self._stop)
-
-    def degrade(self) -> None:
-        """A peer is gone: replication stops counting; the plain group rule keeps the slots."""
-        with self._lock:
-            self.replicating = False
-            self._settle_locked()
 
     def set_replicated(self, step: int) -> None:
         with self._lock:
@@ -197,8 +196,8 @@ class MemoryTier:
         # the last finished memory checkpoints' timings (CheckpointStats), newest last
         self.recent: collections.deque[Any] = collections.deque(maxlen=64)
         self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
-        # slots beyond 1 in flight + the latest: none alone; §8's global step in a group; with
-        # replication the steps back to the second newest replicated everywhere (MemoryCoordinator)
+        # slots beyond 1 in flight + the latest: none alone; one in a group: §8's global step, or
+        # with replication the second newest step replicated everywhere (MemoryCoordinator)
         extra = 0 if group is None else MemoryCoordinator.extra_slots if self.links.peers else GroupCoordinator.extra_slots
         _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
         self.coord: MemoryCoordinator | None = None
@@ -228,7 +227,7 @@ class MemoryTier:
         layout, arrays, self._arrays = self._layout, self._arrays, {}
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
-                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False,
+                                 on_commit=self._on_commit, on_finished=self._finished, pool=False,
                                  populate_store=True)
         if self.coord is not None:
             self.coord.start(self.orch)
@@ -244,6 +243,11 @@ class MemoryTier:
             took = self.orch.prepare(layout, metadata, tree, self.epoch)
             log.debug("pccheck: memory store prepared in %.3f s", took)
 
+    def _finished(self, st: Any) -> None:
+        self.recent.append(st)
+        if self.replicator is not None:
+            self.replicator.finished(st)  # a failed own commit: the other ranks stop at once
+
     def _on_commit(self, info: CommitInfo) -> None:
         if self.coord is not None:
             self.coord.on_commit(info.step, info.slot)
@@ -258,7 +262,12 @@ class MemoryTier:
         if self.orch is None or step % self.interval:
             return False
         if self.replicator is not None:
-            self.replicator.throttle(int(step))  # replication at most LAG memory checkpoints behind
+            # the previous one committed (or failed) first, whatever when_busy says: throttle then
+            # knows which it was, and a start never waits inside the store for a slot that only the
+            # previous one's replication frees (MemoryCoordinator)
+            self.orch.wait()
+            if not self.replicator.throttle(int(step)):
+                return False  # the previous one cannot be replicated everywhere: the tier stopped
         snap = snapshot()
         try:
             return self.orch.start(int(step), snap.arrays, metadata, StartArgs(
