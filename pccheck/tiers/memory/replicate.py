@@ -10,15 +10,18 @@ JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`
 counter, the manifest with the crc32c of every array), then sends the slot's data region chunk by
 chunk (wire.py: a few in flight). Invariant (wire.py): the receiver posts a receive only after it
 read the header. The receiver thread of each source writes the received bytes into
-``replica-<src>/``, a store of three slots (the two newest committed replicas and the one being
-received) committed with the protocol of §4, telling it the
+``replica-<src>/``, a store of 2 + keep_last slots (shm_store.replica_slots: the newest committed
+replica, keep_last = ``MemoryOptions.keep_last`` older ones, and the one being received) committed
+with the protocol of §4, telling it the
 manifest's crc32c (``StartArgs.expect_crcs``): the writers' own checksums must match every array
 before the commit, so a damaged replica is never committed and a peer holds only committed,
-checked replicas (the newest two) at the cost of no checksum pass of the tier's own on either end.
+checked replicas at the cost of no checksum pass of the tier's own on either end.
 Each replica commit adds 1 to ``rc/<step>``; the commit that brings it to world × (replicas - 1)
 appends the step to ``rlog``: the newest step *replicated everywhere*, which every rank follows
-and its memory coordinator keeps with the one before it (shm_store.MemoryCoordinator): the steps
-a lost peer's replicas pair with, its newest or, that one damaged, the older.
+and its memory coordinator keeps, with keep_last older ones (shm_store.MemoryCoordinator): the
+steps a lost peer's replicas pair with, its newest or (keep_last=1), that one damaged, the older.
+With keep_last=0 a lost rank whose newest replica is damaged has no older one: the restore falls
+back to the next tier (nearest.py, pccheck.restore).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.args import StartArgs
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
-from ...orchestrator.retention import Retention
 from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
@@ -163,8 +165,9 @@ class ArrayChecker:
 class Replicator:
     """The sender thread and one receiver thread per source rank (see the module docstring)."""
 
-    def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
-        self.links, self.root, self.coord = links, root, coord
+    def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any,
+                 keep_last: int = 0) -> None:
+        self.links, self.root, self.coord, self.keep_last = links, root, coord, keep_last
         # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
         # skipped start would leave the sender's bytes unreceived and the pair out of step). One
         # pool chunk: replicas are received in place, into the slot (even where the own tier holds
@@ -216,14 +219,15 @@ class Replicator:
 
         Invariant (the slots, MemoryCoordinator): a memory checkpoint starts only once the one
         before it is replicated everywhere, so every own store and every replica store holds the
-        two newest steps replicated everywhere, R' and R, and no rank writes over them. When the
+        newest step replicated everywhere, R (and with keep_last=1 the one before, R'), and no
+        rank writes over them: the one slot beyond them is the one written. When the
         previous one committed here but cannot be replicated everywhere any more (a peer was
         dropped; a failure of it was reported in the replication log: a replica failed its checks,
         a rank's commit of it failed, a pair's link broke (:meth:`report_failed`); or its replicas
         were not all committed within COMMIT_GRACE_S of being sent, the last resort), this returns
         False from then on: the tier stops taking memory checkpoints (an error logged; the disk
-        tier goes on) rather than write over R', the older step the peers' replicas pair with (the
-        own store has no fourth slot). A previous one that never committed here (its commit
+        tier goes on) rather than write over the oldest kept step, which the peers' replicas pair
+        with (the own store has no slot beyond). A previous one that never committed here (its commit
         failed) left its slot free: no wait. Bounded: a peer that stopped receiving is dropped by
         the sender after TIMEOUT_S."""
         t0 = time.perf_counter()
@@ -416,6 +420,7 @@ class Replicator:
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
+        from .shm_store import KeepOlder
 
         orch = self._stores.get(src)
         if orch is None:
@@ -425,7 +430,7 @@ class Replicator:
                 self._count_replica(info.step)
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
-                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=_KeepTwo(),
+                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=KeepOlder(self.keep_last),
                                 world_size=self.links.world, rank=src, on_commit=committed, populate_store=True,
                                 on_finished=self.finished)
             self._stores[src] = orch
@@ -500,15 +505,6 @@ class Replicator:
             t.join(5)
         for orch in self._stores.values():
             orch.close()
-
-
-class _KeepTwo(Retention):
-    """A replica store: one slot being received and the two newest committed replicas. The native
-    free queue hands out the slot freed longest ago, so while one is received the two newest stay
-    valid: a damaged newest replica falls back to the older one, which the own stores still hold
-    (MemoryCoordinator keeps the two newest steps replicated everywhere)."""
-
-    extra_slots = 1
 
 
 def _log_error(exc: PCCheckError) -> None:
