@@ -186,6 +186,22 @@ def test_footprint_is_four_slots_of_the_state_per_rank_at_replicas_2(reference):
         assert (own, rep) == (2, 2) and 4 < ratio < 4.5, (node, own, rep, ratio)
 
 
+def test_footprint_of_a_group_without_replicas_is_the_global_step_and_keep_last_more(tmp_path, reference):
+    """replicas=1 on two nodes, keep_last=1: each rank's own store has 4 slots (1 in flight, the
+    newest, §8's global step, one older global step) and no replica store; the run is bit for bit
+    the reference's."""
+    job = Nodes(tmp_path, "--final", "--replicas", "1", "--keep-last", "1")
+    job.wait()
+    _check(job, reference, {"none"})
+    _compare_final(tmp_path, reference)
+    for node in range(2):
+        mem = tmp_path / f"node-{node}" / "mem"
+        assert not list(mem.glob("replica-*"))
+        (_, file), = store_files(mem / f"rank-{node}")
+        assert len(read_store(file).slots) == 4
+        assert len(_committed_steps(mem / f"rank-{node}")) == 4  # the newest four steps, all still valid
+
+
 def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, reference):
     """One chain of faults on two simulated nodes (replicas=2, memory every step with
     keep_last=1, disk every 4):

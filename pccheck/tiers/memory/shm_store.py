@@ -102,7 +102,8 @@ def check_room(root: Path, need: int) -> None:
     if free + have < need:
         raise NoSpaceError(errno.ENOSPC, f"the memory tier needs {need / 2**20:.1f} MiB on {root} (own slots and "
                            f"replicas of the state) but only {(free + have) / 2**20:.1f} MiB are free there: "
-                           f"enlarge /dev/shm (docker --shm-size), pass MemoryOptions(dir=...) elsewhere, or lower replicas (or memory.keep_last)")
+                           f"enlarge /dev/shm (docker --shm-size), pass MemoryOptions(dir=...) elsewhere, or lower "
+                           f"replicas (or memory.keep_last)")
 
 
 class MemoryCoordinator(GroupCoordinator):
@@ -313,7 +314,10 @@ class MemoryTier:
         if self.replicator is not None:
             # the previous one committed (or failed) first, whatever when_busy says: throttle then
             # knows which it was, and a start never waits inside the store for a slot that only the
-            # previous one's replication frees (MemoryCoordinator)
+            # previous one's replication frees (MemoryCoordinator).
+            # Invariant (2 + keep_last slots): the slot this start takes is never one committed and
+            # needed (R and keep_last before it: held by the coordinator), queued or being sent
+            # (sends go in step order, and the previous step, replicated everywhere, was sent last)
             self.orch.wait()
             if not self.replicator.throttle(int(step)):
                 return False  # the previous one cannot be replicated everywhere: the tier stopped
