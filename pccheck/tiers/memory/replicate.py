@@ -44,6 +44,7 @@ from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.args import StartArgs
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
+from ...orchestrator.retention import KeepOlder
 from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
@@ -420,7 +421,6 @@ class Replicator:
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
-        from .shm_store import KeepOlder
 
         orch = self._stores.get(src)
         if orch is None:

@@ -43,14 +43,14 @@ from ...orchestrator.args import StartArgs
 from ...orchestrator.engine_choice import select_copy_engine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
-from ...orchestrator.retention import Retention
+from ...orchestrator.retention import KeepOlder, Retention
 from ...persist.layout import Layout
 from ...persist.recovery import store_files
 from ..base import TierContext
 from .paths import MEMORY_ROOT, default_memory_dir, memory_rank_dir, replica_dir
 
 __all__ = ["MemoryTier", "MemoryCoordinator", "build_memory_tier", "default_memory_dir", "memory_rank_dir", "replica_dir",
-           "memory_need", "own_slots", "replica_slots", "KeepOlder", "check_room", "MEMORY_ROOT", "MEM_CHUNK"]
+           "memory_need", "own_slots", "replica_slots", "check_room", "MEMORY_ROOT", "MEM_CHUNK"]
 
 log = logging.getLogger("pccheck")
 
@@ -77,16 +77,6 @@ def memory_need(slot_bytes: int, own: int, sources: int, per_source: int) -> int
     """tmpfs bytes: own store of ``own`` slots (header, meta records, slots) plus ``per_source``
     slots for each of ``sources`` replica stores."""
     return (1 + own) * BLOCK + own * slot_bytes + sources * ((1 + per_source) * BLOCK + per_source * slot_bytes)
-
-
-class KeepOlder(Retention):
-    """A store without a group protocol (a single process's own, a replica store) that keeps
-    ``keep_last`` committed checkpoints beyond the newest. The native commit frees the slot it
-    replaces and the free queue hands out the slot freed longest ago, so with 2 + keep_last slots
-    the newest 1 + keep_last committed checkpoints stay valid while the next one is written."""
-
-    def __init__(self, keep_last: int) -> None:
-        self.extra_slots = keep_last
 
 
 def check_room(root: Path, need: int) -> None:
