@@ -11,7 +11,9 @@ Without --resume: trains STEPS steps, a memory checkpoint every step and a disk 
 URL) every STEPS steps, waits for the remote, and saves the state (model and optimizer; FSDP:
 gathered to full tensors) to BASE/final-<r>.pt. With --resume: load_latest(disk,
 memory_dir=mem, remote=URL), prints "START step tier", and saves the loaded state to
-BASE/loaded-<r>.pt the same way.
+BASE/loaded-<r>.pt the same way. Before it, both ranks print "REFUSED <message>" for a lazy
+load from the local store; after it (plain) rank 0 alone prints "REFUSED <message>" for
+zero_copy= on its rank store and "SOLO step tier" for distributed=False on it.
 """
 
 from __future__ import annotations
@@ -51,9 +53,20 @@ def main(argv: list[str]) -> None:
     disk, mem = f"{base}/rank-{rank}/disk", f"{base}/rank-{rank}/mem"
     model, opt = build("fsdp", world) if kind == "fsdp" else _plain()
     if "--resume" in argv:
+        try:  # the group-only rows of REFUSED, before anything is read
+            pccheck.load_latest(disk, model=model, lazy=True, remote=url)
+        except pccheck.ConfigError as exc:
+            print(f"REFUSED {exc}", flush=True)
         r = pccheck.load_latest(disk, model=model, optimizer=opt, memory_dir=mem, remote=url)
         print(f"START {r.step} {r.tier}", flush=True)
         torch.save(_state(kind, model, opt, world), f"{base}/loaded-{rank}.pt")
+        if rank == 0 and kind == "plain":  # rank 0 alone: no collective may run
+            try:
+                pccheck.load_latest(disk, zero_copy=True)
+            except pccheck.ConfigError as exc:
+                print(f"REFUSED {exc}", flush=True)
+            solo = pccheck.load_latest(f"{disk}/rank-0", distributed=False)
+            print(f"SOLO {solo.step} {solo.tier}", flush=True)
         leave()
     ck = pccheck.Checkpointer(model, opt, path=disk, interval=steps, memory_interval=1, memory_dir=mem,
                               replicas=1, remote=url)

@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pccheck.restore import REFUSED
+
+WHY = dict(REFUSED)
+
 CHILD = str(Path(__file__).with_name("_plan_child.py"))
 STEPS = 4
 
@@ -47,6 +51,12 @@ def test_one_rank_from_memory_the_other_from_the_remote(s3_url, tmp_path, kind):
     shutil.rmtree(base / "rank-1")  # rank 1's node lost its memory and its disk
     outs = _job(kind, base, s3_url, "--resume")
     assert [_start(o) for o in outs] == [(STEPS, "memory"), (STEPS, "remote")], outs
+    lazy = f"REFUSED {WHY['lazy= in a group from a local store']}"
+    assert all(lazy in o for o in outs), outs
+    if kind == "plain":  # rank 0 alone: refused, and distributed=False loads without the group
+        zero_copy = WHY["zero_copy= in a group's rank stores"]
+        assert f"REFUSED {zero_copy}" in outs[0], outs[0]
+        assert f"SOLO {STEPS} disk" in outs[0], outs[0]
     for r in range(2 if kind == "plain" else 1):  # fsdp: rank 0 saved the gathered state
         final = torch.load(base / f"final-{r}.pt", weights_only=True)
         loaded = torch.load(base / f"loaded-{r}.pt", weights_only=True)
