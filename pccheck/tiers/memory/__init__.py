@@ -13,7 +13,8 @@ Files and roles:
 - ``replicate.py``: ``ReplicaLinks`` (who sends to whom), ``Replicator`` (background sender and
   receivers; replicas committed into ``replica-<src>/`` stores of two slots).
 - ``nearest.py``: ``load_nearest``: the newest step every rank can obtain, each rank's part from
-  its nearest tier (own memory → a peer's replica → own disk), every byte checked, voted.
+  its nearest tier (own memory → a peer's replica → own disk → its part on the remote tier),
+  every byte checked, voted.
 
 Invariants: nothing received from a peer is unpickled (JSON headers, raw bytes, manifests parsed
 by persist.layout); every size and offset from a peer is bounds-checked before use; a gloo
