@@ -51,8 +51,8 @@ def test_one_rank_from_memory_the_other_from_the_remote(s3_url, tmp_path, kind):
     shutil.rmtree(base / "rank-1")  # rank 1's node lost its memory and its disk
     outs = _job(kind, base, s3_url, "--resume")
     assert [_start(o) for o in outs] == [(STEPS, "memory"), (STEPS, "remote")], outs
-    lazy = f"REFUSED {WHY['lazy= in a group from a local store']}"
-    assert all(lazy in o for o in outs), outs
+    lazy = WHY["lazy= in a group from a local store" if kind == "plain" else "lazy= with sharded (DTensor) state"]
+    assert all(f"REFUSED {lazy}" in o for o in outs), outs
     if kind == "plain":  # rank 0 alone: refused, and distributed=False loads without the group
         zero_copy = WHY["zero_copy= in a group's rank stores"]
         assert f"REFUSED {zero_copy}" in outs[0], outs[0]
@@ -61,3 +61,26 @@ def test_one_rank_from_memory_the_other_from_the_remote(s3_url, tmp_path, kind):
         final = torch.load(base / f"final-{r}.pt", weights_only=True)
         loaded = torch.load(base / f"loaded-{r}.pt", weights_only=True)
         assert final.keys() == loaded.keys() and all(torch.equal(final[k], loaded[k]) for k in final), r
+
+
+def _msg(**own):
+    return {"own": {t: [list(k) for k in ks] for t, ks in own.items()}, "rep": {}, "bad": []}
+
+
+def test_the_plan_takes_the_remote_last_and_only_for_ranks_no_nearer_tier_serves():
+    from pccheck.errors import NoCheckpointError
+    from pccheck.tiers.memory.nearest import TIERS, _plan
+
+    assert TIERS == ("memory", "peer", "disk", "remote")
+    # rank 1 lost memory and disk: the remote's step 9 for it, rank 0's own memory for rank 0
+    key, plan = _plan([_msg(memory=[(1, 8), (1, 9)], remote=[(1, 9)]), _msg(remote=[(1, 5), (1, 9)])], 2)
+    assert key == (1, 9) and plan == [("memory", -1), ("remote", -1)]
+    # the disk is nearer than the remote
+    assert _plan([_msg(disk=[(1, 9)], remote=[(1, 9)]), _msg(disk=[(1, 9)], remote=[(1, 9)])], 2)[1] == \
+        [("disk", -1)] * 2
+    # rank 1's remote part of step 9 failed in an earlier round: the next older common step
+    failed = {**_msg(remote=[(1, 5)]), "bad": [["remote", -1, 1, 9]]}
+    key, plan = _plan([_msg(memory=[(1, 5), (1, 9)]), failed], 2)
+    assert key == (1, 5) and plan == [("memory", -1), ("remote", -1)]
+    with pytest.raises(NoCheckpointError, match="remote tier"):
+        _plan([_msg(memory=[(1, 9)]), _msg(remote=[(1, 4)])], 2)

@@ -11,6 +11,7 @@ checks out, from the manifests alone; :func:`load_rank_step` loads that part.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,9 @@ log = logging.getLogger("pccheck")
 # at most this many manifest GETs per rank. Older steps still load through the remote tier's own
 # fallback (load_remote walks every committed step).
 PLAN_STEPS = 4
+# ...and at most this long on them: the other ranks wait for this rank's offer in a collective
+# bounded by the memory tier's TIMEOUT_S (120 s); a slow store offers fewer steps, never a hang.
+PLAN_BUDGET_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -127,15 +131,21 @@ def rank_steps(url: str, rank: int, world: int, limit: int = PLAN_STEPS) -> dict
     one writer, which every rank reads whole), its step manifest and embedded local manifest
     checked (§12.2, §5); no data is read. The epoch is the embedded manifest's (0 without one),
     so a remote step pairs with the memory and disk tiers' by (epoch, step); the newest
-    generation wins a duplicate key. A prefix that cannot be listed offers nothing (logged)."""
+    generation wins a duplicate key. A prefix that cannot be listed offers nothing, and a slow one
+    only the steps read within ``PLAN_BUDGET_S`` (logged)."""
     store = ObjectStore(url)
     found: dict[tuple[int, int], tuple[int, int]] = {}
+    deadline = time.monotonic() + PLAN_BUDGET_S
     try:
         candidates = committed(store)[:max(0, limit)]
     except RemoteError as exc:
         log.warning("pccheck: cannot list %s for the restore plan: %s", url, exc)
         return found
     for g, s in candidates:
+        if time.monotonic() > deadline:
+            log.warning("pccheck: %s: reading step manifests took over %.0f s; offering %d steps to the restore "
+                        "plan", url, PLAN_BUDGET_S, len(found))
+            break
         try:
             raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
             m = decode_manifest(raw, g, s)
