@@ -11,7 +11,13 @@ is). The figures, lower is better for every one:
 - ``persist_1GiB_s``: seconds until 1 GiB of host state is durable (bench.persist, pccheck, the
   median of 3 repeats per round);
 - ``loop_i10``, ``loop_i1``: the emulated training loop's slowdown with pccheck (N=2) checkpointing
-  256 MiB every 10 and every iteration against no checkpoints (bench.overhead, 0.05 s iterations).
+  256 MiB every 10 and every iteration against no checkpoints (bench.overhead, 0.05 s iterations);
+- ``tiers_memory_loop``, ``tiers_crash_restore``, ``tiers_peer_restore``: bench.tiers on two
+  simulated nodes, 64 MiB per rank: the loop's slowdown with the memory tier every iteration and
+  ``replicas=2``; a crash restore from memory over a cold disk load; a node-loss restore from the
+  peer's replica over raw gloo send/recv of the same bytes;
+- ``upload_raw_over_pccheck``: bench.remote ``--upload-only`` at 256 MiB: the raw client's upload
+  rate over pccheck's ``upload_slot`` from a committed slot (below 1: pccheck is faster).
 
 Verdict per figure (the rule the project's refactors are held to): ``ok`` when each side's median
 lies within the other side's range, or the after side's median is lower than the before side's.
@@ -32,12 +38,21 @@ from typing import Any, Callable
 from bench.harness.common import BENCH_DIR, host_info, machine_label, print_table, result_path, write_json
 
 CELLS: dict[str, tuple[list[str], dict[str, Callable[[dict[str, Any]], float]]]] = {
-    "persist": (["-m", "bench.persist", "--sizes", "1GiB", "--systems", "pccheck", "--repeats", "3"],
+    # each cell's argument list ends with the flag that names its JSON output
+    "persist": (["-m", "bench.persist", "--sizes", "1GiB", "--systems", "pccheck", "--repeats", "3", "--json"],
                 {"persist_1GiB_s": lambda d: d["results"][0]["pccheck_s"]}),
     "loop": (["-m", "bench.overhead", "--size", "256MiB", "--iter-time", "0.05", "--intervals", "10,1",
-              "--systems", "none,pccheck_N2", "--workloads", "emulated", "--quiet-wait", "10"],
+              "--systems", "none,pccheck_N2", "--workloads", "emulated", "--quiet-wait", "10",
+              "--json"],
              {"loop_i10": lambda d: d["slowdown"]["10"]["pccheck_N2"],
               "loop_i1": lambda d: d["slowdown"]["1"]["pccheck_N2"]}),
+    "tiers": (["-m", "bench.tiers", "--configs", "none,memory,disk", "--size", "64MiB", "--iters", "20",
+               "--restore-repeats", "3", "--loss-trials", "0", "--remote", "off", "--json"],
+              {"tiers_memory_loop": lambda d: d["slowdown"]["memory"],
+               "tiers_crash_restore": lambda d: d["ratios"]["crash_restore_memory_over_disk"],
+               "tiers_peer_restore": lambda d: 1.0 / d["ratios"]["peer_vs_raw_gloo"]}),
+    "remote": (["-m", "bench.remote", "--upload-only", "--size", "256MiB", "--repeat", "3", "--out"],
+               {"upload_raw_over_pccheck": lambda d: 1.0 / d["summary"]["ratio_median"]}),
 }
 
 
@@ -47,7 +62,7 @@ def _one(tree: Path, cell: str, work: Path) -> dict[str, float]:
     out = work / f"{cell}.json"
     env = {**os.environ, "PYTHONPATH": str(tree)}
     # from a directory holding only this bench/ (a link), so `import pccheck` finds the tree's
-    p = subprocess.run([sys.executable, *args, "--json", str(out)], cwd=work,
+    p = subprocess.run([sys.executable, *args, str(out)], cwd=work,
                        env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise RuntimeError(f"{cell} against {tree} failed:\n{p.stderr[-2000:]}")
