@@ -37,6 +37,12 @@ log = logging.getLogger("pccheck")
 REFUSED: list[tuple[str, str]] = [
     ("optimizer= or extra_state= without model=", "pass model= together with optimizer= / extra_state="),
     ("memory_dir= with lazy= or zero_copy=", "memory_dir= loads eagerly and copies: drop lazy= / zero_copy="),
+    ("memory_dir= with an s3:// path", "the memory tier sits beside a local disk store: pass that store as path= and "
+     "the s3:// URL as remote= (or drop memory_dir=)"),
+    ("remote= with an s3:// path", "the s3:// path is the remote tier already: pass the local disk store as path= "
+     "beside remote=, or drop remote="),
+    ("remote= that is not an s3:// URL", "remote= takes the remote tier's URL, s3://bucket/prefix (a local store "
+     "goes in path=)"),
     ("an s3:// path or remote= with zero_copy= or verify=False",
      "a remote load reads and checks every byte: it takes no zero_copy= or verify=False"),
     ("a sharded checkpoint or model with zero_copy= or verify=False",
@@ -72,16 +78,21 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     group (every rank calls this at the same point) the ranks agree on the newest step all of them
     can load and each loads its own part; every rank returns the same ``step``.
 
-    The tiers are tried in order, nearest first, each falling back to the next when it holds no
-    valid checkpoint (NoCheckpointError, CorruptCheckpointError or an OSError):
+    The tiers, nearest first: memory (``memory_dir``), a peer's replica, disk (``path``), remote
+    (``path="s3://bucket/prefix"`` itself, or ``remote="s3://..."`` beside a local ``path``;
+    FORMAT.md §12). Each source that holds no valid checkpoint (NoCheckpointError,
+    CorruptCheckpointError or an OSError) falls back to the next:
 
-    1. ``memory_dir`` (a path, or True for ``/dev/shm/pccheck/<store>``): the memory tier
-       (pccheck.tiers.memory.nearest): the ranks agree on the newest step each can obtain from its
-       own memory, a peer's replica or its own disk, and each loads from the nearest;
+    1. with ``memory_dir`` (a path, or True for ``/dev/shm/pccheck/<store>``): one per-rank plan
+       over all four (pccheck.tiers.memory.nearest). Each rank offers the steps it can obtain from
+       its own memory, a peer's replica, its own disk and its part on the remote tier (the newest
+       few committed steps, manifests only); the ranks agree on the newest step every rank can
+       obtain from some tier, and each loads it from its nearest: in a group one rank may take
+       the remote while another takes its memory. ``r.tier`` says which, on each rank;
     2. the disk store at ``path`` (its own rank store in a group; a sharded set, FORMAT.md §9, on
-       any number of ranks);
-    3. the remote tier: ``path="s3://bucket/prefix"`` itself, or ``remote="s3://..."`` beside a
-       local ``path`` (FORMAT.md §12; a sharded step on any world size).
+       any number of ranks): without ``memory_dir``, or for a sharded set after it;
+    3. the remote tier alone: every committed step, newest first, and a sharded step on any world
+       size.
 
     The mode is the same on every tier: eager (every array read and checked, then put back), lazy
     (``lazy=True``, needs ``model``: returns a :class:`pccheck.lazy.LazyRestore` once the metadata
@@ -89,10 +100,18 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     the optimizer's step wait only for what they need; ``r.wait()`` waits for all), or sharded
     (a DTensor model, or a sharded checkpoint: each rank builds its own boxes).
 
-    Refused, with a ConfigError saying what to do (the table pccheck.restore.REFUSED):
+    Every keyword is honoured on every path or refused. ``map_location`` moves the loaded tensors
+    (eager and sharded); ``verify=False`` skips the crc32c of a local eager load; ``zero_copy``
+    returns the arrays of a local arrays checkpoint as read-only views of its file;
+    ``distributed=False`` loads as one process even in a group; ``memory_dir=False`` is no memory
+    tier. Refused, with a ConfigError saying what to do (the table pccheck.restore.REFUSED),
+    before anything is read or changed:
 
     - optimizer= or extra_state= without model=: nothing to put them back into;
     - memory_dir= with lazy= or zero_copy=: the memory tier loads eagerly and copies;
+    - memory_dir= with an s3:// path: the memory tier sits beside a local disk store;
+    - remote= with an s3:// path: the path is the remote tier already;
+    - remote= that is not an s3:// URL: a local store goes in path=;
     - an s3:// path or remote= with zero_copy= or verify=False: a remote load checks every byte;
     - a sharded checkpoint or model with zero_copy= or verify=False: read and checked chunk by chunk;
     - zero_copy= with model=: the arrays would be copied into the model anyway;
@@ -101,6 +120,9 @@ def load_latest(path: str | os.PathLike[str] | None = None, *, model: Any = None
     - lazy= with zero_copy=, verify=False or map_location=: it fills the model's own tensors, checked;
     - lazy= with sharded (DTensor) state: not supported yet;
     - lazy= in a group from a local store: only from the remote tier.
+
+    A ``model=`` given for a checkpoint of plain arrays is a ConfigError once the checkpoint is
+    read (nothing is put back).
     """
     req, tiers = _plan(path, model, optimizer, extra_state, map_location, zero_copy, verify, distributed, lazy,
                        remote, memory_dir)
@@ -127,6 +149,7 @@ class _Request:
     sharded: bool
     group: Group | None
     directory: Path | None  # the disk store (None: the path is s3://)
+    remote: str | None      # the remote tier's URL (the s3:// path, or remote=)
 
     def state(self) -> TorchState | None:
         return TorchState(self.model, self.optimizer, self.extra_state) if self.model is not None else None
@@ -140,12 +163,18 @@ def _plan(path: Any, model: Any, optimizer: Any, extra_state: Mapping[str, Any] 
           memory_dir: Any) -> tuple[_Request, list[tuple[str, Any]]]:
     """load_latest's request, checked against REFUSED (before anything is read), and its tiers,
     nearest first."""
-    if (optimizer is not None or extra_state) and model is None:
+    if (optimizer is not None or extra_state is not None) and model is None:
         raise _refuse("optimizer= or extra_state= without model=")
     use_memory = memory_dir is not None and memory_dir is not False
     on_remote = is_remote(path)
     if use_memory and (lazy or zero_copy):
         raise _refuse("memory_dir= with lazy= or zero_copy=")
+    if use_memory and on_remote:
+        raise _refuse("memory_dir= with an s3:// path")
+    if remote is not None and on_remote:
+        raise _refuse("remote= with an s3:// path")
+    if remote is not None and not is_remote(remote):
+        raise _refuse("remote= that is not an s3:// URL")
     if (on_remote or remote is not None) and (zero_copy or not verify):
         raise _refuse("an s3:// path or remote= with zero_copy= or verify=False")
     if zero_copy and model is not None:
@@ -165,27 +194,31 @@ def _plan(path: Any, model: Any, optimizer: Any, extra_state: Mapping[str, Any] 
         (model is not None and has_dtensors(model)) or newest_is_sharded(directory))
     if sharded and (zero_copy or not verify):
         raise _refuse("a sharded checkpoint or model with zero_copy= or verify=False")
-    # The tiers, nearest first. The memory tier's vote covers this rank's own disk already, so
-    # eagerly the disk is not read a second time; a sharded set is built from every rank's disk.
+    # The tiers, nearest first. The memory tier's plan covers this rank's own disk and its part
+    # on the remote tier already (each rank from its nearest), so the disk is not read a second
+    # time; after it come what its per-rank plan cannot take: a sharded set built from every
+    # rank's disk, and the remote tier alone (every committed step, any world size).
+    url = str(path) if on_remote else remote
     tiers: list[tuple[str, Any]] = []
     if use_memory:
         tiers.append(("memory", default_memory_dir(directory) if memory_dir is True else Path(memory_dir)))
     if directory is not None and (not use_memory or sharded):
         tiers.append(("disk", directory))
-    if on_remote or remote is not None:
-        tiers.append(("remote", str(path if on_remote else remote)))
+    if url is not None:
+        tiers.append(("remote", url))
     return _Request(model, optimizer, extra_state, map_location, zero_copy, verify, lazy, sharded, group,
-                    directory), tiers
+                    directory, url), tiers
 
 
 def _from_memory(root: Path, req: _Request) -> Restored:
     """Each rank's own part of the newest step every rank can obtain from memory, a peer's
-    replica or its own disk (pccheck.tiers.memory.nearest); sharded: the chunks it lacks from the
-    ranks that stored them (pccheck.tiers.memory.sharded)."""
+    replica, its own disk or the remote tier (pccheck.tiers.memory.nearest), each rank from its
+    nearest; sharded: the chunks it lacks from the ranks that stored them
+    (pccheck.tiers.memory.sharded)."""
     from .tiers.memory import load_nearest
 
-    assert req.directory is not None
-    r = load_nearest(req.directory, root, req.group, verify=req.verify)
+    assert req.directory is not None  # REFUSED: memory_dir= with an s3:// path
+    r = load_nearest(req.directory, root, req.group, verify=req.verify, remote=req.remote)
     if req.sharded:
         from .tiers.memory.sharded import build_sharded
 

@@ -15,7 +15,8 @@ Files and roles:
   receivers; replicas committed into ``replica-<src>/`` stores of 2 + keep_last slots; the
   throttle).
 - ``nearest.py``: ``load_nearest``: the newest step every rank can obtain, each rank's part from
-  its nearest tier (own memory → a peer's replica → own disk), every byte checked, voted.
+  its nearest tier (own memory → a peer's replica → own disk → its part on the remote tier),
+  every byte checked, voted.
 
 Invariants: nothing received from a peer is unpickled (JSON headers, raw bytes, manifests parsed
 by persist.layout); every size and offset from a peer is bounds-checked before use; a gloo

@@ -1,15 +1,17 @@
 """Restore from the nearest tier that holds the newest step every rank can obtain.
 
 Tiers, nearest first (``TIERS``): this rank's own memory store, a peer's replica of it (pulled
-over a gloo group of pccheck's own), this rank's own disk store. A remote tier plugs
-in after "disk": it only has to add its (epoch, step) keys to what a rank publishes and a loader
-for its plan entry.
+over a gloo group of pccheck's own), this rank's own disk store, and (with ``remote=``) this
+rank's part of a step committed on the remote tier (the newest ``PLAN_STEPS`` committed steps,
+from one listing and their manifests: pccheck.tiers.remote.inventory.rank_steps). So one rank
+may take the remote while another takes its own memory.
 
 Protocol (every rank, collective, at most ``MAX_ROUNDS`` rounds):
 
 1. Each rank scans its own tiers and the replicas it holds, meta records and manifests only
-   (every slot checked as FORMAT.md §7 says, the array data not yet read), and publishes the
-   (epoch, step) keys as JSON, minus the ones it found damaged in an earlier round.
+   (every slot checked as FORMAT.md §7 says, a remote step's manifests as §12.2 says, the array
+   data not yet read), and publishes the (epoch, step) keys as JSON, minus the ones it found
+   damaged in an earlier round.
 2. Every rank computes the same plan from the same messages: the newest key every rank can obtain
    (own tiers, or a replica some peer holds), and for each rank the nearest tier holding it.
 3. Peers send what the plan asks of them; every rank loads its part and checks every array's
@@ -35,7 +37,7 @@ import numpy as np
 
 from ... import shutdown
 from ...group.distributed import Group
-from ...errors import CorruptCheckpointError, NoCheckpointError
+from ...errors import CorruptCheckpointError, NoCheckpointError, PCCheckError
 from ...persist.files import rank_dir
 from ...persist.layout import MAX_MANIFEST_BYTES, parse_manifest
 from ...persist.reader import Prefaulter, fresh_buffer
@@ -48,7 +50,7 @@ __all__ = ["TIERS", "load_nearest", "MAX_ROUNDS"]
 
 log = logging.getLogger("pccheck")
 
-TIERS = ("memory", "peer", "disk")  # nearest first; "remote" goes after "disk"
+TIERS = ("memory", "peer", "disk", "remote")  # nearest first
 MAX_ROUNDS = 6
 Key = tuple[int, int]  # (epoch, step)
 
@@ -86,34 +88,66 @@ def _load_local(e: _Entry, tier: str, verify: bool) -> Restored:
     return dataclasses.replace(r, tier=tier)
 
 
-def load_nearest(path: Path, memory_root: Path, group: Group | None, *, verify: bool = True) -> Restored:
-    """The newest checkpoint every rank can obtain, each rank's part from its nearest tier.
+def load_nearest(path: Path, memory_root: Path, group: Group | None, *, verify: bool = True,
+                 remote: str | None = None) -> Restored:
+    """The newest checkpoint every rank can obtain, each rank's part from its nearest tier
+    (memory, a peer's replica, disk, then the remote tier at ``remote``, an ``s3://`` URL).
     Raises NoCheckpointError (naming the ranks that lack it) when no step is complete."""
     if group is None:
-        return _load_single(path, memory_root, verify)
-    return _Restore(path, memory_root, group, verify).run()
+        return _load_single(path, memory_root, verify, remote)
+    return _Restore(path, memory_root, group, verify, remote).run()
 
 
-def _load_single(path: Path, memory_root: Path, verify: bool) -> Restored:
-    tiers = {"memory": _scan(memory_rank_dir(memory_root, None), 1, 0), "disk": _scan(path, 1, 0)}
+def _remote_keys(url: str | None, rank: int, world: int) -> dict[Key, tuple[int, int]]:
+    """(epoch, step) -> (generation, step) the remote tier offers this rank (nothing without a
+    URL, or when the prefix cannot be read: logged, and the remote tier's own load still follows
+    the plan in load_latest)."""
+    if url is None:
+        return {}
+    from ..remote.inventory import rank_steps
+
+    try:
+        return rank_steps(url, rank, world)
+    except (PCCheckError, OSError) as exc:
+        log.warning("pccheck: rank %d: the remote tier %s offers nothing to the restore plan: %s", rank, url, exc)
+        return {}
+
+
+def _load_remote(url: str, at: tuple[int, int], rank: int, world: int) -> Restored:
+    from ..remote.inventory import load_rank_step
+
+    return load_rank_step(url, at[0], at[1], rank, world)
+
+
+def _load_single(path: Path, memory_root: Path, verify: bool, remote: str | None) -> Restored:
+    tiers: dict[str, dict[Key, Any]] = {"memory": _scan(memory_rank_dir(memory_root, None), 1, 0),
+                                        "disk": _scan(path, 1, 0), "remote": _remote_keys(remote, 0, 1)}
     keys = sorted({k for t in tiers.values() for k in t}, key=lambda k: (k[1], k[0]), reverse=True)
     for key in keys:
-        for tier in ("memory", "disk"):
+        for tier in ("memory", "disk", "remote"):
             if key in tiers[tier]:
                 try:
+                    if tier == "remote":
+                        assert remote is not None
+                        return _load_remote(remote, tiers[tier][key], 0, 1)
                     return _load_local(tiers[tier][key], tier, verify)
-                except CorruptCheckpointError as exc:
+                except (CorruptCheckpointError, OSError) as exc:  # OSError: RemoteError too
                     log.warning("pccheck: step %d in the %s tier is damaged (%s); trying the next", key[1], tier, exc)
-    raise NoCheckpointError(f"no valid checkpoint in the memory tier {memory_root} nor on disk at {path}")
+    raise NoCheckpointError(f"no valid checkpoint in the memory tier {memory_root} nor on disk at {path}"
+                            + (f" nor in the newest committed steps of {remote}" if remote else ""))
 
 
 class _Restore:
     """One collective restore (see the module docstring)."""
 
-    def __init__(self, path: Path, root: Path, group: Group, verify: bool) -> None:
+    def __init__(self, path: Path, root: Path, group: Group, verify: bool, remote: str | None = None) -> None:
         self.group, self.verify, self.me, self.world = group, verify, group.rank, group.world_size
-        self.own = {"memory": _scan(memory_rank_dir(root, self.me), self.world, self.me),
-                    "disk": _scan(rank_dir(path, self.me), self.world, self.me)}
+        self.remote = remote
+        # nearest first; "remote" maps a key to its (generation, step), the others to a slot
+        self.own: dict[str, dict[Key, Any]] = {
+            "memory": _scan(memory_rank_dir(root, self.me), self.world, self.me),
+            "disk": _scan(rank_dir(path, self.me), self.world, self.me),
+            "remote": _remote_keys(remote, self.me, self.world)}
         self.reps: dict[int, dict[Key, _Entry]] = {}
         for d in root.glob("replica-*") if root.is_dir() else ():
             m = re.fullmatch(r"replica-(\d+)", d.name)
@@ -158,8 +192,11 @@ class _Restore:
             if tier == "peer":
                 info = next(x for x in msgs[peer]["rep"][str(self.me)] if tuple(x[:2]) == key)
                 return self._pull(peer, key, info, rnd), None
+            if tier == "remote":
+                assert self.remote is not None
+                return _load_remote(self.remote, self.own[tier][key], self.me, self.world), None
             return _load_local(self.own[tier][key], tier, self.verify), None
-        except (CorruptCheckpointError, ReplicationError, OSError) as exc:
+        except (CorruptCheckpointError, ReplicationError, OSError) as exc:  # OSError: RemoteError too
             log.warning("pccheck: rank %d: step %d from the %s tier failed (%s); falling back", self.me, key[1],
                         tier, exc)
             return None, (tier, peer, *key)
@@ -236,19 +273,22 @@ def _plan(msgs: list[Any], world: int) -> tuple[Key, list[tuple[str, int]]]:
     if not common:
         every = set().union(*obtain)
         if not every:
-            raise NoCheckpointError(f"no rank of {world} holds any checkpoint (memory, peers or disk)")
+            raise NoCheckpointError(f"no rank of {world} holds any checkpoint (memory, peers, disk or remote)")
         newest = max(every, key=lambda k: (k[1], k[0]))
         missing = [r for r in range(world) if newest not in obtain[r]]
         raise NoCheckpointError(f"no step can be restored on every rank: ranks {missing} cannot obtain step "
-                                f"{newest[1]} (nor any step the others hold) from memory, a peer or disk; "
-                                f"their node's memory and its replicas are gone and their disk holds none")
+                                f"{newest[1]} (nor any step the others hold) from memory, a peer, disk or the "
+                                f"remote tier; their node's memory and its replicas are gone, their disk holds "
+                                f"none, and no remote= prefix holds one for them")
     key = max(common, key=lambda k: (k[1], k[0]))
     plan: list[tuple[str, int]] = []
-    for r in range(world):
+    for r in range(world):  # nearest first (TIERS)
         if key in own[r].get("memory", set()):
             plan.append(("memory", -1))
         elif key in held[r]:
             plan.append(("peer", min(held[r][key])))
-        else:
+        elif key in own[r].get("disk", set()):
             plan.append(("disk", -1))
+        else:  # key is in obtain[r]: the remote tier holds it
+            plan.append(("remote", -1))
     return key, plan

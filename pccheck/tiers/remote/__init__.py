@@ -23,7 +23,8 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
                   at each expected local commit), SetCommitter (the caller's coordinator:
                   generation, commit, retention)
     inventory.py  survey / verify / manifest_of / load_step of a prefix (``pccheck ls|verify|inspect|export
-                  s3://...``)
+                  s3://...``); rank_steps / load_rank_step: a rank's remote source in the
+                  per-rank restore plan (tiers/memory/nearest.py)
     load.py       load_remote: newest committed step whose every checksum holds, falling back;
                   locate_remote (lazy, one process or a group); read_array (ranged GETs of one array)
     sharded.py    RemoteSet: a committed step as a §9 set for the resharding planner (sharded

@@ -3,21 +3,37 @@
 :func:`survey` reads the pointer and the step manifests (no data); :func:`verify` also fetches
 every data object and checks every part's and every array's crc32c, as a load would
 (load.py), and says which step a load would return: exit status 0 (the newest committed step
-loads), 1 (an older one does), 2 (none).
+loads), 1 (an older one does), 2 (none). :func:`rank_steps` is a rank's offer in the per-rank
+restore plan (pccheck.tiers.memory.nearest): the newest few committed steps its part of which
+checks out, from the manifests alone; :func:`load_rank_step` loads that part.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CorruptCheckpointError, NoCheckpointError, RemoteError
+from ...persist.recovery import Restored
 from .commit import committed, read_pointer
 from .layout import MAX_MANIFEST_BYTES, decode_manifest, manifest_key
 from .load import _load_step, local_manifest, load_remote
 from .objstore import NotFound, ObjectStore
 
-__all__ = ["RemoteStep", "survey", "verify", "remote_url", "manifest_of", "load_step"]
+__all__ = ["RemoteStep", "survey", "verify", "remote_url", "manifest_of", "load_step", "rank_steps",
+           "load_rank_step", "PLAN_STEPS"]
+
+log = logging.getLogger("pccheck")
+
+# The newest committed steps a rank reads the manifests of for the restore plan: one listing and
+# at most this many manifest GETs per rank. Older steps still load through the remote tier's own
+# fallback (load_remote walks every committed step).
+PLAN_STEPS = 4
+# ...and at most this long on them: the other ranks wait for this rank's offer in a collective
+# bounded by the memory tier's TIMEOUT_S (120 s); a slow store offers fewer steps, never a hang.
+PLAN_BUDGET_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -107,3 +123,44 @@ def load_step(url: str, step: int | None = None) -> Any:
     g, s = _find(store, url, step)
     raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
     return _load_step(store, g, s, 0, decode_manifest(raw, g, s).world_size)
+
+
+def rank_steps(url: str, rank: int, world: int, limit: int = PLAN_STEPS) -> dict[tuple[int, int], tuple[int, int]]:
+    """(epoch, step) -> (generation, step) of the newest ``limit`` committed steps under ``url``
+    that hold a part for ``rank`` of a job of ``world`` ranks (a step of that world size, or of
+    one writer, which every rank reads whole), its step manifest and embedded local manifest
+    checked (§12.2, §5); no data is read. The epoch is the embedded manifest's (0 without one),
+    so a remote step pairs with the memory and disk tiers' by (epoch, step); the newest
+    generation wins a duplicate key. A prefix that cannot be listed offers nothing, and a slow one
+    only the steps read within ``PLAN_BUDGET_S`` (logged)."""
+    store = ObjectStore(url)
+    found: dict[tuple[int, int], tuple[int, int]] = {}
+    deadline = time.monotonic() + PLAN_BUDGET_S
+    try:
+        candidates = committed(store)[:max(0, limit)]
+    except RemoteError as exc:
+        log.warning("pccheck: cannot list %s for the restore plan: %s", url, exc)
+        return found
+    for g, s in candidates:
+        if time.monotonic() > deadline:
+            log.warning("pccheck: %s: reading step manifests took over %.0f s; offering %d steps to the restore "
+                        "plan", url, PLAN_BUDGET_S, len(found))
+            break
+        try:
+            raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
+            m = decode_manifest(raw, g, s)
+            if m.world_size not in (1, world):
+                continue  # another world size: only a sharded load (the remote tier's own) reads it
+            man = local_manifest(m.ranks[rank if m.world_size > 1 else 0], s)
+        except (NotFound, CorruptCheckpointError, RemoteError) as exc:
+            log.warning("pccheck: %s: step %d (generation %d) is not offered: %s", url, s, g, exc)
+            continue
+        found.setdefault((man.epoch or 0, s), (g, s))
+    return found
+
+
+def load_rank_step(url: str, generation: int, step: int, rank: int, world: int) -> Restored:
+    """``rank``'s part of committed step (generation, step) of a job of ``world`` ranks, every
+    part's and array's crc32c checked (load.py's checks). CorruptCheckpointError or RemoteError
+    when it does not load (no fallback: the caller plans again)."""
+    return _load_step(ObjectStore(url), generation, step, rank, world)
