@@ -28,7 +28,7 @@ from .. import shutdown
 from ..errors import ConfigError
 from .flush import Notice, run_flush
 from .gate import StepGate
-from .notice import SignalNotice, UrlNotice
+from .notice import SignalNotice, UrlNotice, check_url
 from .result import FlushResult
 
 __all__ = ["Preemption", "HEADROOM"]
@@ -72,16 +72,15 @@ class Preemption:
             raise ConfigError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
         if not signals and notice_url is None:
             raise ConfigError("on_preemption needs signals or a notice_url (or call flush() yourself)")
+        if notice_url is not None:
+            check_url(notice_url, poll_s)
+        # the handlers first: they are refused outside the main thread, before anything is started
+        self._signals = SignalNotice(signals, self._on_notice) if signals else None
         r, w = os.pipe()
         os.set_blocking(w, False)
         self._pipe, self._grace = (r, w), float(grace_s)
-        try:
-            self._signals = SignalNotice(signals, self._on_notice) if signals else None
-            self._waiter = shutdown.thread(self._wait, "pccheck-preempt")
-            self._url = UrlNotice(notice_url, poll_s, self._on_notice) if notice_url is not None else None
-        except BaseException:
-            self.close()
-            raise
+        self._waiter = shutdown.thread(self._wait, "pccheck-preempt")
+        self._url = UrlNotice(notice_url, poll_s, self._on_notice) if notice_url is not None else None
         # newer than the Checkpointer's own exit hook: runs first (shutdown.py: newest first)
         self._forget = shutdown.on_exit(self.close)
         log.info("pccheck: flushing on %s within %.1f s", ", ".join(

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from .. import shutdown
 from ..errors import ConfigError
 
-__all__ = ["SignalNotice", "UrlNotice", "is_notice", "AWS_METADATA_HOST"]
+__all__ = ["SignalNotice", "UrlNotice", "is_notice", "check_url", "AWS_METADATA_HOST"]
 
 log = logging.getLogger("pccheck")
 
@@ -101,16 +101,22 @@ def is_notice(status: int, body: bytes) -> bool:
     return status == 200 and body.strip().upper() != b"FALSE"
 
 
+def check_url(url: Any, poll_s: Any) -> None:
+    """ConfigError unless ``url`` is an http(s) URL and ``poll_s`` a positive number."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"notice_url must be an http(s) URL (the metadata service's notice), got {url!r}")
+    if not (isinstance(poll_s, (int, float)) and poll_s > 0):
+        raise ConfigError(f"poll_s must be a positive number of seconds, got {poll_s!r}")
+
+
 class UrlNotice:
     """Polls ``url`` every ``poll_s`` seconds on a thread of pccheck's until it answers with a
     notice (:func:`is_notice`), then calls ``on_notice("notice <url>")`` once and stops."""
 
     def __init__(self, url: str, poll_s: float, on_notice: Callable[[str], None]) -> None:
+        check_url(url, poll_s)
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"notice_url must be an http(s) URL, got {url!r}")
-        if not poll_s > 0:
-            raise ConfigError(f"poll_s must be a positive number of seconds, got {poll_s!r}")
         self.url, self.poll_s, self._on_notice = url, float(poll_s), on_notice
         self._aws = parts.hostname == AWS_METADATA_HOST
         self._stop = threading.Event()
