@@ -50,112 +50,128 @@ class Notice:
     signum: int | None = None
 
 
-def _state_bytes(stack: Any) -> int:
-    fin = stack.finished()
-    return fin[-1].nbytes if fin else 0
-
-
 def run_flush(stack: Any, gate: StepGate, notice: Notice, deadline: float, index: int,
               serve: Callable[[int], bool] | None = None) -> FlushResult:
     """Runs one flush of ``stack`` (a TierStack) and returns what each tier reached; ``index``:
     the how-many-th flush of this Checkpointer (the group's key namespace); ``serve``: the
     caller is the training thread, which takes a boundary checkpoint itself."""
-    reach: dict[str, TierReach] = {}
+    return _Flush(stack, gate, notice, deadline, index, serve).run()
 
-    def done(step: int | None, floor: int | None, source: str) -> FlushResult:
+
+class _Flush:
+    """The steps of the module docstring, one method each; ``reach`` collects each tier's end."""
+
+    def __init__(self, stack: Any, gate: StepGate, notice: Notice, deadline: float, index: int,
+                 serve: Callable[[int], bool] | None) -> None:
+        self.stack, self.gate, self.notice, self.deadline, self.serve = stack, gate, notice, deadline, serve
+        self.ex = Exchange(stack.ctx.group, stack.epoch, index) if stack.coord is not None else None
+        self.reach: dict[str, TierReach] = {}
+        self.floor: int | None = None
+        self.source = "in flight"
+
+    def run(self) -> FlushResult:
+        stack, gate, deadline = self.stack, self.gate, self.deadline
+        if stack.disk is None:  # a replica that never writes (replicated="rank0", rank != 0)
+            return self.done(None)
+        if not gate.begin(deadline):
+            log.warning("pccheck: flush: maybe_checkpoint still running at the deadline")
+        self.floor = gate.last_returned
+        self.rates = measure(stack.finished(), getattr(stack.tier("remote"), "progress", None))
+        self.nbytes = stack.state_bytes(0)
+        self.disk_need = verdict(self.nbytes, self.rates.disk_bps, deadline).need_s or 0.0
+        self.agree_floor()
+        step, beside = self.newest_held()
+        if step is None or (self.floor is not None and step < self.floor):  # 5. the next step boundary
+            b = gate.ask_boundary(self.floor, deadline - self.disk_need, self.serve)
+            if b is not None:
+                step, self.source = b, "boundary"
+        for name, s in beside.items():
+            self.mark(name, s, step, "" if step is not None else "nothing to flush")
+        if step is None:
+            return self.done(None)
+        if self.to_disk(step):
+            self.after_disk(step)
+        result = self.done(step)
+        log.warning("pccheck: flush of step %s (%s, %s): %s in %.2f s", step, self.source, self.notice.cause,
+                    ", ".join(f"{t.tier} {'reached' if t.reached else 'missed'}" for t in result.tiers), result.took_s)
+        return result
+
+    def done(self, step: int | None) -> FlushResult:
+        stack = self.stack
         order = ["memory", "disk", *[t.name for t in stack.tiers if t.after_disk]]
-        tiers = tuple(reach[n] if n in reach else TierReach(n, None, False, None, "not attempted")
+        tiers = tuple(self.reach[n] if n in self.reach else TierReach(n, None, False, None, "not attempted")
                       for n in order if n == "disk" or stack.tier(n) is not None)
-        return FlushResult(step, floor, source, notice.cause, tiers, notice.wall, time.monotonic() - notice.t0)
+        source = self.source if step is not None else "none"
+        return FlushResult(step, self.floor if stack.disk is not None else self.gate.last_returned, source,
+                           self.notice.cause, tiers, self.notice.wall, time.monotonic() - self.notice.t0)
 
-    def mark(name: str, step: int | None, target: int | None, note: str = "") -> None:
+    def mark(self, name: str, step: int | None, target: int | None, note: str = "") -> None:
         ok = step is not None and target is not None and step >= target
-        reach[name] = TierReach(name, step, ok, time.monotonic() - notice.t0 if ok else None, note)
+        self.reach[name] = TierReach(name, step, ok, time.monotonic() - self.notice.t0 if ok else None, note)
 
-    if stack.disk is None:  # a replica that never writes (replicated="rank0", rank != 0)
-        return done(None, gate.last_returned, "none")
-    if not gate.begin(deadline):
-        log.warning("pccheck: flush: maybe_checkpoint still running at the deadline")
-    floor = gate.last_returned
-    ex = Exchange(stack.ctx.group, stack.epoch, index) if stack.coord is not None else None
-    rates = measure(stack.finished(), getattr(stack.tier("remote"), "progress", None))
-    nbytes = _state_bytes(stack)
-    disk_need = verdict(nbytes, rates.disk_bps, deadline).need_s or 0.0
-
-    # 2. the group's floor
-    if ex is not None:
-        floors = ex.all("floor", floor, deadline)
+    def agree_floor(self) -> None:
+        """2. In a group, every rank's floor becomes the newest one: a rank behind catches up."""
+        if self.ex is None:
+            return
+        floors = self.ex.all("floor", self.floor, self.deadline)
         if floors is None:
             log.warning("pccheck: flush: not every rank answered by the deadline; flushing alone")
-            ex = None
+            self.ex = None
+            return
+        top = max((f for f in floors if f is not None), default=None)
+        if top is not None and (self.floor is None or self.floor < top):
+            self.gate.let_through(top, self.deadline - self.disk_need)
+        self.floor = top
+
+    def newest_held(self) -> tuple[int | None, dict[str, int | None]]:
+        """3-4. The tiers beside the disk commit; the newest step held here (a group: by all)."""
+        beside = self.stack.flush_beside(self.deadline)
+        held = [s for s in (beside.get("memory"), self.stack.started_step) if s is not None]
+        step = max(held) if held else None
+        if self.ex is not None:
+            steps = self.ex.all("step", step, self.deadline)
+            if steps is None:
+                self.ex = None
+            else:
+                step = None if any(s is None for s in steps) else min(steps)
+        return step, beside
+
+    def to_disk(self, step: int) -> bool:
+        """6. The disk holds ``step`` durably (True), or why not is marked."""
+        stack, deadline = self.stack, self.deadline
+        durable, started = stack.disk.last_durable_step, stack.started_step
+        if durable is not None and durable >= step:
+            note, wait = "durable before the notice", True
+        elif started is not None and started >= step:
+            note, wait = ("taken at the step boundary" if self.source == "boundary" else "in flight at the notice"), True
         else:
-            top = max((f for f in floors if f is not None), default=None)
-            if top is not None and (floor is None or floor < top):
-                gate.let_through(top, deadline - disk_need)
-            floor = top
+            memory = stack.tier("memory")
+            copy = held_checkpoint(memory.dir, step) if memory is not None else None
+            v = verdict(copy.nbytes, self.rates.disk_bps, deadline) if copy is not None else None
+            if copy is None or v is None:
+                note, wait = f"no copy of step {step} on this rank", False
+            elif not v.attempt:
+                note, wait = v.note, False
+            elif stack.persist(step, copy.arrays, copy.manifest.metadata, copy.manifest.tree, copy.crcs):
+                self.source, self.nbytes = "memory", copy.nbytes
+                note, wait = f"persisted from the memory tier ({v.note})", True
+            else:
+                note, wait = "skipped: every in-flight permit was busy (when_busy='skip')", False
+            del copy
+        reached = wait and stack.disk_reached(step, deadline)
+        if wait and not reached:
+            note += "; not durable by the deadline"
+        self.mark("disk", stack.disk.last_durable_step, step if reached else None, note)
+        return reached
 
-    # 3-4. the newest step held
-    beside = stack.flush_beside(deadline)
-    mem = beside.get("memory")
-    held = [s for s in (mem, stack.started_step) if s is not None]
-    step = max(held) if held else None
-    if ex is not None:
-        steps = ex.all("step", step, deadline)
-        if steps is None:
-            ex = None
-        else:
-            step = None if any(s is None for s in steps) else min(steps)
-    source = "in flight"
-
-    # 5. a checkpoint at the next step boundary
-    if step is None or (floor is not None and step < floor):
-        b = gate.ask_boundary(floor, deadline - disk_need, serve)
-        if b is not None:
-            step, source = b, "boundary"
-        elif step is None:
-            for name, s in beside.items():
-                mark(name, s, None, "nothing to flush")
-            return done(None, floor, "none")
-    for name, s in beside.items():
-        mark(name, s, step)
-
-    # 6. the disk
-    durable, started = stack.disk.last_durable_step, stack.started_step
-    if durable is not None and durable >= step:
-        note, wait = "durable before the notice", True
-    elif started is not None and started >= step:
-        note, wait = ("taken at the next step boundary" if source == "boundary" else "in flight at the notice"), True
-    else:
-        memory = stack.tier("memory")
-        copy = held_checkpoint(memory.dir, step) if memory is not None else None
-        v = verdict(copy.nbytes, rates.disk_bps, deadline) if copy is not None else None
-        if copy is None:
-            note, wait = f"no copy of step {step} on this rank", False
-        elif not v.attempt:
-            note, wait = v.note, False
-        elif stack.persist(step, copy.arrays, copy.manifest.metadata, copy.manifest.tree, copy.crcs):
-            source, nbytes = "memory", copy.nbytes
-            note, wait = f"persisted from the memory tier ({v.note})", True
-        else:
-            note, wait = "skipped: every in-flight permit was busy (when_busy='skip')", False
-        del copy
-    reached = wait and stack.disk_reached(step, deadline)
-    if wait and not reached:
-        note += "; not durable by the deadline"
-    mark("disk", stack.disk.last_durable_step, step if reached else None, note)
-
-    # 7. after the disk
-    if reached:
-        after = [t.name for t in stack.tiers if t.after_disk]
-        go = []
-        for name in after:
-            v = verdict(nbytes, rates.remote_bps if name == "remote" else None, deadline)
-            (go.append(name) if v.attempt else mark(name, None, None, v.note))
-        for name, s in stack.flush_after(deadline, step, go).items():
-            progress = getattr(stack.tier(name), "progress", None)
-            err = getattr(progress, "error", None)
-            mark(name, s, step, "" if s is not None and s >= step else f"not committed by the deadline{': ' + err if err else ''}")
-    result = done(step, floor, source)
-    log.warning("pccheck: flush of step %s (%s, %s): %s in %.2f s", step, source, notice.cause,
-                ", ".join(f"{t.tier} {'reached' if t.reached else 'missed'}" for t in result.tiers), result.took_s)
-    return result
+    def after_disk(self, step: int) -> None:
+        """7. The tiers after the disk that fit take the disk's commit of ``step``."""
+        stack, go = self.stack, []
+        for t in stack.tiers:
+            if t.after_disk:
+                v = verdict(self.nbytes, self.rates.remote_bps if t.name == "remote" else None, self.deadline)
+                (go.append(t.name) if v.attempt else self.mark(t.name, None, None, v.note))
+        for name, s in stack.flush_after(self.deadline, step, go).items():
+            err = getattr(getattr(stack.tier(name), "progress", None), "error", None)
+            self.mark(name, s, step, "" if s is not None and s >= step else
+                      "not committed by the deadline" + (f": {err}" if err else ""))
