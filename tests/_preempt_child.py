@@ -2,6 +2,7 @@
 
 Usage: python _preempt_child.py PATH [--memory DIR] [--remote URL] [--disk-every K] [--grace S]
        [--url URL] [--poll S] [--no-signal] [--chain] [--mib M] [--sleep S] [--steps N] [--dist]
+       [--grace-by-rank S0,S1,...]
 
 The state is one float32 array (M MiB) filled with the step number at every step, so a loaded
 checkpoint's values say which step's state it holds. Prints "STEP n" once maybe_checkpoint(n)
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--remote-every", type=int, default=1000)
     ap.add_argument("--disk-every", type=int, default=50)
     ap.add_argument("--grace", type=float, default=20.0)
+    ap.add_argument("--grace-by-rank", help="comma-separated grace_s per rank (a group)")
     ap.add_argument("--url")
     ap.add_argument("--poll", type=float, default=0.1)
     ap.add_argument("--no-signal", action="store_true")
@@ -65,7 +67,8 @@ def main() -> None:
         kw["remote"] = pccheck.RemoteOptions(url=a.remote, every=a.remote_every)
     ck = pccheck.Checkpointer({"w": w}, path, disk=pccheck.DiskOptions(every=a.disk_every), **kw)
     ck_box.append(ck)
-    ck.on_preemption(grace_s=a.grace, signals=() if a.no_signal else (signal.SIGTERM,), notice_url=a.url,
+    grace = float(a.grace_by_rank.split(",")[int(os.environ["RANK"])]) if a.grace_by_rank else a.grace
+    ck.on_preemption(grace_s=grace, signals=() if a.no_signal else (signal.SIGTERM,), notice_url=a.url,
                      poll_s=a.poll)
     print("READY", flush=True)
     for step in range(1, a.steps + 1):

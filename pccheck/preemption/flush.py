@@ -118,7 +118,7 @@ class _Flush:
             log.warning("pccheck: flush: not every rank answered by the deadline; flushing alone")
             self.ex = None
             return
-        top = max((f for f in floors if f is not None), default=None)
+        top = max((f for f in floors.values() if f is not None), default=None)
         if top is not None and (self.floor is None or self.floor < top):
             self.gate.let_through(top, self.deadline - self.disk_need)
         self.floor = top
@@ -133,7 +133,7 @@ class _Flush:
             if steps is None:
                 self.ex = None
             else:
-                step = None if any(s is None for s in steps) else min(steps)
+                step = None if any(s is None for s in steps.values()) else min(steps.values())
         return step, beside
 
     def to_disk(self, step: int) -> bool:
