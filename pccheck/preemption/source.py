@@ -18,7 +18,6 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..persist.layout import Manifest
 from ..persist.recovery import read_manifest, read_store, slot_base, store_files
-from ..tiers.memory.replicate import arrays_of, data_end
 
 __all__ = ["Held", "held_checkpoint"]
 
@@ -41,6 +40,8 @@ def held_checkpoint(directory: Path, step: int) -> Held | None:
     """The newest committed checkpoint of ``step`` in the store under ``directory`` (newest
     generation first), or None if none holds it. Offsets come from the checked meta record and
     manifest, and are bounds-checked against the file before any view is made."""
+    from ..tiers.memory.replicate import arrays_of, data_end  # the memory tier's own views of a slot
+
     for _, file in store_files(directory):
         try:
             image = read_store(file)
