@@ -275,9 +275,14 @@ class MemoryOptions:
     Attributes:
         every: checkpoint into RAM when ``step % every == 0`` (1: every iteration), from the same
             ``maybe_checkpoint`` call as the disk tier. None (default): no memory tier.
-        keep_last: 0 only: RAM holds the tier's slots (the newest memory checkpoints), no copies
-            beyond them; keep copies with ``DiskOptions(keep_last=...)``.
-        keep_every: None only, for the same reason (``DiskOptions(keep_every=...)``).
+        keep_last: committed memory checkpoints kept beyond the tier's slots, as
+            ``DiskOptions.keep_last`` counts copies beyond the disk's: 0 (default) or 1. 0 holds
+            the newest memory checkpoint and the one in flight (with ``replicas=2``: 4x the state
+            in RAM per rank, own and replicas); 1 holds one older memory checkpoint too, in the own
+            store and per replica source (6x at ``replicas=2``), so a node loss whose newest
+            replica is damaged restores the older one instead of falling back to the next tier.
+            More copies go on disk: ``DiskOptions(keep_last=...)``.
+        keep_every: None only: RAM holds no selected steps (``DiskOptions(keep_every=...)``).
         dir: the tier's directory (default ``/dev/shm/pccheck/<store>``).
         replicas: copies of each rank's memory checkpoint, its own included: m - 1 go to ranks on
             other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
@@ -294,10 +299,13 @@ class MemoryOptions:
         if self.every is not None:
             check_int("memory.every", self.every, 1)
         _check_keep("memory", self.keep_last, self.keep_every)
-        if self.keep_last != 0 or self.keep_every is not None:
-            raise ConfigError("the memory tier keeps only its slots (the newest memory checkpoints): memory.keep_last "
-                              "must be 0 and memory.keep_every None; keep copies on disk with "
-                              "pccheck.DiskOptions(keep_last=..., keep_every=...)")
+        if self.keep_last is None or self.keep_last > 1:
+            raise ConfigError(f"memory.keep_last={self.keep_last}: the memory tier keeps at most one older checkpoint "
+                              "(keep_last=1: one more slot of the state in RAM per store, own and per replica source); "
+                              "keep more copies on disk with pccheck.DiskOptions(keep_last=...)")
+        if self.keep_every is not None:
+            raise ConfigError("the memory tier keeps no selected steps in RAM: memory.keep_every must be None; keep "
+                              "them on disk with pccheck.DiskOptions(keep_every=...)")
         check_int("replicas", self.replicas, 1)
         if self.replicas > 1 and self.every is None:
             raise ConfigError("replicas copies memory checkpoints: set memory.every too")

@@ -1,9 +1,11 @@
 """One rank of a small DDP job run by torchrun, for the memory tier tests (two simulated nodes).
 
 Usage: torchrun ... _tier_train.py BASE STEPS [--resume] [--final] [--sleep S] [--disk-interval K]
-                                      [--die-mid-send NODE:STEP] [--die-mid-serve NODE] [--fsdp]
+                                      [--keep-last K] [--replicas M] [--die-mid-send NODE:STEP] [--die-mid-serve NODE] [--fsdp]
 Node n (torchrun's GROUP_RANK) keeps its disk store under BASE/node-n/disk and its memory tier
-under BASE/node-n/mem. With --single (python, no torchrun): one process, BASE/node-0, no replicas.
+under BASE/node-n/mem (``MemoryOptions(every=1, keep_last=K, replicas=M)``, K from --keep-last,
+default 0, M from --replicas, default 2). With
+--single (python, no torchrun): one process, BASE/node-0, no replicas.
 Prints "PID p", "START step tier" and "LOSS step value" lines, flushed. --fsdp: the model is
 FSDP2 (``fully_shard`` on a CPU mesh of both ranks) with a buffer, instead of DDP; --final then
 saves its full tensors (gathered).
@@ -72,6 +74,8 @@ def main(argv: list[str]) -> None:
     base, steps = argv[0], int(argv[1])
     pause = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
     disk_interval = int(argv[argv.index("--disk-interval") + 1]) if "--disk-interval" in argv else 4
+    keep_last = int(argv[argv.index("--keep-last") + 1]) if "--keep-last" in argv else 0
+    replicas = int(argv[argv.index("--replicas") + 1]) if "--replicas" in argv else 2
     single = "--single" in argv
     node = 0 if single else int(os.environ["GROUP_RANK"])
     disk, mem = f"{base}/node-{node}/disk", f"{base}/node-{node}/mem"
@@ -114,8 +118,9 @@ def main(argv: list[str]) -> None:
     if start == 0:
         torch.manual_seed(1000 + rank)  # each rank's dropout stream; on resume it comes from the checkpoint
     ddp = model if single or fsdp else torch.nn.parallel.DistributedDataParallel(model)
+    memory = pccheck.MemoryOptions(every=1, dir=mem, replicas=1 if single else replicas, keep_last=keep_last)
     ck = pccheck.Checkpointer(model, optim, path=disk, interval=disk_interval, max_concurrent=2,
-                              chunk_size=64 << 10, memory_interval=1, memory_dir=mem, replicas=1 if single else 2)
+                              chunk_size=64 << 10, memory=memory)
     print(f"START {start} {tier}", flush=True)
     for step in range(start + 1, steps + 1):
         g = torch.Generator().manual_seed(step * 100 + rank)

@@ -204,3 +204,35 @@ def test_async_save_process_mode(tmp_path):
     got = tmp_path / "load.pt"
     _run(tmp_path, "load", ck, 1, got)
     assert _same(torch.load(got), torch.load(full))
+
+
+def test_a_memory_tier_is_refused_saying_why(tmp_path):
+    """DCP saves have no memory tier (no steps, no state source): asked for one, the Writer and
+    the tier stack a rank store opens both refuse it, naming the way to a RAM tier."""
+    with pytest.raises(pccheck.ConfigError, match="no memory tier.*pccheck.Checkpointer"):
+        pccheck.dcp.Writer(tmp_path / "ck", memory=pccheck.MemoryOptions(every=1))
+    from pccheck.integrations.dcp_store import RankStore
+
+    store = RankStore(tmp_path / "ck", 1, 0, pccheck.dcp.Writer(tmp_path / "ck").engine,
+                      pccheck.Options(memory=pccheck.MemoryOptions(every=1)))
+    with pytest.raises(pccheck.ConfigError, match="no memory tier"):
+        store.write(None, None, {"w": torch.ones(4)}, {"shards": {}, "dcp": None})
+    assert not list((tmp_path / "ck").glob("store-*")), "nothing was written"
+
+
+def test_the_rank_store_opens_its_tiers_through_the_stack(tmp_path):
+    """A save's rank store is a TierStack's disk tier (the one place every entry point gets its
+    tiers from); closing the Writer closes it, and the next save opens it again."""
+    from pccheck.integrations.dcp_store import rank_store
+    from pccheck.tiers.stack import TierStack
+
+    w = pccheck.dcp.Writer(tmp_path / "ck")
+    dcp.save(_sd(1), storage_writer=w)
+    store = rank_store(tmp_path / "ck", 1, 0, w.engine)
+    assert isinstance(store.stack, TierStack) and store.stack.disk.last_durable_step == 1
+    assert store.stack.tiers == []  # a local directory: no tier beside or after the disk
+    w.close()
+    dcp.save(_sd(2), storage_writer=w)
+    out = _empty()
+    dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
+    assert _same(out, _sd(2))

@@ -106,3 +106,32 @@ def test_s3_fsdp2_saved_on_two_ranks_resharded_to_one(s3_url, tmp_path, monkeypa
     got = tmp_path / "load1.pt"
     _run(tmp_path, "load", s3_url, 1, got)  # type: ignore[arg-type]
     assert _same(torch.load(got), torch.load(full))
+
+
+def test_s3_saves_take_the_remote_tiers_options_and_a_local_directory(s3_url, tmp_path):
+    """The remote tier of a DCP save is the shared one, with its RemoteOptions: a local
+    directory with ``remote=RemoteOptions(url=...)`` uploads each save (the rank store's tier
+    stack holds the set-mode uploader), ``keep_last`` prunes the store after each commit, and
+    ``every`` other than 1 is refused (every DCP save is committed whole)."""
+    from pccheck.integrations.dcp_store import rank_store
+    from pccheck.tiers.remote.sets import SetUploader
+
+    with pytest.raises(pccheck.ConfigError, match="remote.every must be 1"):
+        pccheck.dcp.Writer(s3_url, remote=pccheck.RemoteOptions(every=2))
+    with pytest.raises(pccheck.ConfigError, match="give one"):
+        pccheck.dcp.Writer(s3_url, remote=pccheck.RemoteOptions(url=s3_url + "-other"))
+    w = pccheck.dcp.Writer(tmp_path / "ck", remote=pccheck.RemoteOptions(url=s3_url, keep_last=1,
+                                                                         part_size=8 << 20))
+    for seed in (1, 2, 3):
+        dcp.save(_sd(seed), storage_writer=w)
+    assert isinstance(rank_store(tmp_path / "ck", 1, 0, w.engine).stack.tier("remote"), SetUploader)
+    w.close()
+    store = ObjectStore(s3_url)
+    assert [s for _, s in committed(store)] == [3], "keep_last=1 keeps the newest committed step only"
+    out = _empty()
+    dcp.load(out, storage_reader=pccheck.dcp.Reader(tmp_path / "ck"))
+    assert _same(out, _sd(3))
+    shutil.rmtree(tmp_path / "ck")
+    out = _empty()
+    dcp.load(out, storage_reader=pccheck.dcp.Reader(s3_url))
+    assert _same(out, _sd(3))

@@ -150,33 +150,125 @@ def _damage_newest(directory: Path) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
+    """An uninterrupted two-node run in the default memory options (keep_last=0): its losses, its
+    final tensors, and its memory directories (the footprint test reads their store files)."""
     base = tmp_path_factory.mktemp("ref")
     job = Nodes(base, "--final")
     job.wait()
-    return {"losses": [job.losses(n) for n in range(2)],
+    return {"losses": [job.losses(n) for n in range(2)], "base": base,
             "final": [torch.load(base / f"final-{r}.pt", weights_only=True) for r in range(2)]}
 
 
+def _footprint(mem: Path, source: int) -> tuple[int, int, float]:
+    """(own slots, replica slots, tmpfs bytes of both store files over one slot's capacity) of a
+    node's memory directory holding its rank's own store and the replicas of ``source``; beyond
+    the slots each file holds its header and one meta block per slot, nothing more."""
+    images = []
+    for store in (mem / f"rank-{1 - source}", mem / f"replica-{source}"):
+        (_, file), = store_files(store)
+        image = read_store(file)
+        h = image.header
+        assert file.stat().st_size == h["file_size"] == h["slots_offset"] + h["num_slots"] * h["slot_capacity"]
+        assert h["slots_offset"] <= (2 + h["num_slots"]) * 4096, h
+        images.append((image, file.stat().st_size))
+    (own, own_bytes), (rep, rep_bytes) = images
+    assert own.header["slot_capacity"] == rep.header["slot_capacity"]  # a replica slot holds a whole own slot
+    return len(own.slots), len(rep.slots), (own_bytes + rep_bytes) / own.header["slot_capacity"]
+
+
+def test_footprint_is_four_slots_of_the_state_per_rank_at_replicas_2(reference):
+    """The default memory options at replicas=2 (the reference run's stores, on both nodes): the
+    own store 2 slots (in flight, the newest replicated everywhere) and the replica store 2 (the
+    newest replica, the one being received): 4 slots of the state per rank, plus headers and meta
+    blocks (a few KiB). keep_last=1's 3 + 3 is checked by the node-loss tests below."""
+    for node in range(2):
+        own, rep, ratio = _footprint(reference["base"] / f"node-{node}" / "mem", 1 - node)
+        assert (own, rep) == (2, 2) and 4 < ratio < 4.5, (node, own, rep, ratio)
+
+
+def test_footprint_of_a_group_without_replicas_is_the_global_step_and_keep_last_more(tmp_path, reference):
+    """replicas=1 on two nodes, keep_last=1: each rank's own store has 4 slots (1 in flight, the
+    newest, §8's global step, one older global step) and no replica store; the run is bit for bit
+    the reference's."""
+    job = Nodes(tmp_path, "--final", "--replicas", "1", "--keep-last", "1")
+    job.wait()
+    _check(job, reference, {"none"})
+    _compare_final(tmp_path, reference)
+    for node in range(2):
+        mem = tmp_path / f"node-{node}" / "mem"
+        assert not list(mem.glob("replica-*"))
+        (_, file), = store_files(mem / f"rank-{node}")
+        assert len(read_store(file).slots) == 4
+        assert len(_committed_steps(mem / f"rank-{node}")) == 4  # the newest four steps, all still valid
+
+
 def test_two_nodes_crash_node_loss_damaged_replica_and_group_loss(tmp_path, reference):
-    """One chain of faults on two simulated nodes (replicas=2, memory every step, disk every 4):
+    """One chain of faults on two simulated nodes (replicas=2, memory every step with
+    keep_last=1, disk every 4):
     1. SIGKILL of every process, then node 1 lost (its memory and disk wiped) and the newest
        replica of rank 1 on node 0 damaged: rank 0 resumes from its own memory, rank 1 pulls the
-       older intact replica from node 0, never the damaged one; bit for bit to the end;
+       older intact replica from node 0, never the damaged one; bit for bit to the end (node 1's
+       disk is gone with it: the older replica is rank 1's only copy, so with keep_last=1 a
+       replica store keeps two committed replicas and the own store the two steps they pair with);
     2. both nodes' memory gone (the whole group), disks left: resume from disk, bit for bit."""
-    job = Nodes(tmp_path, "--sleep", "0.3")
+    job = Nodes(tmp_path, "--sleep", "0.3", "--keep-last", "1")
     job.kill_when(6)
+    own, rep, ratio = _footprint(tmp_path / "node-0" / "mem", 1)  # 3 slots own, 3 per replica source
+    assert (own, rep) == (3, 3) and 6 < ratio < 6.5, (own, rep, ratio)
     shutil.rmtree(tmp_path / "node-1")
     damaged = _damage_newest(tmp_path / "node-0" / "mem" / "replica-1")
-    job = Nodes(tmp_path, "--resume", "--final")
+    job = Nodes(tmp_path, "--resume", "--final", "--keep-last", "1")
     job.wait()
     start = _check(job, reference, {"memory", "peer"})
     assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and 1 <= start < damaged
     _compare_final(tmp_path, reference)
     for n in range(2):
         shutil.rmtree(tmp_path / f"node-{n}" / "mem")
-    job = Nodes(tmp_path, "--resume", "--final")
+    job = Nodes(tmp_path, "--resume", "--final", "--keep-last", "1")
     job.wait()
     assert _check(job, reference, {"disk"}) == STEPS // 4 * 4  # the newest disk checkpoint
+    _compare_final(tmp_path, reference)
+
+
+def _wait_committed(directory: Path, step: int, timeout: float = 30) -> None:
+    t0 = time.monotonic()
+    while step not in (got := _committed_steps(directory)):
+        assert time.monotonic() - t0 < timeout, f"{directory} never committed step {step}: {got}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("keep_last", [1, 0])
+def test_node_loss_with_the_newest_replica_damaged(tmp_path, reference, keep_last):
+    """Rank 1 dies while sending its replica of step 6 (node 0 holds its replica of 5, and of 4
+    with keep_last=1), rank 0 commits its own 6; then every process is killed, node 1 lost (its
+    memory and disk wiped; the disk holds no checkpoint yet: disk every 100) and rank 1's newest
+    replica on node 0 (step 5) damaged.
+    keep_last=1: rank 0 resumes from its own memory at step 4, rank 1 from the older replica,
+    bit for bit to the end.
+    keep_last=0 (default): node 0 holds no older replica of rank 1 that rank 0 still pairs with
+    (its own store: 5 and 6): the memory tier holds no step every rank can obtain, and with no
+    tier after it (no remote=) load_latest raises NoCheckpointError on every rank, naming rank 1;
+    the script reports it and starts over at step 0 (bit for bit against the reference too)."""
+    k = str(keep_last)
+    job = Nodes(tmp_path, "--sleep", "0.3", "--die-mid-send", "1:6", "--disk-interval", "100", "--keep-last", k)
+    assert job.tag_when(1, "MIDSEND") == ["6"]
+    _wait_committed(tmp_path / "node-0" / "mem" / "rank-0", 6)
+    job.kill()
+    own = _committed_steps(tmp_path / "node-0" / "mem" / "rank-0")
+    held = _committed_steps(tmp_path / "node-0" / "mem" / "replica-1")
+    assert max(held) == 5 and ({4, 5} <= held if keep_last else True) and {5, 6} <= own, (held, own)
+    shutil.rmtree(tmp_path / "node-1")
+    assert _damage_newest(tmp_path / "node-0" / "mem" / "replica-1") == 5
+    job = Nodes(tmp_path, "--resume", "--final", "--disk-interval", "100", "--keep-last", k)
+    job.wait()
+    if keep_last:
+        assert _check(job, reference, {"memory", "peer"}) == 4
+        assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"]
+    else:
+        assert _check(job, reference, {"none"}) == 0
+        for n in range(2):
+            (why,) = job._tagged(n, "NOCHECKPOINT")
+            assert "ranks [1] cannot obtain step" in " ".join(why), why
     _compare_final(tmp_path, reference)
 
 
@@ -233,7 +325,7 @@ def test_fsdp2_state_node_loss_resumes_from_the_peer_bit_for_bit(tmp_path):
     job = Nodes(tmp_path / "run", "--fsdp", "--resume", "--final")
     job.wait()
     start = _check(job, ref, {"memory", "peer"})
-    # replication lags by at most 3 steps (1 in flight, QUEUE = 2 waiting)
+    # replication lags by at most 1 step (a memory checkpoint waits for the previous one's)
     assert [job.start(n)[1] for n in range(2)] == ["memory", "peer"] and start >= 2, start
     _compare_final(tmp_path / "run", ref)
 
@@ -306,10 +398,28 @@ def test_replicas_beyond_nodes_is_a_clear_error(tmp_path):
                              memory_dir=tmp_path / "mem", replicas=2)
 
 
+def test_memory_need_counts_the_slots_of_each_keep_last():
+    """check_room's size: own slots (2 single-process and with replication, 3 in a group without:
+    §8's global step; keep_last more) and 2 + keep_last per source rank whose replicas this rank
+    holds, each slot with its meta block, plus headers."""
+    from pccheck.tiers.memory.shm_store import BLOCK, memory_need, own_slots, replica_slots
+
+    assert [own_slots(k, False, False) for k in (0, 1)] == [2, 3]    # single process
+    assert [own_slots(k, True, False) for k in (0, 1)] == [3, 4]     # a group, no replicas
+    assert [own_slots(k, True, True) for k in (0, 1)] == [2, 3]      # replicated
+    assert [replica_slots(k) for k in (0, 1)] == [2, 3]
+    slot = 1 << 20
+    assert memory_need(slot, 2, 0, 2) == 2 * slot + 3 * BLOCK
+    assert memory_need(slot, 2, 1, 2) == 4 * slot + 6 * BLOCK   # replicas=2: 4 x the state
+    assert memory_need(slot, 3, 1, 3) == 6 * slot + 8 * BLOCK   # replicas=2, keep_last=1: 6 x
+    assert memory_need(slot, 2, 2, 2) == 6 * slot + 9 * BLOCK   # replicas=3
+
+
 def test_memory_every_keep_last_and_keep_every_as_the_tier_table_says(tmp_path):
-    """memory.every=3 beside disk.every=5 over steps 1..10: RAM takes 3, 6, 9 and holds only its
-    slots, so keep_last must be 0 and keep_every None (a ConfigError naming the disk tier's
-    fields otherwise); the 0.1.0 keywords memory_interval/memory_dir are silent aliases."""
+    """memory.every=3 beside disk.every=5 over steps 1..10: RAM takes 3, 6, 9 into 2 slots; with
+    keep_last=1 over steps 1..12 one more slot keeps an older checkpoint (6 beside 9, 12); keep_last
+    above 1 and keep_every are ConfigErrors naming the disk tier's fields; the 0.1.0 keywords
+    memory_interval/memory_dir are silent aliases."""
     import warnings
 
     state = {"w": np.zeros(1000, dtype=np.float32)}
@@ -322,9 +432,21 @@ def test_memory_every_keep_last_and_keep_every_as_the_tier_table_says(tmp_path):
             ck.wait()
         assert [c.step for c in ck._memory.recent] == [3, 6, 9]
         assert ck.stats().tiers["memory"] == 9 and ck.last_durable_step == 10
-    for kw in ({"keep_last": 2}, {"keep_last": None}, {"keep_every": 4}):
-        with pytest.raises(ConfigError, match="keeps only its slots.*DiskOptions"):
+    assert _committed_steps(mem) == {6, 9} and len(read_store(store_files(mem)[0][1]).slots) == 2
+    older = tmp_path / "mem-older"
+    with pccheck.Checkpointer(state, tmp_path / "ck2", disk=pccheck.DiskOptions(every=5),
+                              memory=pccheck.MemoryOptions(every=3, dir=older, keep_last=1)) as ck:
+        for step in range(1, 13):
+            state["w"][...] = step
+            ck.maybe_checkpoint(step)
+            ck.wait()
+    # 12 went into the slot freed longest ago (3's): 2 slots would hold 9 and 12 only
+    assert _committed_steps(older) == {6, 9, 12} and len(read_store(store_files(older)[0][1]).slots) == 3
+    for kw in ({"keep_last": 2}, {"keep_last": None}):
+        with pytest.raises(ConfigError, match="at most one older checkpoint.*DiskOptions.keep_last"):
             pccheck.MemoryOptions(every=1, **kw)
+    with pytest.raises(ConfigError, match="keep_every must be None.*DiskOptions.keep_every"):
+        pccheck.MemoryOptions(every=1, keep_every=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opts = pccheck.Options().updated(memory_interval=3, memory_dir=mem, replicas=1)
@@ -548,25 +670,35 @@ def test_key_waiter_sees_a_key_set_later_and_ends_at_stop():
     assert waiter.wait("never", stop) is None
 
 
-def test_throttle_waits_for_the_checkpoint_lag_back_while_it_can_still_replicate():
-    """Replicator.throttle (the node-loss bound): the memory checkpoint of step s waits until the
-    one LAG (2) checkpoints back is replicated everywhere while that can still happen (queued,
-    being sent, or sent within COMMIT_GRACE_S), and never for a step that will not come (not
-    offered: its checkpoint failed; sent too long ago; a peer dropped)."""
+def test_throttle_waits_for_the_previous_checkpoint_and_stops_when_it_cannot_replicate():
+    """Replicator.throttle (the slots and the node-loss bound): the memory checkpoint of step s
+    waits until the previous one (LAG = 1 back) is replicated everywhere while that can still
+    happen (queued, being sent, or sent within COMMIT_GRACE_S); one that never committed here (its
+    commit failed) is not waited for; one that committed here but cannot be replicated everywhere
+    any more (a failure of it or of a link reported in the replication log, a peer dropped, sent
+    too long ago) stops the tier: throttle returns False from then on, so the own store keeps the
+    newest step replicated everywhere instead of writing over it."""
     import time
     from collections import deque
+    from types import SimpleNamespace
 
     from pccheck.tiers.memory import replicate
 
-    r = replicate.Replicator.__new__(replicate.Replicator)  # the throttle's state only: no links
-    r._cv, r._queue, r._sending, r._sending_step = threading.Condition(), deque(), False, None
-    r._sent_at, r._started, r._stopping, r._dead = {}, deque(maxlen=replicate.LAG), False, set()
-    r.replicated, r.throttled_s = None, 0.0
-    r.throttle(1)
-    r.throttle(2)  # nothing LAG back yet
+    def fresh() -> replicate.Replicator:
+        r = replicate.Replicator.__new__(replicate.Replicator)  # the throttle's state only: no links
+        r._cv, r._queue, r._sending, r._sending_step = threading.Condition(), deque(), False, None
+        r._sent_at, r._started, r._stopping, r._dead = {}, deque(maxlen=replicate.LAG), False, set()
+        r._committed, r.stopped, r.links, r._failed, r._broken = set(), None, SimpleNamespace(rank=0), set(), False
+        r.replicated, r.throttled_s = None, 0.0
+        return r
+
+    assert replicate.LAG == 1
+    r = fresh()
+    assert r.throttle(1)  # nothing before it
     with r._cv:
+        r._committed.add(1)
         r._sent_at[1] = time.monotonic()  # step 1 sent: the peers are committing it
-    waiter = threading.Thread(target=r.throttle, args=(3,))
+    waiter = threading.Thread(target=r.throttle, args=(2,))
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive()  # waits for step 1 to be replicated everywhere
@@ -574,13 +706,32 @@ def test_throttle_waits_for_the_checkpoint_lag_back_while_it_can_still_replicate
         r.replicated = 1
         r._cv.notify_all()
     waiter.join(10)
-    assert not waiter.is_alive() and list(r._started) == [2, 3]
-    r.throttle(4)  # step 2 was never offered (its commit failed): no wait
+    assert not waiter.is_alive() and list(r._started) == [2] and r.stopped is None
+    assert r.throttle(3)  # step 2 never committed here (its commit failed): its slot is free, no wait
     with r._cv:
-        r._sent_at[3] = time.monotonic() - replicate.COMMIT_GRACE_S - 1  # sent long ago, never committed
+        r._committed.add(3)
+        r._sent_at[3] = time.monotonic() - replicate.COMMIT_GRACE_S - 1  # sent long ago, never replicated
     t0 = time.monotonic()
-    r.throttle(5)
+    assert not r.throttle(4) and r.stopped and not r.throttle(5)  # stopped for good: step 1..3's slot kept
+    assert time.monotonic() - t0 < replicate.COMMIT_GRACE_S and list(r._started) == [3]
+    r = fresh()
+    assert r.throttle(1)
     with r._cv:
-        r._sending, r._sending_step, r._dead = True, 4, {1}  # still sending 4 (LAG back), but a peer was dropped
-    r.throttle(6)
-    assert time.monotonic() - t0 < replicate.COMMIT_GRACE_S and list(r._started) == [5, 6]
+        r._committed.add(1)
+        r._sending, r._sending_step, r._dead = True, 1, {1}  # still sending 1, but a peer was dropped
+    assert not r.throttle(2) and "dropped" in r.stopped
+    for failed, broken, why in ((1, False, "failed"), (None, True, "broke")):
+        r = fresh()
+        assert r.throttle(1)
+        with r._cv:
+            r._committed.add(1)
+            r._sent_at[1] = time.monotonic()  # sent just now: the peers would be committing it
+        waiter = threading.Thread(target=r.throttle, args=(2,))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()
+        with r._cv:  # the log follower read "!1" (a replica of step 1 failed) or "!*" (a link broke)
+            r._failed, r._broken = {failed} - {None}, broken
+            r._cv.notify_all()
+        waiter.join(10)
+        assert not waiter.is_alive() and why in r.stopped, r.stopped

@@ -172,7 +172,7 @@ def test_older_spellings_are_silent_renames_except_where_the_meaning_changed():
 
 @pytest.mark.parametrize("kw", [
     {"disk": {"every": 0}}, {"disk": {"every": "sometimes"}}, {"disk": {"keep_last": -1}},
-    {"disk": {"keep_every": 0}}, {"memory": {"every": 0}}, {"memory": {"keep_last": 1}},
+    {"disk": {"keep_every": 0}}, {"memory": {"every": 0}}, {"memory": {"keep_last": 2}},
     {"memory": {"replicas": 2}}, {"remote": {"every": 0}}, {"remote": {"keep_last": -1}},
     {"remote": {"url": "http://x"}}, {"remote": {"part_size": 1 << 20}}, {"remote": {"concurrency": 0}},
     {"remote": {"close_timeout": -1}},

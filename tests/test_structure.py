@@ -141,6 +141,37 @@ def test_only_the_orchestrator_opens_the_store_and_only_the_core_touches_native(
     assert not native, f"only persist and the orchestrator import native: {native}"
 
 
+def _orchestrators_built(source: str) -> list[str]:
+    """Where ``source`` builds an Orchestrator itself: a call of anything named ``Orchestrator``
+    (plain, ``module.Orchestrator``, or an alias it imported under another name)."""
+    tree = ast.parse(source)
+    names = {"Orchestrator"} | {a.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                                for a in node.names if a.name == "Orchestrator" and a.asname}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in names:
+                out.append(f"line {node.lineno}: {name}(...)")
+    return out
+
+
+def test_the_orchestrator_check_catches_each_spelling():
+    assert _orchestrators_built("from x import Orchestrator\no = Orchestrator(p)")
+    assert _orchestrators_built("from x import Orchestrator as O\no = O(p)")
+    assert _orchestrators_built("import pccheck.orchestrator.orchestrator as m\no = m.Orchestrator(p)")
+    assert not _orchestrators_built("from x import TierStack\ns = TierStack(ctx)")
+
+
+def test_every_entry_point_gets_its_tiers_through_the_stack():
+    """No module under pccheck/integrations builds an Orchestrator: each opens its disk store
+    and its tiers through tiers.stack.TierStack, so a tier added there reaches every entry point."""
+    bad = {str(p.relative_to(PKG)): hits for p in sorted((PKG / "integrations").rglob("*.py"))
+           if (hits := _orchestrators_built(p.read_text()))}
+    assert not bad, f"integrations build an Orchestrator instead of a TierStack: {bad}"
+
+
 def test_import_pccheck_loads_no_profiler_torch_or_cupy():
     code = ("import sys, pccheck; "
             "print(sorted(m for m in ('pccheck.tuner.profile', 'pccheck.tuner.search', 'torch', 'cupy') "

@@ -6,7 +6,8 @@ loop (the host waits ``t``, then an AdamW step updates all of the state; the GPU
 Each configuration is a fresh job, checkpointing every iteration:
 
 - ``none``: no checkpoint;
-- ``memory``: pccheck's memory tier, ``memory_interval=1, replicas=2`` (disk tier off);
+- ``memory``: pccheck's memory tier, ``MemoryOptions(every=1, replicas=2)`` (``keep_last`` from
+  ``--memory-keep-last``, default 0; disk tier off);
 - ``disk``: pccheck's disk tier, ``interval=1``;
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` every iteration, one in flight (the next
   save waits for the previous one, as users write it).
@@ -277,8 +278,9 @@ def worker(a: argparse.Namespace) -> None:
     base = Path(a.dir)
     ck, future = None, None
     if a.config == "memory":
-        ck = pccheck.Checkpointer(model, opt, path=base / "disk", interval=10**9, memory_interval=1, replicas=2,
-                                  memory_dir=Path(a.shm) / f"mem-node{rank}")
+        ck = pccheck.Checkpointer(model, opt, path=base / "disk", interval=10**9,
+                                  memory=pccheck.MemoryOptions(every=1, replicas=2, dir=Path(a.shm) / f"mem-node{rank}",
+                                                               keep_last=a.memory_keep_last))
     elif a.config == "disk":
         ck = pccheck.Checkpointer(model, opt, path=base / "disk", interval=1)
     token = torch.zeros(1)
@@ -378,7 +380,7 @@ def run_job(config: str, a: argparse.Namespace, scratch: Path, shm: Path) -> lis
     cmd = [sys.executable, "-m", "bench.tiers", "--worker", "--config", config, "--port", str(_port()),
            "--dir", str(scratch), "--size", str(a.size), "--iter-time", str(a.iter_time), "--iters", str(a.iters),
            "--warmup", str(a.warmup), "--shm", str(shm),
-           "--restore-repeats", str(a.restore_repeats)]
+           "--restore-repeats", str(a.restore_repeats), "--memory-keep-last", str(a.memory_keep_last)]
     if config == "memory" and a.remote_url:
         cmd += ["--remote-url", f"{a.remote_url}/{shm.name}-{time.monotonic_ns()}"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=BENCH_DIR.parent,
@@ -448,6 +450,8 @@ def _parser() -> argparse.ArgumentParser:
                         "only the steps-lost trials)")
     p.add_argument("--json", type=Path, default=result_path("tiers"))
     p.add_argument("--shm", default="/dev/shm", help="where the memory tier's stores go")
+    p.add_argument("--memory-keep-last", type=int, choices=(0, 1), default=0,
+                   help="MemoryOptions.keep_last of the memory config (1: one older checkpoint, 6x instead of 4x)")
     p.add_argument("--remote", choices=("auto", "on", "off"), default="auto",
                    help="the node-loss restore from pccheck's remote tier on a fresh `weed mini` (auto: when the "
                         "memory config runs and a weed binary is found)")

@@ -77,7 +77,7 @@ class AccelerateHooks:
                               "pccheck.EngineOptions") from None
         self.accelerator = accelerator
         self.path = Path(path) if path is not None else default_path()
-        self._orch: TierStack | None = None
+        self._stack: TierStack | None = None
         self._past_stats: list[CheckpointStats] = []
         self._errors: list[PCCheckError] = []
         self._reported = 0
@@ -100,10 +100,10 @@ class AccelerateHooks:
             tree = {KEY: fl.encode("models", list(weights))}
             step = int(getattr(self.accelerator, "save_iteration", 0))
             with self._lock:
-                orch = self._orchestrator(fl.arrays)
+                stack = self._open_stack(fl.arrays)
                 # n_eager=None: every byte is copied before this returns (the optimizer may step next).
-                started = orch.start(step, fl.arrays, {KEY: {"name": name, "models": len(weights)}},
-                                     StartArgs(tree=tree))
+                started = stack.start(step, fl.arrays, {KEY: {"name": name, "models": len(weights)}},
+                                      StartArgs(tree=tree))
             if not started:
                 raise ConfigError(f"pccheck: max_concurrent checkpoints are in flight and when_busy='skip': the "
                                   f"weights of {output_dir} were not saved; use when_busy='block'")
@@ -120,8 +120,8 @@ class AccelerateHooks:
         # (the main process, or each node's, writes them all): it waits for them, then every
         # process meets at the barrier (each calls load_state, so each comes here).
         with self._lock:
-            if self._orch is not None:
-                self._orch.wait()
+            if self._stack is not None:
+                self._stack.wait()
         if int(getattr(self.accelerator, "num_processes", 1)) > 1:
             self.accelerator.wait_for_everyone()
         if not target.is_file():
@@ -165,8 +165,8 @@ class AccelerateHooks:
         """Waits until every checkpoint handed over is committed (or failed), and its pointer is
         durable."""
         with self._lock:
-            if self._orch is not None:
-                self._orch.wait()
+            if self._stack is not None:
+                self._stack.wait()
         self._names.flush()
 
     def close(self) -> None:
@@ -174,10 +174,10 @@ class AccelerateHooks:
         (a later ``save_state`` opens it again). Raises the first background failure not yet
         raised."""
         with self._lock:
-            orch, self._orch = self._orch, None
-        if orch is not None:
-            orch.close()
-            self._past_stats = list(orch.finished())
+            stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+            self._past_stats = list(stack.finished())
         self._names.flush()
         self._raise_pending()
 
@@ -193,17 +193,17 @@ class AccelerateHooks:
     def stats(self) -> list[CheckpointStats]:
         """Per checkpoint since the store was opened: the copy, the persist and the outcome."""
         with self._lock:
-            return list(self._orch.finished()) if self._orch is not None else list(self._past_stats)
+            return list(self._stack.finished()) if self._stack is not None else list(self._past_stats)
 
     @property
     def errors(self) -> list[PCCheckError]:
         """Checkpoints that failed in the background; the last committed one survived each."""
         return list(self._errors)
 
-    def _orchestrator(self, arrays: dict[str, Any]) -> TierStack:
-        if self._orch is None:
-            self._orch = open_store(self.path, self.engine, arrays, self._errors.append)
-        return self._orch
+    def _open_stack(self, arrays: dict[str, Any]) -> TierStack:
+        if self._stack is None:
+            self._stack = open_store(self.path, self.engine, arrays, self._errors.append)
+        return self._stack
 
     def _raise_pending(self) -> None:
         if len(self._errors) > self._reported:

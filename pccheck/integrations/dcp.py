@@ -33,12 +33,15 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future as TorchFuture
 
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from ..options import Options, RemoteOptions
 from ..orchestrator.options import EngineOptions
 from ..sharded.index import CheckpointSet, find_sets
 from ..state.torch_state import load_serialized
+from ..tiers.remote.sets import SetCommitter
+from ..tiers.stack import refuse_memory
 from ..tuner.config import resolve_auto
 from .dcp_format import Located, Written, set_metadata, slot_contents
-from .dcp_remote import RemoteTarget, is_remote, older_steps, remote_set, staging_dir
+from .dcp_remote import is_remote, older_steps, remote_set, staging_dir
 from .dcp_stage import LEASE_KEY, ORDER_KEY, StagingPool, release_lease, staged_order
 from .dcp_store import close_stores, next_save, rank_store, record_finished
 
@@ -100,16 +103,22 @@ class Writer(StorageWriter, AsyncStager):
     back once its save's bytes are in pccheck's DRAM chunks. The writer pickles as its path and
     options only: a PROCESS-mode daemon opens its own stores.
 
-    With an ``s3://bucket/prefix`` location each save is also committed on the object store
-    (FORMAT.md §12 with §9.1; pccheck/integrations/dcp_remote.py): every rank uploads its
-    committed slot inside ``write_data``, the coordinator's ``finish`` writes the step manifest
-    (the commit) and moves ``latest``. The store is probed here (RemoteConfigError).
+    With an ``s3://bucket/prefix`` location (or ``remote=RemoteOptions(url=...)`` beside a
+    local directory) each save is also committed on the object store (FORMAT.md §12 with §9.1)
+    by the remote tier every entry point shares (``tiers/remote/sets.py``): each rank store's
+    tier stack uploads its committed slot as the rank's part, ``write_data`` returns once it is
+    up, and the coordinator's ``finish`` writes the step manifest (the commit), moves ``latest``
+    and applies ``remote.keep_last``/``keep_every``. The store is probed here (RemoteConfigError).
 
     Args:
         path: the checkpoint directory, or ``"s3://bucket/prefix"`` (or give ``checkpoint_id=``
             to dcp.save).
         local: with an s3:// path, the local staging directory the ranks' stores live in
             (default: ``$TMPDIR/pccheck-dcp/<hash of the URL>``).
+        remote: a :class:`pccheck.RemoteOptions`: its ``part_size``, ``concurrency``,
+            ``keep_last``, ``keep_every``, ``close_timeout`` (``every`` must stay 1); its ``url``
+            (or the s3:// ``path``) is where the saves go.
+        memory: refused (ConfigError): DCP saves have no memory tier (docs/guide/memory.md).
         **options: :class:`pccheck.EngineOptions` fields: ``max_concurrent`` (N saves in flight;
             each rank store has N+2 slots), ``writer_threads``, ``chunk_size``, ``dram_budget``,
             ``storage``.
@@ -118,17 +127,28 @@ class Writer(StorageWriter, AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, local: str | os.PathLike[str] | None = None,
-                 **options: Any) -> None:
-        self.local = local
+                 remote: RemoteOptions | None = None, memory: Any = None, **options: Any) -> None:
+        if memory is not None:
+            refuse_memory(Options(memory=memory))  # ConfigError (or the MemoryOptions' own)
+        if remote is not None and not isinstance(remote, RemoteOptions):
+            raise ConfigError(f"pccheck.dcp.Writer's remote= must be a pccheck.RemoteOptions, got "
+                              f"{type(remote).__name__}; give an s3:// location as the Writer's path")
+        self.local, self.remote_options = local, remote
         self.options = dict(options)
         self._locate(path)
         self.engine = _engine(self.options, self.path)
         self._init_runtime()
 
     def _locate(self, where: str | os.PathLike[str] | None) -> None:
-        """Sets ``path`` (the local root) and ``url``/``_remote`` (an s3:// location, probed)."""
+        """Sets ``path`` (the local root), ``url`` (an s3:// location given as the path) and the
+        tiers' options, the remote one's store probed (its coordinator half, ``_remote``)."""
         self.url = where if is_remote(where) else None
-        self._remote = RemoteTarget(self.url) if self.url is not None else None
+        given = self.remote_options
+        if self.url is not None and given is not None and given.url not in (None, self.url):
+            raise ConfigError(f"pccheck.dcp.Writer({self.url!r}) was also given remote.url={given.url!r}: give one")
+        remote = dataclasses.replace(given or RemoteOptions(), url=self.url or (given.url if given else None))
+        self.tiers = Options(remote=remote)
+        self._remote = SetCommitter(remote) if remote.url is not None else None
         if self.url is not None:
             self.path: Path | None = staging_dir(self.url, self.local)
         else:
@@ -141,10 +161,12 @@ class Writer(StorageWriter, AsyncStager):
         self._generation: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.url or self.path, "local": self.local, "options": self.options}
+        return {"path": self.url or self.path, "local": self.local, "options": self.options,
+                "remote": self.remote_options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.local, self.options = state.get("local"), state["options"]
+        self.remote_options = state.get("remote")
         self._locate(state["path"])
         self.engine = _engine(self.options, self.path)
         self._init_runtime()
@@ -180,7 +202,7 @@ class Writer(StorageWriter, AsyncStager):
         root = _path(self.path, "Writer")
         world = len(plans)
         epoch, step = next_save(root, world) if world > 1 else (None, None)
-        store = rank_store(root, world, 0, self.engine)
+        store = rank_store(root, world, 0, self.engine, self.tiers)
         if self._remote is not None:  # one per URL in this process, taken at its first save
             self._generation = self._remote.generation()
         data = _PlanData(epoch, step, world, store.retention.finished, self._generation)
@@ -193,7 +215,7 @@ class Writer(StorageWriter, AsyncStager):
         if not isinstance(data, _PlanData):
             raise ConfigError("the save plan was not prepared by pccheck.dcp.Writer's prepare_global_plan; "
                               "give the same Writer to every rank's dcp.save")
-        store = rank_store(root, data.world_size, self.rank, self.engine)
+        store = rank_store(root, data.world_size, self.rank, self.engine, self.tiers)
         if data.finished is not None:
             store.retention.set_finished(data.finished)
         state = getattr(planner, "state_dict", None)
@@ -201,17 +223,20 @@ class Writer(StorageWriter, AsyncStager):
             items = [(item, planner.resolve_data(item)) for item in plan.items]
             arrays, tree, names = slot_contents(items, planner, self.rank)
             del items
-            started = store.write(data.epoch, data.step, arrays, tree, staged_order(state))
+            if self._remote is not None and data.generation is None:
+                raise ConfigError("an s3:// save needs the plan of pccheck.dcp.Writer's prepare_global_plan; give "
+                                  "the same Writer to every rank's dcp.save")
+            started = store.write(data.epoch, data.step, arrays, tree, staged_order(state),
+                                  data.generation if self._remote is not None else None)
         finally:
             release_lease(state)  # every byte is in DRAM chunks now (or the save failed)
         if started is None:  # a newer save started first: this one is not written (not kept)
             log.info("pccheck: rank %d: a newer save started first; this older one is not written", self.rank)
             epoch, step, kept = data.epoch or 0, data.step or 0, False
         else:
-            epoch, step, committed = started
-            kept = committed.result()  # raises the commit's error
-            if kept and self._remote is not None:
-                self._upload(store, data, step)
+            # raises the commit's error, or (s3://) the part's upload's: the save is not kept
+            # unless this rank's part is on the object store
+            epoch, step, kept = started.epoch, started.step, started.result()
         results = [WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
                                storage_data=Written(epoch, step, self.rank, names[item.index], kept))
                    for item in plan.items]
@@ -239,15 +264,6 @@ class Writer(StorageWriter, AsyncStager):
         if self._remote is not None:  # every rank's part is up (DCP calls finish after write_data)
             assert self._generation is not None
             self._remote.commit(self._generation, step, len(results))
-
-    def _upload(self, store: Any, data: _PlanData, step: int) -> None:
-        """This rank's committed slot of ``step`` to the object store, and its part (§12.7)."""
-        info = store.commit_of(step)
-        if data.generation is None or info is None:
-            raise ConfigError("an s3:// save needs the plan of pccheck.dcp.Writer's prepare_global_plan and the "
-                              "slot its commit reported; give the same Writer to every rank's dcp.save")
-        assert self._remote is not None
-        self._remote.upload(info, data.generation, self.rank)
 
     # -- AsyncStager ----------------------------------------------------------------------------
 

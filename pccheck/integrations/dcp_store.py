@@ -1,6 +1,12 @@
-"""The rank stores a DCP Writer writes through: one Orchestrator per (directory, rank) per process,
+"""The rank stores a DCP Writer writes through: one tier stack per (directory, rank) per process,
 opened lazily in the process that writes (a PROCESS-mode daemon opens its own), and the retention
 rule that keeps the newest finished save loadable.
+
+Each rank store opens its disk store and its tiers through :class:`pccheck.tiers.stack.TierStack`,
+as every entry point does, as a :class:`~pccheck.tiers.stack.SetMember` (DCP's planner pairs the
+ranks, so no GroupCoordinator): with an object store its remote tier is the shared one's set
+mode (``tiers/remote/sets.py``), fed by the stack's commits; a memory tier is refused
+(ConfigError; ``tiers.stack.refuse_memory`` says why).
 
 A DCP save of W ranks is a *set* (FORMAT.md §9): every rank commits its slot for the same
 (epoch, step); the set is complete once the last rank's local commit is durable. The coordinator's
@@ -26,17 +32,20 @@ from typing import Any
 
 from ..group.distributed import read_global
 from ..errors import ConfigError, CorruptCheckpointError, PCCheckError
+from ..options import Options
 from ..orchestrator.args import StartArgs
-from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions
-from ..orchestrator.orchestrator import CommitInfo, Orchestrator
+from ..orchestrator.orchestrator import CommitInfo
 from ..orchestrator.retention import HeldSlots, Retention
 from ..orchestrator.stats import CheckpointStats
 from ..persist.files import GLOBAL, rank_dir, write_durably
 from ..persist.layout import plan
 from ..persist.recovery import read_manifest, scan
+from ..state.torch_state import Snapshot
+from ..tiers.base import TierContext
+from ..tiers.stack import SetMember, TierStack
 
-__all__ = ["SetRetention", "RankStore", "rank_store", "next_save", "record_finished", "close_stores"]
+__all__ = ["SetRetention", "RankStore", "Started", "rank_store", "next_save", "record_finished", "close_stores"]
 
 log = logging.getLogger("pccheck")
 
@@ -146,7 +155,7 @@ class SetRetention(Retention):
         self._slots = HeldSlots()
         self._protect: tuple[int, ...] = ()
         self._lock = threading.Lock()
-        self.orch: Orchestrator | None = None
+        self.orch: Any = None  # the Orchestrator of the rank store (the stack's disk)
 
     def prepare(self, directory: Path) -> None:
         """Finds the slot of the newest generation holding the finished set GLOBAL names, and
@@ -178,7 +187,7 @@ class SetRetention(Retention):
         with self._lock:
             return self._slots.holds(generation, self.finished)
 
-    def attach(self, orch: Orchestrator) -> None:
+    def attach(self, orch: Any) -> None:
         self.orch = orch
 
     def on_commit(self, step: int, slot: int) -> None:
@@ -203,15 +212,16 @@ class SetRetention(Retention):
 
 
 class RankStore:
-    """One rank's store of a DCP checkpoint directory, in the process that writes it."""
+    """One rank's store of a DCP checkpoint directory, in the process that writes it: its tier
+    stack (opened at the first write), the order of its starts, and each save's outcome."""
 
-    def __init__(self, root: Path, world_size: int, rank: int, engine: EngineOptions) -> None:
+    def __init__(self, root: Path, world_size: int, rank: int, engine: EngineOptions, options: Options) -> None:
         self.root = root
         self.world_size, self.rank = world_size, rank
         self.directory = rank_dir(root, rank) if world_size > 1 else root
-        self.engine = engine
+        self.engine, self.options = engine, options
         self.retention = SetRetention(root)
-        self.orch: Orchestrator | None = None
+        self.stack: TierStack | None = None
         self.lock = threading.Lock()  # orders starts: counters follow steps on this rank
         self._last_started: int | None = None
         self._last_order: int | None = None
@@ -220,28 +230,28 @@ class RankStore:
         # permit that this commit thread's _on_finished gives back.
         self._pending_lock = threading.Lock()
         self._errors = threading.local()
-        self._commits: dict[int, CommitInfo] = {}  # step -> where it committed (the newest few)
 
-    def _open(self, arrays: dict[str, Any], tree: Any, epoch: int) -> Orchestrator:
+    def _open(self, arrays: dict[str, Any], tree: Any) -> TierStack:
+        """The stack over this rank's store; the store itself opens at the first start, sized
+        for that save's manifest (its epoch included)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.retention.prepare(self.directory)
-        layout = plan(arrays)
-        orch = Orchestrator(self.directory, layout, self.engine, copy_engine=select_copy_engine(arrays),
-                            on_error=self._on_error, retention=self.retention, world_size=self.world_size,
-                            rank=self.rank, on_commit=self._on_commit, on_finished=self._on_finished)
-        self.retention.attach(orch)
-        orch.open_store(orch.slot_bytes(layout, None, tree, epoch))
-        return orch
+        self.retention.prepare(self.directory)  # before the store opens: the slot to keep
+        ctx = TierContext(self.root, self.options, None, {}, None, None, self._on_error)
+        member = SetMember(self.directory, self.world_size, self.rank, self.retention, self._on_commit)
+        stack = TierStack(ctx, self.engine, plan(arrays), Snapshot(arrays, len(arrays), tree), writes=True,
+                          prepared=True, open_now=False, on_finished=self._on_finished, member=member)
+        self.retention.attach(stack.disk)
+        return stack
 
     def write(self, epoch: int | None, step: int | None, arrays: dict[str, Any], tree: Any,
-              order: int | None = None) -> tuple[int, int, Future] | None:
-        """Starts the checkpoint of ``arrays`` (copied into DRAM chunks before this returns) and
-        returns (epoch, step, a future of whether its local commit is durable and kept). With
-        ``step`` None (a job of one rank) the step is taken here, under the lock that orders the
-        starts. Returns None, writing nothing, for a save older than one already started here
-        (a lower stage ``order``, or a lower planned step): an older save never replaces a newer
-        one, and counters must follow steps on this rank (else the native store would free the
-        newer slot as superseded)."""
+              order: int | None = None, generation: int | None = None) -> Started | None:
+        """Starts the checkpoint of ``arrays`` (copied into DRAM chunks before this returns).
+        With ``step`` None (a job of one rank) the step is taken here, under the lock that
+        orders the starts; with ``generation`` (an s3:// save) the remote tier uploads this
+        rank's part of it once it commits. Returns None, writing nothing, for a save older than
+        one already started here (a lower stage ``order``, or a lower planned step): an older
+        save never replaces a newer one, and counters must follow steps on this rank (else the
+        native store would free the newer slot as superseded)."""
         with self.lock:
             if order is not None and self._last_order is not None and order < self._last_order:
                 return None
@@ -250,36 +260,34 @@ class RankStore:
             assert epoch is not None
             if self._last_started is not None and step <= self._last_started:
                 return None
-            if self.orch is None:
-                self.orch = self._open(arrays, tree, epoch)
+            if self.stack is None:
+                self.stack = self._open(arrays, tree)
+            remote = self.stack.tier("remote")
+            if generation is not None and remote is None:
+                raise ConfigError("an s3:// save reached a rank store opened without the remote tier: give every "
+                                  "rank the same pccheck.dcp.Writer, and one location per checkpoint directory")
             fut: Future = Future()
+            part = remote.expect(step, generation) if generation is not None else None
             with self._pending_lock:
                 self._pending[step] = fut
             try:
-                self.orch.start(step, arrays, None, StartArgs(tree=tree, epoch=epoch))
+                self.stack.start(step, arrays, None, StartArgs(tree=tree, epoch=epoch))
             except BaseException:
                 with self._pending_lock:
                     self._pending.pop(step, None)
+                if part is not None:
+                    remote.forget(step)
                 raise
             self._last_started = step
             if order is not None:
                 self._last_order = order
-        return epoch, step, fut
+        return Started(epoch, step, fut, part, remote)
 
     def _on_error(self, exc: PCCheckError) -> None:
         self._errors.exc = exc  # the same commit thread reports the outcome next (_on_finished)
 
     def _on_commit(self, info: CommitInfo) -> None:
         self.retention.on_commit(info.step, info.slot)
-        with self._pending_lock:
-            self._commits[info.step] = info
-            while len(self._commits) > 8:  # only saves still in write_data are asked for
-                del self._commits[min(self._commits)]
-
-    def commit_of(self, step: int) -> CommitInfo | None:
-        """Where this rank's save of ``step`` committed (slot, counter, store file), or None."""
-        with self._pending_lock:
-            return self._commits.get(step)
 
     def _on_finished(self, st: CheckpointStats) -> None:
         exc = getattr(self._errors, "exc", None)
@@ -296,13 +304,35 @@ class RankStore:
             fut.set_exception(exc or PCCheckError(f"the checkpoint of step {st.step} failed on rank {self.rank}"))
 
     def close(self) -> None:
-        if self.orch is not None:
-            self.orch.close()
-            self.orch = None
+        if self.stack is not None:
+            self.stack.close(self.options.remote.close_timeout)
+            self.stack = None
 
 
-def rank_store(root: Path, world_size: int, rank: int, engine: EngineOptions) -> RankStore:
-    """This process's store for (root, rank), opened at its first write."""
+class Started:
+    """A save this rank started: its (epoch, step), and its outcomes to wait for."""
+
+    def __init__(self, epoch: int, step: int, committed: Future, part: Future | None, remote: Any) -> None:
+        self.epoch, self.step = epoch, step
+        self._committed, self._part, self._remote = committed, part, remote
+
+    def result(self) -> bool:
+        """Whether the save is kept: its local commit durable and kept (not superseded) and, for
+        an s3:// save, this rank's part on the object store. Raises the first failure."""
+        try:
+            kept = self._committed.result()
+            if kept and self._part is not None:
+                self._part.result()
+            return kept
+        finally:
+            if self._part is not None and not self._part.done():
+                self._remote.forget(self.step)  # not committed here: nothing goes up
+
+
+def rank_store(root: Path, world_size: int, rank: int, engine: EngineOptions,
+               options: Options | None = None) -> RankStore:
+    """This process's store for (root, rank), opened at its first write with ``options``' tiers
+    (the first call's, for each (root, rank))."""
     key = (root, world_size, rank)
     with _registry_lock:
         for (r, w, k), s in _registry.items():
@@ -311,7 +341,7 @@ def rank_store(root: Path, world_size: int, rank: int, engine: EngineOptions) ->
                                   f"{world_size} ranks cannot write there too: use another checkpoint_id")
         s = _registry.get(key)
         if s is None:
-            s = _registry[key] = RankStore(root, world_size, rank, engine)
+            s = _registry[key] = RankStore(root, world_size, rank, engine, options or Options())
         return s
 
 

@@ -117,7 +117,7 @@ class CheckpointIO(_LightningCheckpointIO):
         except TypeError as exc:
             raise ConfigError(f"pccheck.lightning.CheckpointIO: {exc}; the options are those of "
                               "pccheck.EngineOptions") from None
-        self._orch: TierStack | None = None
+        self._stack: TierStack | None = None
         self._past_stats: list[CheckpointStats] = []
         self._errors: list[PCCheckError] = []
         self._reported = 0
@@ -143,10 +143,10 @@ class CheckpointIO(_LightningCheckpointIO):
             raise ConfigError(f"the checkpoint's global_step must be an int >= 0, got {step!r}")
         meta = {KEY: {"name": target.name, "global_step": step, "epoch": checkpoint.get("epoch")}}
         with self._lock:
-            orch = self._orchestrator(target, arrays)
+            stack = self._open_stack(target, arrays)
             versions = [(k, t, t._version) for k, t in list(arrays.items())[n_eager:] if hasattr(t, "_version")]
-            started = orch.start(step, arrays, meta,
-                                 StartArgs(tree=tree, n_eager=n_eager, validate=_unchanged(versions)))
+            started = stack.start(step, arrays, meta,
+                                  StartArgs(tree=tree, n_eager=n_eager, validate=_unchanged(versions)))
         if not started:  # when_busy="skip": nothing was saved, so no name may point at it
             log.warning("pccheck: skipped the checkpoint %s (step %d): max_concurrent checkpoints are in flight",
                         target, step)
@@ -172,8 +172,8 @@ class CheckpointIO(_LightningCheckpointIO):
         if ptr is None:  # not pccheck's: a torch.save checkpoint, read by Lightning's own reader
             return TorchCheckpointIO().load_checkpoint(target, map_location=map_location, weights_only=True)
         with self._lock:
-            if self._orch is not None and Path(ptr.store).resolve() == self.store.resolve():
-                self._orch.wait()  # this process's own checkpoints in flight: let them commit first
+            if self._stack is not None and Path(ptr.store).resolve() == self.store.resolve():
+                self._stack.wait()  # this process's own checkpoints in flight: let them commit first
         r = load_named(ptr.store, ptr.name, KEY, newest_if_gone=ptr.name.startswith("last"))
         return decode_checkpoint(r, map_location)
 
@@ -190,14 +190,14 @@ class CheckpointIO(_LightningCheckpointIO):
     def teardown(self) -> None:
         """Waits until every checkpoint in flight is committed (or failed), then closes the store."""
         with self._lock:
-            orch, self._orch = self._orch, None
+            stack, self._stack = self._stack, None
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
             self._optimizers, self._params = set(), frozenset()  # a later fit has new ones
-        if orch is not None:
-            orch.close()  # waits for the checkpoints in flight
-            self._past_stats = list(orch.finished())
+        if stack is not None:
+            stack.close()  # waits for the checkpoints in flight
+            self._past_stats = list(stack.finished())
         self._names.flush()
         for exc in self._errors[self._reported:]:
             log.error("pccheck: a Lightning checkpoint failed in the background (the last committed one stays "
@@ -222,20 +222,20 @@ class CheckpointIO(_LightningCheckpointIO):
         """Per checkpoint since the store was opened (kept after teardown): the stall, the copy,
         the optimizer step's wait for it (``cow_wait_s``), the persist and the outcome."""
         with self._lock:
-            return list(self._orch.finished()) if self._orch is not None else list(self._past_stats)
+            return list(self._stack.finished()) if self._stack is not None else list(self._past_stats)
 
     def wait(self) -> None:
         """Waits until every checkpoint handed over is committed (or failed)."""
         with self._lock:
-            if self._orch is not None:
-                self._orch.wait()
+            if self._stack is not None:
+                self._stack.wait()
 
-    def _orchestrator(self, target: Path, arrays: dict[str, Any]) -> TierStack:
-        if self._orch is None:
+    def _open_stack(self, target: Path, arrays: dict[str, Any]) -> TierStack:
+        if self._stack is None:
             if self.path is None:
                 self.path = target.parent / ".pccheck"
-            self._orch = open_store(self.path, self.engine, arrays, self._errors.append)
-        return self._orch
+            self._stack = open_store(self.path, self.engine, arrays, self._errors.append)
+        return self._stack
 
     def _watch_optimizers(self) -> None:
         """Soft copy-on-write: every optimizer's step first waits for what a checkpoint still
@@ -248,9 +248,9 @@ class CheckpointIO(_LightningCheckpointIO):
             self._hook = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        orch = self._orch
-        if orch is not None:
-            orch.ensure_copied()
+        stack = self._stack
+        if stack is not None:
+            stack.ensure_copied()
         if id(optimizer) not in self._optimizers:  # its parameters may be copied in the background
             self._optimizers.add(id(optimizer))
             self._params = self._params | {_local(p).untyped_storage().data_ptr() for g in optimizer.param_groups

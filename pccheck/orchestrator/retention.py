@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Retention", "HeldSlots"]
+__all__ = ["Retention", "KeepOlder", "HeldSlots"]
 
 
 class Retention:
@@ -39,6 +39,17 @@ class Retention:
     def may_retire(self, generation: int) -> bool:
         """Whether generations older than ``generation`` (which has a durable commit) may go."""
         return True
+
+
+class KeepOlder(Retention):
+    """One process's policy keeping ``keep_last`` committed checkpoints beyond the newest (the
+    memory tier's single-process and replica stores). Invariant: the native commit frees the
+    slot it replaces and the free queue hands out the slot freed longest ago, so with N = 1 in
+    flight and 2 + keep_last slots the newest 1 + keep_last committed checkpoints stay valid
+    while the next one is written."""
+
+    def __init__(self, keep_last: int) -> None:
+        self.extra_slots = keep_last
 
 
 class HeldSlots:

@@ -15,7 +15,9 @@ Folder map:
       base.py        the Tier protocol (one life, its call order numbered) and TierContext, the
                      frozen context every tier is built from
       stack.py       TierStack: the disk store and the configured tiers of one process, built,
-                     fed and torn down (one ExitStack) in one place
+                     fed and torn down (one ExitStack) in one place, for every entry point (the
+                     Checkpointer, the named stores of Lightning and Accelerate, each rank store
+                     of a pccheck.dcp save as a SetMember)
 
 Each tier writes or mirrors the FORMAT.md store layout and checks every byte it reads. The remote
 tier reads only committed local slots (never training memory) and holds them from reuse through

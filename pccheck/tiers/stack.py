@@ -15,6 +15,11 @@ as memory (its checkpoints in flight, the newest replicated) → the disk's comm
 queue the last uploads and copies) → remote (up to ``remote_timeout``) → the disk store → the
 coordinator → the history's copies. The same stack unwinds a construction that fails half way
 (remote timeout 0 then), so nothing built is left running.
+
+Every entry point opens its disk store here: the Checkpointer, the named stores of the Lightning
+and Accelerate plugins (``integrations/named.py``), and each rank store of a ``pccheck.dcp``
+save, whose ranks DCP's planner pairs (a :class:`SetMember`: the caller's directory, rank and
+retention in place of a GroupCoordinator; its remote tier is ``tiers/remote/sets.py``'s).
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import ErrorSink, StorageError
+from ..errors import ConfigError, ErrorSink, StorageError
 from ..group.distributed import GroupCoordinator
 from ..orchestrator.args import StartArgs
 from ..orchestrator.copy_engine import CopyEngine
 from ..orchestrator.engine_choice import select_copy_engine
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import CommitInfo, Orchestrator
+from ..orchestrator.retention import Retention
 from ..orchestrator.stats import StatsReport
 from ..persist.files import rank_dir
 from ..persist.layout import Layout
@@ -40,9 +47,42 @@ from .base import Tier, TierContext
 from .memory.shm_store import build_memory_tier
 from .remote.group import build_remote_tier
 
-__all__ = ["TierStack"]
+__all__ = ["TierStack", "SetMember"]
 
 log = logging.getLogger("pccheck")
+
+
+@dataclass(frozen=True)
+class SetMember:
+    """One rank's disk store in a set its caller pairs (``pccheck.dcp``: the planner hands every
+    rank the save's (epoch, step), the coordinator's ``finish`` records the set), given to
+    :class:`TierStack` in place of the GroupCoordinator it would make.
+
+    Attributes:
+        directory: this rank's store directory.
+        world_size, rank: the set's size and this rank, written to each manifest.
+        retention: the caller's policy (it holds the slots its sets and their uploads need).
+        on_commit: called at each local commit, before the tiers after the disk are told.
+    """
+
+    directory: Path
+    world_size: int
+    rank: int
+    retention: Retention
+    on_commit: Callable[[CommitInfo], None]
+
+
+def refuse_memory(options: Any) -> None:
+    """ConfigError when a memory tier is asked of a set's rank store (see docs/guide/memory.md):
+    the memory tier takes its checkpoints at steps (``on_step``, every ``memory.every``) from a
+    state source whose layout it sizes once, and restores through ``load_latest``; a DCP save
+    has neither (its planner hands each save's write items to ``write_data``, and
+    ``pccheck.dcp.Reader`` reads the set on disk or on the object store)."""
+    if options.memory.every is not None:
+        raise ConfigError("pccheck.dcp saves have no memory tier: DCP's planner hands each save's items to the "
+                          "storage writer (no steps, no state source to snapshot every memory.every steps), and "
+                          "pccheck.dcp.Reader reads sets from disk or s3://; drop memory=, or checkpoint with "
+                          "pccheck.Checkpointer(..., memory=pccheck.MemoryOptions(every=k)) for a RAM tier")
 
 
 class TierStack:
@@ -59,12 +99,20 @@ class TierStack:
             at the first checkpoint, sized for its own manifest: the integrations' named saves).
         on_finished: called with each finished disk checkpoint's stats (the online tuner).
         copy_engine, device_reserve: the snapshot options of the disk tier.
+        member: one rank of a set its caller pairs (no group in ``ctx``): its directory, rank
+            and retention, and no memory tier (ConfigError, :func:`refuse_memory`).
     """
 
     def __init__(self, ctx: TierContext, engine: EngineOptions, layout: Layout, snap: Any, *, writes: bool,
                  prepared: bool, on_finished: Callable[[Any], None] | None = None,
-                 copy_engine: CopyEngine | None = None, device_reserve: Any = None, open_now: bool = True) -> None:
+                 copy_engine: CopyEngine | None = None, device_reserve: Any = None, open_now: bool = True,
+                 member: SetMember | None = None) -> None:
         group, opts = ctx.group, ctx.options
+        if member is not None:
+            if group is not None:
+                raise ConfigError("a set's rank store is paired by its caller: give no torch.distributed group too")
+            refuse_memory(opts)
+        self.member = member
         self.disk: Orchestrator | None = None
         self.coord: GroupCoordinator | None = None
         self.tiers: list[Tier] = []
@@ -87,7 +135,7 @@ class TierStack:
                 stack.callback(self.coord.close)
             self.ctx = ctx = dataclasses.replace(ctx, coord=self.coord)
             stack.callback(self._close_disk)
-            remote = build_remote_tier(ctx, writes)
+            remote = build_remote_tier(ctx, writes, member)
             if remote is not None:
                 stack.callback(lambda: remote.close(self._remote_timeout))
             stack.callback(self._drain_disk)  # the disk's last commits queue their uploads and copies
@@ -116,10 +164,13 @@ class TierStack:
         its store opened now when ``prepared``."""
         ctx, group = self.ctx, self.ctx.group
         store_dir, world_size, rank = ctx.path, 1, 0
-        if self.coord is not None:
+        retention: Any = self.coord if self.coord is not None else remote.retention if remote is not None else None
+        if self.member is not None:
+            m = self.member
+            store_dir, world_size, rank, retention = m.directory, m.world_size, m.rank, m.retention
+        elif self.coord is not None:
             store_dir, world_size, rank = rank_dir(ctx.path, group.rank), group.world_size, group.rank
             self.coord.prepare(store_dir)  # collective: every rank constructs together
-        retention = self.coord if self.coord is not None else remote.retention if remote is not None else None
         self.disk = orch = Orchestrator(
             store_dir, layout, engine, copy_engine=copy_engine or select_copy_engine(snap.arrays),
             on_error=ctx.on_error, retention=retention, world_size=world_size, rank=rank, on_commit=self._on_commit,
@@ -152,6 +203,8 @@ class TierStack:
 
     def _on_commit(self, info: CommitInfo) -> None:
         """A disk checkpoint became the durable latest (a commit thread)."""
+        if self.member is not None:
+            self.member.on_commit(info)  # the set's retention records the slot first
         if self.coord is not None:
             self.coord.on_commit(info.step, info.slot)
         for tier in self.tiers:

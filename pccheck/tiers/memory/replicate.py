@@ -3,21 +3,25 @@
 Transport: a gloo group of pccheck's own (never the training collectives), every wait bounded
 (``TIMEOUT_S``). Every memory checkpoint that commits is sent, in step order (every rank sends
 the same steps, so replicas pair across ranks by (epoch, step) at a restore); at most ``QUEUE``
-wait, and the memory checkpoint ``LAG`` before the next one must be replicated everywhere, else
-the next memory checkpoint waits (``throttle``): a node lost at any moment costs at most ``LAG``
-memory checkpoints. The sender thread puts a
+wait, and the memory checkpoint before the next one (``LAG`` = 1) must be replicated everywhere,
+else the next memory checkpoint waits (``throttle``): a node lost at any moment costs at most the
+checkpoint in flight and the one being replicated. The sender thread puts a
 JSON header in the job's key-value store under ``rep/e<epoch>/<src>><dst>/<seq>`` (step, epoch,
 counter, the manifest with the crc32c of every array), then sends the slot's data region chunk by
 chunk (wire.py: a few in flight). Invariant (wire.py): the receiver posts a receive only after it
 read the header. The receiver thread of each source writes the received bytes into
-``replica-<src>/``, a store of two slots committed with the protocol of §4, telling it the
+``replica-<src>/``, a store of 2 + keep_last slots (shm_store.replica_slots: the newest committed
+replica, keep_last = ``MemoryOptions.keep_last`` older ones, and the one being received) committed
+with the protocol of §4, telling it the
 manifest's crc32c (``StartArgs.expect_crcs``): the writers' own checksums must match every array
 before the commit, so a damaged replica is never committed and a peer holds only committed,
-checked replicas (the newest two) at the cost of no checksum pass of the tier's own on either end.
+checked replicas at the cost of no checksum pass of the tier's own on either end.
 Each replica commit adds 1 to ``rc/<step>``; the commit that brings it to world × (replicas - 1)
 appends the step to ``rlog``: the newest step *replicated everywhere*, which every rank follows
-and its memory coordinator keeps (with every newer step: queued, being sent, or needed to pair
-with a lost peer's replica; shm_store.MemoryCoordinator).
+and its memory coordinator keeps, with keep_last older ones (shm_store.MemoryCoordinator): the
+steps a lost peer's replicas pair with, its newest or (keep_last=1), that one damaged, the older.
+With keep_last=0 a lost rank whose newest replica is damaged has no older one: the restore falls
+back to the next tier (nearest.py, pccheck.restore).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ...errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ...orchestrator.args import StartArgs
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
-from ...orchestrator.retention import Retention
+from ...orchestrator.retention import KeepOlder
 from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
@@ -54,8 +58,8 @@ log = logging.getLogger("pccheck")
 TIMEOUT_S = 120.0        # one wire chunk, or one collective, at most
 MAX_DATA = 1 << 46       # bytes of one replica a receiver accepts
 QUEUE = 2                # committed memory checkpoints waiting to be sent, at most
-LAG = 2                  # memory checkpoints not replicated everywhere when the next one starts, at most
-COMMIT_GRACE_S = 5.0     # how long a sent replica's step is waited for to be committed everywhere
+LAG = 1                  # memory checkpoints not replicated everywhere when the next one starts, at most
+COMMIT_GRACE_S = TIMEOUT_S  # how long a sent step is waited for to be replicated everywhere, no failure reported
 
 
 @dataclass(frozen=True)
@@ -162,8 +166,9 @@ class ArrayChecker:
 class Replicator:
     """The sender thread and one receiver thread per source rank (see the module docstring)."""
 
-    def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any) -> None:
-        self.links, self.root, self.coord = links, root, coord
+    def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any,
+                 keep_last: int = 0) -> None:
+        self.links, self.root, self.coord, self.keep_last = links, root, coord, keep_last
         # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
         # skipped start would leave the sender's bytes unreceived and the pair out of step). One
         # pool chunk: replicas are received in place, into the slot (even where the own tier holds
@@ -180,7 +185,11 @@ class Replicator:
         self._sending_step: int | None = None          # the step the sender is sending (under _cv)
         self._sent_at: dict[int, float] = {}            # step -> monotonic time its send ended (under _cv)
         self._started: deque[int] = deque(maxlen=LAG)  # the last LAG memory checkpoints started
+        self._committed: set[int] = set()              # steps committed here (offered), recent ones
         self._stopping = False
+        self.stopped: str | None = None       # why the tier takes no more memory checkpoints
+        self._failed: set[int] = set()        # steps some rank reported will not replicate (rlog "!s")
+        self._broken = False                  # some rank reported a broken link (rlog "!*")
         self.throttled_s = 0.0                # time memory checkpoints waited for the queue
         self._dead: set[int] = set()          # peers a send to failed: no more sends to them
         self.sent_step: int | None = None     # newest step every live peer received
@@ -200,34 +209,59 @@ class Replicator:
         """A memory checkpoint committed (commit thread): queue it for sending."""
         with self._cv:
             self._queue.append(info)
+            self._committed.add(info.step)
             self._cv.notify_all()
 
-    def throttle(self, step: int) -> None:
-        """Waits (training thread, before the memory checkpoint of ``step``) while ``QUEUE``
-        checkpoints wait to be sent, and while the memory checkpoint ``LAG`` before this one is not
-        replicated everywhere yet but still may be (:meth:`_awaits`).
+    def throttle(self, step: int) -> bool:
+        """Before the memory checkpoint of ``step`` (training thread): waits while ``QUEUE``
+        checkpoints wait to be sent, and while the previous memory checkpoint started (``LAG`` =
+        1 back) is not replicated everywhere yet but still may be (:meth:`_awaits`). Returns
+        whether the checkpoint may start.
 
-        Invariant (the steps a node loss costs): when a memory checkpoint starts, every memory
-        checkpoint older than the last ``LAG`` started is replicated everywhere, or never will be
-        (its own commit failed, a peer is dead, or its replica was not committed within
-        ``COMMIT_GRACE_S`` of being sent). With one memory checkpoint in flight, the checkpoint
-        ``LAG`` back has committed here already (its permit is released after on_commit queued
-        it). Bounded: a peer that stopped receiving is dropped by the sender after TIMEOUT_S."""
+        Invariant (the slots, MemoryCoordinator): a memory checkpoint starts only once the one
+        before it is replicated everywhere, so every own store and every replica store holds the
+        newest step replicated everywhere, R (and with keep_last=1 the one before, R'), and no
+        rank writes over them: the one slot beyond them is the one written. When the
+        previous one committed here but cannot be replicated everywhere any more (a peer was
+        dropped; a failure of it was reported in the replication log: a replica failed its checks,
+        a rank's commit of it failed, a pair's link broke (:meth:`report_failed`); or its replicas
+        were not all committed within COMMIT_GRACE_S of being sent, the last resort), this returns
+        False from then on: the tier stops taking memory checkpoints (an error logged; the disk
+        tier goes on) rather than write over the oldest kept step, which the peers' replicas pair
+        with (the own store has no slot beyond). A previous one that never committed here (its commit
+        failed) left its slot free: no wait. Bounded: a peer that stopped receiving is dropped by
+        the sender after TIMEOUT_S."""
         t0 = time.perf_counter()
         with self._cv:
-            need = self._started[0] if len(self._started) == LAG else None
-            while not self._stopping and (len(self._queue) + self._sending > QUEUE or self._awaits(need)):
-                self._cv.wait(0.05)
-            self._started.append(step)
-            for old in [s for s in self._sent_at if need is None or s < need]:
-                del self._sent_at[old]
+            if self.stopped is None:
+                need = self._started[0] if len(self._started) == LAG else None
+                while not self._stopping and (len(self._queue) + self._sending > QUEUE or self._awaits(need)):
+                    self._cv.wait(0.05)
+                if need is not None and need in self._committed and not self._stopping and (
+                        self.replicated is None or self.replicated < need):
+                    why = ("a peer was dropped" if self._dead else "replication broke on a link" if self._broken
+                           else "a replica or a rank's commit of it failed" if need in self._failed
+                           else f"not replicated everywhere within {COMMIT_GRACE_S:.0f} s of being sent")
+                    self.stopped = f"the memory checkpoint of step {need} could not be replicated everywhere ({why})"
+                    log.error("pccheck: %s; the memory tier takes no more checkpoints on rank %d (its store keeps "
+                              "step %s, the newest replicated everywhere, which the peers' replicas pair with)",
+                              self.stopped, self.links.rank, self.replicated)
+            if self.stopped is None:
+                self._started.append(step)
+                for old in [s for s in self._sent_at if need is None or s < need]:
+                    del self._sent_at[old]
+                self._committed = {s for s in self._committed if need is None or s >= need}
+                self._failed = {s for s in self._failed if need is None or s >= need}
         self.throttled_s += time.perf_counter() - t0
+        return self.stopped is None
 
     def _awaits(self, step: int | None) -> bool:
         """Whether ``step`` is not replicated everywhere yet but still may be (under ``_cv``):
         this rank has it queued or is sending it, or sent it less than COMMIT_GRACE_S ago (the
-        peers are committing it; the log follower sees it). False once a peer was dropped."""
-        if step is None or self._dead or (self.replicated is not None and self.replicated >= step):
+        peers are committing it; the log follower sees it). False once a peer was dropped or a
+        failure of it (or of a link) was reported."""
+        if step is None or self._dead or self._broken or step in self._failed or (
+                self.replicated is not None and self.replicated >= step):
             return False
         if self._sending_step == step or any(info.step == step for info in self._queue):
             return True
@@ -254,6 +288,8 @@ class Replicator:
             except Exception:
                 log.exception("pccheck: replicating the memory checkpoint of step %d failed", info.step)
             finally:
+                if not sent:
+                    self.report_failed(info.step)
                 with self._cv:
                     self._sending, self._sending_step = False, None
                     if sent:  # its peers are committing it now (throttle may wait for that)
@@ -291,9 +327,10 @@ class Replicator:
                 except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
                     log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
                               "to it", man.step, dst, exc)
-                    self._dead.add(dst)
-                    if self.coord is not None:
-                        self.coord.degrade()
+                    self._dead.add(dst)  # throttle stops the tier: the own store keeps R
+                    self.report_failed(None)
+                    with self._cv:
+                        self._cv.notify_all()
             del view
         self.sent_step = info.step
         return True
@@ -337,16 +374,21 @@ class Replicator:
                 doc = json.loads(v)
             except ValueError:
                 log.error("pccheck: a malformed replica header from rank %d; replication from it stops", src)
+                self.report_failed(None)
                 return
             if not isinstance(doc, dict) or doc.get("end") is True:
+                if not isinstance(doc, dict):
+                    self.report_failed(None)
                 return
             try:
                 self._receive(src, doc)
             except CorruptCheckpointError as exc:  # every byte arrived: the link is still in step
                 log.error("pccheck: replica from rank %d discarded: %s", src, exc)
+                self.report_failed(doc["step"] if type(doc.get("step")) is int else None)
             except Exception as exc:  # noqa: BLE001 - a timeout or a dead peer: the pair is gone
                 log.error("pccheck: receiving a replica from rank %d failed (%s); replication from it stops",
                           src, exc)
+                self.report_failed(None)
                 return
 
     def _receive(self, src: int, doc: dict) -> None:
@@ -388,8 +430,9 @@ class Replicator:
                 self._count_replica(info.step)
 
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
-                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=_KeepTwo(),
-                                world_size=self.links.world, rank=src, on_commit=committed, populate_store=True)
+                                copy_engine=WireCopyEngine(), on_error=_log_error, retention=KeepOlder(self.keep_last),
+                                world_size=self.links.world, rank=src, on_commit=committed, populate_store=True,
+                                on_finished=self.finished)
             self._stores[src] = orch
         return orch
 
@@ -403,23 +446,49 @@ class Replicator:
         except Exception as exc:  # noqa: BLE001 - the store went away: nothing more is counted
             log.warning("pccheck: counting the replica of step %d failed: %s", step, exc)
 
+    def finished(self, st: Any) -> None:
+        """A checkpoint of a store this rank writes ended (on_finished of the own memory store and
+        of each replica store): one that failed will never be replicated everywhere."""
+        if st.outcome == "failed":
+            self.report_failed(st.step)
+
+    def report_failed(self, step: int | None) -> None:
+        """Tells every rank, through the replication log, that ``step`` will never be replicated
+        everywhere (``None``: that no later step will, a link broke), so their throttles stop the
+        tier at once instead of after COMMIT_GRACE_S. Not while closing (the end of the job)."""
+        if self._stopping:
+            return
+        try:
+            i = self._kv.add("rlog", 1)
+            self._kv.set(f"rlog/{i}", "!*" if step is None else f"!{int(step)}")
+        except Exception as exc:  # noqa: BLE001 - the store went away: the throttle's bound remains
+            log.warning("pccheck: reporting a replication failure failed: %s", exc)
+
     def _follow_replicated(self) -> None:
         i = 1
         while (v := self._wait_key("log", f"rlog/{i}", delete=False)) is not None:
             i += 1
+            if v.startswith("!"):  # report_failed's entry
+                with self._cv:
+                    if v == "!*":
+                        self._broken = True
+                    else:
+                        self._failed.add(int(v[1:]))
+                    self._cv.notify_all()
+                continue
             step = int(v)
             if self.replicated is None or step > self.replicated:
+                if self.coord is not None:  # the slot before it is free before throttle lets the next start
+                    self.coord.set_replicated(step)
                 with self._cv:  # throttle waits for it
                     self.replicated = step
                     self._cv.notify_all()
-                if self.coord is not None:
-                    self.coord.set_replicated(step)
 
     def newest(self) -> dict[str, Any]:
         """The newest step this rank sent to every live peer, the newest replicated everywhere,
         and per source rank the newest replica committed here."""
         return {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
-                "replication_wait_s": self.throttled_s}
+                "replication_wait_s": self.throttled_s, "memory_stopped": self.stopped}
 
     def close(self, deadline_s: float = TIMEOUT_S) -> None:
         """Sends what is pending, ends the sender, waits (bounded) for every source's end."""
@@ -436,13 +505,6 @@ class Replicator:
             t.join(5)
         for orch in self._stores.values():
             orch.close()
-
-
-class _KeepTwo(Retention):
-    """A replica store: one slot in flight and the two newest committed replicas. The native free
-    queue hands out the slot freed longest ago, so while one is written the two newest stay valid."""
-
-    extra_slots = 1
 
 
 def _log_error(exc: PCCheckError) -> None:

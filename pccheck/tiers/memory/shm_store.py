@@ -13,10 +13,13 @@ epoch is known) → :meth:`prepare` (once the state's size is final; else the fi
 opens the store) → :meth:`on_step` per iteration → :meth:`ensure_copied` before each optimizer
 step → :meth:`close`.
 
-Memory, per rank, on tmpfs (``memory_need``): own store 2 slots of the state single-process,
-6 in a group (1 in flight, the latest, the group's global step, and the steps back to the second
-newest replicated everywhere: MemoryCoordinator), plus ``REPLICA_SLOTS`` per source rank whose
-replicas this rank holds (replicas - 1 of them); in process memory a chunk pool per store (one
+Memory, per rank, on tmpfs (``memory_need``, FORMAT.md §13), with ``k`` = ``MemoryOptions.keep_last``
+(0 or 1: older memory checkpoints kept): own store ``own_slots`` = 2 + k slots of the state
+single-process and with replication (1 in flight and the newest, or with replication the newest
+replicated everywhere: MemoryCoordinator; plus k older), 3 + k in a group without replication
+(§8's global step too), plus ``replica_slots`` = 2 + k per source rank whose replicas this rank
+holds (replicas - 1 of them: the newest committed replica, k older, and the one being received):
+4x the state at replicas=2 by default, 6x with k = 1; in process memory a chunk pool per store (one
 ``MEM_CHUNK`` for host state, which is copied in place; a whole snapshot's for device state, in the
 own store only) and one receive buffer of the state per source.
 """
@@ -40,26 +43,40 @@ from ...orchestrator.args import StartArgs
 from ...orchestrator.engine_choice import select_copy_engine
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
+from ...orchestrator.retention import KeepOlder, Retention
 from ...persist.layout import Layout
 from ...persist.recovery import store_files
 from ..base import TierContext
 from .paths import MEMORY_ROOT, default_memory_dir, memory_rank_dir, replica_dir
 
 __all__ = ["MemoryTier", "MemoryCoordinator", "build_memory_tier", "default_memory_dir", "memory_rank_dir", "replica_dir",
-           "memory_need", "check_room", "MEMORY_ROOT", "MEM_CHUNK"]
+           "memory_need", "own_slots", "replica_slots", "check_room", "MEMORY_ROOT", "MEM_CHUNK"]
 
 log = logging.getLogger("pccheck")
 
 BLOCK = 4096
 MEM_CHUNK = 16 << 20   # chunk of the memory tier's pool: memcpy into tmpfs pages, no device to feed
-REPLICA_SLOTS = 3      # per source rank: the newest two committed replicas and the one being written
 MAX_WRITERS = 16       # the memory tier's writer threads: at most this many (half the host's cores)
 
 
-def memory_need(slot_bytes: int, own_slots: int, sources: int) -> int:
-    """tmpfs bytes: own store (header, meta records, slots) plus REPLICA_SLOTS per source."""
-    own = (1 + own_slots) * BLOCK + own_slots * slot_bytes
-    return own + sources * ((1 + REPLICA_SLOTS) * BLOCK + REPLICA_SLOTS * slot_bytes)
+def replica_slots(keep_last: int) -> int:
+    """Slots of one replica store: the slot being received, the newest committed replica and
+    ``keep_last`` (0 or 1) older ones. Invariant (the store's free queue hands out the slot freed
+    longest ago): while one replica is received, the newest 1 + keep_last committed stay valid."""
+    return 2 + keep_last
+
+
+def own_slots(keep_last: int, group: bool, replicating: bool) -> int:
+    """Slots of a rank's own memory store: 1 in flight, the newest (with replication: the newest
+    replicated everywhere, R, which the peers' replicas pair with; MemoryCoordinator), §8's global
+    step in a group without replication, and ``keep_last`` older ones."""
+    return 2 + (1 if group and not replicating else 0) + keep_last
+
+
+def memory_need(slot_bytes: int, own: int, sources: int, per_source: int) -> int:
+    """tmpfs bytes: own store of ``own`` slots (header, meta records, slots) plus ``per_source``
+    slots for each of ``sources`` replica stores."""
+    return (1 + own) * BLOCK + own * slot_bytes + sources * ((1 + per_source) * BLOCK + per_source * slot_bytes)
 
 
 def check_room(root: Path, need: int) -> None:
@@ -75,38 +92,60 @@ def check_room(root: Path, need: int) -> None:
     if free + have < need:
         raise NoSpaceError(errno.ENOSPC, f"the memory tier needs {need / 2**20:.1f} MiB on {root} (own slots and "
                            f"replicas of the state) but only {(free + have) / 2**20:.1f} MiB are free there: "
-                           f"enlarge /dev/shm (docker --shm-size), pass MemoryOptions(dir=...) elsewhere, or lower replicas")
+                           f"enlarge /dev/shm (docker --shm-size), pass MemoryOptions(dir=...) elsewhere, or lower "
+                           f"replicas (or memory.keep_last)")
 
 
 class MemoryCoordinator(GroupCoordinator):
     """The group protocol of pccheck.distributed for the memory stores (its own key prefix and
-    GLOBAL under the memory root), keeping more: with replication, every committed step from the
-    second newest one *replicated everywhere* (every rank's replica committed on each of its
-    peers: replicate.Replicator follows that log) up to the latest. Invariant: a held slot is
-    given back only once its step is older than both the group's newest common step and the
-    second newest step replicated everywhere, so a slot is never rewritten while it is queued or
-    being sent, and every rank still holds the steps its lost peers' two replicas pair with (the
-    newest, and the one before it should the newest be damaged). Slots: 1 in flight, the
-    latest and ``extra_slots`` more; when replication lags further, the next memory checkpoint
-    waits for a slot (back-pressure), it never drops one."""
+    GLOBAL under the memory root), keeping ``keep_last`` (0 or 1) older steps besides.
 
-    extra_slots = 4
+    With replication the store has N + 1 + keep_last slots (``own_slots``), and a slot a commit
+    replaced is held until it is older than the oldest of the 1 + keep_last newest steps
+    *replicated everywhere* (every rank's replica committed on each of its peers:
+    replicate.Replicator follows that log). Invariant: every rank's own store holds the newest
+    step replicated everywhere, R (and with keep_last=1 the one before, R'), which every peer's
+    replica store holds too (it keeps its 1 + keep_last newest committed replicas while it
+    receives the next, and no rank sends R + 2 before R + 1 is replicated everywhere:
+    Replicator.throttle), so a lost peer's replicas pair with a step the survivors hold (with
+    keep_last=1 even when its newest replica is damaged). The next memory checkpoint starts only
+    once the previous one is replicated everywhere, which frees the slot of the oldest kept step;
+    when it cannot be (a peer dropped, a replica or a commit failed), the Replicator stops taking
+    memory checkpoints instead, so the kept steps stay held (never waits for a slot that will not
+    come back). Without replication, §8's rule and slots (N + 2: the global step beside the
+    latest), plus keep_last slots for the global steps before it."""
 
-    def __init__(self, path: Path, group: Group, shared_store: Any = None, prefix: str = "memory/") -> None:
+    def __init__(self, path: Path, group: Group, shared_store: Any = None, prefix: str = "memory/",
+                 keep_last: int = 0) -> None:
         super().__init__(path, group)
         # where a follower thread's KeyWaiter connects: the job's store (the group's is prefixed
         # already) under the same prefix as the group's store (_prefixed)
         self.shared_store, self.prefix = shared_store if shared_store is not None else group.store, prefix
         self._local = threading.local()
+        self.keep_last = keep_last
         self.replicating = False
-        self.replicated: list[int] = []  # the two newest steps replicated everywhere
+        self.replicated: list[int] = []  # the 1 + keep_last newest steps replicated everywhere
+        self._globals: list[int] = []    # without replication: the 1 + keep_last newest global steps
 
     def _settle_locked(self) -> None:
+        """Gives back the held slots older than the oldest step kept: with replication the oldest
+        of the 1 + keep_last newest replicated everywhere (None before the first: nothing
+        committed in this incarnation is given back), else of the 1 + keep_last newest global."""
         if self.orch is not None:
-            keep = self.global_step
-            if self.replicating and self.replicated and keep is not None:
-                keep = min(keep, self.replicated[0])
-            self._slots.settle(self.orch, keep)
+            if self.replicating:
+                kept = self.replicated
+            else:
+                if self.global_step is not None and (not self._globals or self.global_step > self._globals[-1]):
+                    self._globals = [*self._globals, self.global_step][-(1 + self.keep_last):]
+                kept = self._globals
+            self._slots.settle(self.orch, kept[0] if kept else None)
+
+    def protected_slots(self) -> tuple[int, ...]:
+        """With replication and keep_last=0, none: a reopened store of 2 slots whose latest step
+        is newer than the agreed one would have no slot left for the first checkpoint (a
+        deadlock), so the agreed step is given up to that checkpoint (FORMAT.md §13, "after a
+        restart"); with keep_last=1 the third slot leaves room, and the agreed step is kept."""
+        return () if self.replicating and self.keep_last == 0 else super().protected_slots()
 
     def _wait_key(self, key: str) -> str | None:
         """Blocks (KeyWaiter) until ``key`` is set; each follower thread has a connection of its
@@ -118,16 +157,12 @@ class MemoryCoordinator(GroupCoordinator):
             w = self._local.waiter = KeyWaiter.connect(self.shared_store, self.prefix, 120.0)
         return w.wait(key, self._stop)
 
-    def degrade(self) -> None:
-        """A peer is gone: replication stops counting; the plain group rule keeps the slots."""
-        with self._lock:
-            self.replicating = False
-            self._settle_locked()
-
     def set_replicated(self, step: int) -> None:
+        """``step`` is replicated everywhere (the Replicator's log follower): the slots of steps
+        older than the kept ones come back."""
         with self._lock:
             if not self.replicated or step > self.replicated[-1]:
-                self.replicated = [*self.replicated, step][-2:]
+                self.replicated = [*self.replicated, step][-(1 + self.keep_last):]
                 self._settle_locked()
 
 
@@ -166,12 +201,12 @@ class MemoryTier:
 
     def __init__(self, root: Path, interval: int, replicas: int, engine: EngineOptions, slot_bytes: int,
                  group: Group | None, on_error: Callable[[PCCheckError], None], layout: Layout,
-                 arrays: Mapping[str, Any], device_bytes: int = 0) -> None:
+                 arrays: Mapping[str, Any], device_bytes: int = 0, keep_last: int = 0) -> None:
         from .replicate import ReplicaLinks  # collective when replicas > 1
 
         if interval < 1:
             raise ConfigError(f"memory.every must be a positive integer, got {interval}")
-        self.root, self.interval, self.group = root, interval, group
+        self.root, self.interval, self.group, self.keep_last = root, interval, group, keep_last
         self._layout, self._arrays = layout, arrays  # the first snapshot's: the store's layout, the copy engine
         self.dir = memory_rank_dir(root, group.rank if group is not None else None)
         self._on_error = on_error
@@ -197,14 +232,16 @@ class MemoryTier:
         # the last finished memory checkpoints' timings (CheckpointStats), newest last
         self.recent: collections.deque[Any] = collections.deque(maxlen=64)
         self.links = ReplicaLinks.connect(group, replicas) if group is not None else ReplicaLinks.single(replicas)
-        # slots beyond 1 in flight + the latest: none alone; §8's global step in a group; with
-        # replication the steps back to the second newest replicated everywhere (MemoryCoordinator)
-        extra = 0 if group is None else MemoryCoordinator.extra_slots if self.links.peers else GroupCoordinator.extra_slots
-        _room_everywhere(root, memory_need(slot_bytes, 2 + extra, len(self.links.sources)), group)
+        # the slots (own_slots, replica_slots): 1 in flight, the newest (with replication the
+        # newest replicated everywhere, MemoryCoordinator), §8's global step in a group without
+        # replication, and keep_last older ones; the same keep_last in every replica store
+        self.slots = own_slots(keep_last, group is not None, bool(self.links.peers))
+        _room_everywhere(root, memory_need(slot_bytes, self.slots, len(self.links.sources), replica_slots(keep_last)),
+                         group)
         self.coord: MemoryCoordinator | None = None
         if group is not None:
-            self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"), group.store, "memory/")
-            self.coord.extra_slots = extra
+            self.coord = MemoryCoordinator(root, _prefixed(group, "memory/"), group.store, "memory/", keep_last)
+            self.coord.extra_slots = self.slots - 2  # beyond 1 in flight + the latest
             self.coord.prepare(self.dir)  # collective: the memory stores' epochs and common step
         self.replicator: Any = None
         if self.coord is not None:
@@ -226,14 +263,16 @@ class MemoryTier:
             self.coord.epoch = epoch  # the disk tier's: both tiers' manifests pair by (epoch, step)
         world_size, rank = (self.group.world_size, self.group.rank) if self.group is not None else (1, 0)
         layout, arrays, self._arrays = self._layout, self._arrays, {}
+        retention: Retention = self.coord if self.coord is not None else KeepOlder(self.keep_last)
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
-                                 on_error=self._on_error, retention=self.coord, world_size=world_size, rank=rank,
-                                 on_commit=self._on_commit, on_finished=self.recent.append, pool=False,
+                                 on_error=self._on_error, retention=retention, world_size=world_size, rank=rank,
+                                 on_commit=self._on_commit, on_finished=self._finished, pool=False,
                                  populate_store=True)
         if self.coord is not None:
             self.coord.start(self.orch)
         if self.links.peers or self.links.sources:
-            self.replicator = Replicator(self.links, self.root, self._engine, epoch or 0, self.coord)
+            self.replicator = Replicator(self.links, self.root, self._engine, epoch or 0, self.coord,
+                                         keep_last=self.keep_last)
 
     def prepare(self, layout: Layout, metadata: Mapping[str, Any], tree: Any) -> None:
         """Opens the memory store and makes its pool now, once the state's size is final (the
@@ -243,6 +282,11 @@ class MemoryTier:
         if self.orch is not None:
             took = self.orch.prepare(layout, metadata, tree, self.epoch)
             log.debug("pccheck: memory store prepared in %.3f s", took)
+
+    def _finished(self, st: Any) -> None:
+        self.recent.append(st)
+        if self.replicator is not None:
+            self.replicator.finished(st)  # a failed own commit: the other ranks stop at once
 
     def _on_commit(self, info: CommitInfo) -> None:
         if self.coord is not None:
@@ -258,7 +302,15 @@ class MemoryTier:
         if self.orch is None or step % self.interval:
             return False
         if self.replicator is not None:
-            self.replicator.throttle(int(step))  # replication at most LAG memory checkpoints behind
+            # the previous one committed (or failed) first, whatever when_busy says: throttle then
+            # knows which it was, and a start never waits inside the store for a slot that only the
+            # previous one's replication frees (MemoryCoordinator).
+            # Invariant (2 + keep_last slots): the slot this start takes is never one committed and
+            # needed (R and keep_last before it: held by the coordinator), queued or being sent
+            # (sends go in step order, and the previous step, replicated everywhere, was sent last)
+            self.orch.wait()
+            if not self.replicator.throttle(int(step)):
+                return False  # the previous one cannot be replicated everywhere: the tier stopped
         snap = snapshot()
         try:
             return self.orch.start(int(step), snap.arrays, metadata, StartArgs(
@@ -332,4 +384,4 @@ def build_memory_tier(ctx: TierContext, engine: EngineOptions, layout: Layout, s
     slot = data + (man + BLOCK - 1) // BLOCK * BLOCK
     on_device = select_copy_engine(snap.arrays).name != "cpu"
     return MemoryTier(root, t.every, t.replicas, engine, slot, ctx.group, ctx.on_error, layout,
-                      snap.arrays, device_bytes=data if on_device else 0)
+                      snap.arrays, device_bytes=data if on_device else 0, keep_last=t.keep_last)

@@ -15,8 +15,13 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
                   the held slots (UploadRetention), retries, progress for stats()
     retention.py  prune: keep-last / keep-every, manifest deleted before its data; orphans and
                   stale multipart uploads of older generations (§12.6)
+    parts.py      §12.7's multi-rank step: a rank's part (its data object, then the part
+                  create-only) and the commit once all W parts are up
     group.py      GroupUploader: a torch.distributed group's side (each rank its part, rank 0
                   announces the steps and commits them; §12.7)
+    sets.py       the sets a caller pairs (pccheck.dcp): SetUploader, one rank's tier (its part
+                  at each expected local commit), SetCommitter (the caller's coordinator:
+                  generation, commit, retention)
     inventory.py  survey / verify / manifest_of / load_step of a prefix (``pccheck ls|verify|inspect|export
                   s3://...``)
     load.py       load_remote: newest committed step whose every checksum holds, falling back;

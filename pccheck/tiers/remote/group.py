@@ -27,7 +27,6 @@ Protocol (FORMAT.md §12.2 with world_size W > 1):
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -37,10 +36,10 @@ from typing import Any, Callable
 from ...errors import CorruptCheckpointError, PCCheckError, RemoteError
 from ...group.keys import wait_key
 from ...persist.recovery import read_store
-from .commit import advance_pointer, commit_step, next_generation
-from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, rank_part_from_json
-from .objstore import NotFound
-from .upload import SlotRef, upload_slot
+from .commit import next_generation
+from .parts import commit_parts, part_key, put_part
+from .sets import SetUploader
+from .upload import SlotRef
 from .uploader import RemoteUploader, _background_priority
 
 __all__ = ["GroupUploader", "part_key"]
@@ -49,10 +48,6 @@ log = logging.getLogger("pccheck")
 
 _POLL = timedelta(milliseconds=200)
 _BACKOFF_MAX_S = 30.0
-
-
-def part_key(generation: int, step: int, rank: int) -> str:
-    return f"parts/g{generation:08d}/s{step}/rank-{rank}.json"
 
 
 class GroupUploader(RemoteUploader):
@@ -244,10 +239,8 @@ class GroupUploader(RemoteUploader):
         while not self._closing:
             try:
                 t0 = time.perf_counter()
-                part = upload_slot(self.store, ref, self.generation, self.rank, self.options.part_size,
-                                   self._take_pool(), self._senders, lambda: self._closing)
-                self.store.put_new(part_key(self.generation, step, self.rank),
-                                   json.dumps(part.as_json()).encode("utf-8"))
+                part = put_part(self.store, ref, self.generation, self.rank, self.options.part_size,
+                                self._take_pool(), self._senders, lambda: self._closing)
                 with self._cv:
                     self.progress.bytes += part.size
                     self.progress.upload_s += time.perf_counter() - t0
@@ -279,9 +272,7 @@ class GroupUploader(RemoteUploader):
                 time.sleep(0.05)
         try:
             if ok and not self._closing:
-                parts = tuple(self._read_part(step, r) for r in range(w))
-                commit_step(self.store, StepManifest(self.generation, step, w, time.time(), parts))
-                advance_pointer(self.store, self.generation, step)
+                commit_parts(self.store, self.generation, step, w)
                 self._kv.set(self._ns + "committed", str(step))  # the other ranks' stats()
                 with self._cv:
                     p = self.progress
@@ -301,22 +292,19 @@ class GroupUploader(RemoteUploader):
             self._busy = False
             self._coord.announce_newest()  # a selected global step published meanwhile goes next
 
-    def _read_part(self, step: int, rank: int) -> RankPart:
-        try:
-            raw, _ = self.store.get(part_key(self.generation, step, rank), MAX_MANIFEST_BYTES)
-            return rank_part_from_json(raw, f"rank {rank}'s part of step {step}")
-        except NotFound:
-            raise RemoteError(f"rank {rank}'s part of step {step} is missing") from None
 
-
-def build_remote_tier(ctx: Any, writes: bool) -> RemoteUploader | None:
+def build_remote_tier(ctx: Any, writes: bool, member: Any = None) -> RemoteUploader | None:
     """The remote tier of ``ctx`` (a TierContext): None without a URL (or on a rank that
-    writes nothing); in a group with a coordinator, a GroupUploader (each rank uploads its part,
-    rank 0 commits the step; the coordinator keeps one more slot, the one uploading); else a
-    RemoteUploader. Both probe the object store first (RemoteConfigError)."""
+    writes nothing); for one rank of a set its caller pairs (``member``, pccheck.dcp), a
+    SetUploader (this rank's parts; the caller's coordinator commits with a SetCommitter); in a
+    group with a coordinator, a GroupUploader (each rank uploads its part, rank 0 commits the
+    step; the coordinator keeps one more slot, the one uploading); else a RemoteUploader. Each
+    probes the object store first (RemoteConfigError)."""
     opts = ctx.options.remote
     if opts.url is None or not writes:
         return None
+    if member is not None:
+        return SetUploader(opts, on_error=ctx.on_error, rank=member.rank)
     if ctx.coord is not None:
         up = GroupUploader(opts, on_error=ctx.on_error, group=ctx.group, coord=ctx.coord)
         ctx.coord.attach_remote(up)

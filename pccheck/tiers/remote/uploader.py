@@ -143,9 +143,10 @@ class RemoteUploader:
         self._prune_queued = False
         self._pruning = 0  # passes submitted and not finished (wait() waits for them)
         self._thread = shutdown.thread(self._run, "pccheck-remote")
-        log.info("pccheck: remote tier %s (generation %d)", options.url, self.generation)
+        log.info("pccheck: remote tier %s (generation %s)", options.url, self.generation)
 
-    def _take_generation(self) -> int:
+    def _take_generation(self) -> int | None:
+        """This job's generation (§12), taken before the first upload (None: given per step)."""
         return next_generation(self.store)
 
     def start(self, disk: Any, epoch: int | None) -> None:
