@@ -566,7 +566,8 @@ class Options:
         return replace(self, **groups)
 
 
-def checkpointer_arguments(optimizer: Any, path: Any, options: Any, settings: dict[str, Any]) -> tuple[Any, Any, Options]:
+def checkpointer_arguments(optimizer: Any, path: Any, options: Any,
+                           settings: dict[str, Any]) -> tuple[Any, Any, Options]:
     """The Checkpointer's optimizer, path and resolved options from its arguments: a path given
     as the second positional argument (``Checkpointer(arrays, "ckpt")``), and ``options``
     updated by the keyword ``settings``. ConfigError for a path given twice or a wrong ``options``."""

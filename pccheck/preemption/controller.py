@@ -31,12 +31,12 @@ from .gate import StepGate
 from .notice import SignalNotice, UrlNotice, check_url
 from .result import FlushResult
 
-__all__ = ["Preemption", "HEADROOM"]
+__all__ = ["Preemption", "headroom"]
 
 log = logging.getLogger("pccheck")
 
 
-def HEADROOM(grace_s: float) -> float:
+def headroom(grace_s: float) -> float:
     """Seconds of ``grace_s`` kept free at its end, for the previous handler and the exit: 5 %,
     at most 1 s."""
     return min(1.0, 0.05 * grace_s)
@@ -87,12 +87,11 @@ class Preemption:
             [signal.Signals(s).name for s in (self._signals.signals if self._signals else ())]
             + ([notice_url] if notice_url else [])), self._grace)
 
-    def _on_notice(self, cause: str) -> None:
+    def _on_notice(self, cause: str, signum: int | None = None) -> None:
         """A signal handler's (or the poller's) whole work: record, and wake the waiter."""
         if self._notice is not None or self._closed or self._pipe is None:
             return  # a second notice during (or after) the flush: no second flush
-        signum = getattr(signal.Signals, cause[7:], None) if cause.startswith("signal ") else None
-        self._notice = Notice(cause, time.monotonic(), time.time(), int(signum) if signum is not None else None)
+        self._notice = Notice(cause, time.monotonic(), time.time(), signum)
         self.preempted = True
         try:
             os.write(self._pipe[1], b"n")
@@ -106,7 +105,7 @@ class Preemption:
         notice = self._notice
         log.warning("pccheck: preemption notice (%s): flushing within %.1f s", notice.cause, self._grace)
         try:
-            self._run(notice, notice.t0 + self._grace - HEADROOM(self._grace))
+            self._run(notice, notice.t0 + self._grace - headroom(self._grace))
         except BaseException:  # noqa: BLE001 - the previous handler must still run
             log.exception("pccheck: the preemption flush failed")
         finally:
@@ -131,7 +130,7 @@ class Preemption:
         live state as ``step`` when the caller is the training thread (between its calls)."""
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
-        if timeout is not None and not (timeout >= 0):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise ConfigError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
         notice = Notice("flush()", time.monotonic(), time.time())
         deadline = math.inf if timeout is None else notice.t0 + timeout

@@ -143,7 +143,8 @@ class _Flush:
         if durable is not None and durable >= step:
             note, wait = "durable before the notice", True
         elif started is not None and started >= step:
-            note, wait = ("taken at the step boundary" if self.source == "boundary" else "in flight at the notice"), True
+            wait = True
+            note = "taken at the step boundary" if self.source == "boundary" else "in flight at the notice"
         else:
             memory = stack.tier("memory")
             copy = held_checkpoint(memory.dir, step) if memory is not None else None

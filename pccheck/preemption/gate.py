@@ -95,7 +95,8 @@ class StepGate:
             self._cv.wait_for(lambda: not self._inside, _left(deadline))
             return ok
 
-    def ask_boundary(self, after: int | None, deadline: float, serve: Callable[[int], bool] | None = None) -> int | None:
+    def ask_boundary(self, after: int | None, deadline: float,
+                     serve: Callable[[int], bool] | None = None) -> int | None:
         """Asks the first call after ``after`` to take a checkpoint, and returns its step (None:
         no call came by ``deadline``, or it could not start one). ``serve``: the flush was asked
         for on the training thread itself, which is waiting for it: take it there, now, as

@@ -34,10 +34,10 @@ REQUEST_TIMEOUT_S = 2.0  # one poll of the notice URL: a metadata service answer
 
 
 class SignalNotice:
-    """Handlers for ``signals`` that call ``on_notice("signal <NAME>")`` (installed from the main
+    """Handlers for ``signals`` that call ``on_notice("signal <NAME>", signum)`` (installed from the main
     thread only, as Python requires), chaining the handlers they replace."""
 
-    def __init__(self, signals: Iterable[int], on_notice: Callable[[str], None]) -> None:
+    def __init__(self, signals: Iterable[int], on_notice: Callable[[str, int], None]) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("on_preemption installs signal handlers, which Python allows only in the main "
                               "thread: call it there (or pass signals=() and use notice_url= or flush())")
@@ -63,7 +63,7 @@ class SignalNotice:
         if signum in self._chaining:
             self._run_previous(signum, frame)
         else:
-            self._on_notice(f"signal {signal.Signals(signum).name}")
+            self._on_notice(f"signal {signal.Signals(signum).name}", signum)
 
     def _run_previous(self, signum: int, frame: Any) -> None:
         prev = self._previous.get(signum)
