@@ -21,6 +21,7 @@ from .options import (DiskOptions, EngineOptions, GroupOptions, HistoryOptions, 
                       SnapshotOptions)
 from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
+from .preemption import FlushResult, TierReach
 from .lazy import LazyRestore
 from .restore import load_latest
 from .tuner.policy import FixedInterval, OnlineTuned
@@ -29,7 +30,7 @@ from .version import __version__
 __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "GroupOptions", "DiskOptions",
     "MemoryOptions", "RemoteOptions", "HistoryOptions", "FixedInterval", "OnlineTuned",
-    "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
+    "CheckpointStats", "StatsReport", "FlushResult", "TierReach", "Restored", "LazyRestore", "load_latest", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "RemoteError",

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from . import shutdown
-from .errors import ConfigError, ErrorSink, PCCheckError, StorageError
+from .errors import ErrorSink, PCCheckError
 from .group.distributed import detect_group
 from .lazy import wait_for_pending
-from .options import Options
+from .options import Options, checkpointer_arguments
 from .orchestrator.copy_engine import CopyEngine
 from .orchestrator.stats import StatsReport
 from .persist.files import default_path
 from .persist.layout import plan
+from .preemption import FlushResult, Preemption
 from .prepare import Preparation, defer_prepare
 from .spread.mode import SpreadMode, budget_split, check_spread
 from .spread.strategy import PlainSnapshots, SpreadSnapshots, Take
@@ -78,13 +80,7 @@ class Checkpointer:
                  extra_state: Mapping[str, Any] | None = None, metadata: Mapping[str, Any] | None = None,
                  options: Options | None = None, on_error: OnError = "raise",
                  **settings: Any) -> None:
-        if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
-            if path is not None:
-                raise ConfigError("path given twice (positionally and as path=)")
-            optimizer, path = None, optimizer
-        if options is not None and not isinstance(options, Options):
-            raise ConfigError(f"options must be a pccheck.Options, got {type(options).__name__}")
-        self.options: Options = (options or Options()).updated(**settings)
+        optimizer, path, self.options = checkpointer_arguments(optimizer, path, options, settings)
         self._errors = ErrorSink(on_error)
         snapshot_opts = self.options.snapshot
         self._source, self.soft_cow = make_source(state, optimizer, extra_state, snapshot_opts)
@@ -118,12 +114,14 @@ class Checkpointer:
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) \
                 if self.soft_cow and self._orch is not None else None
             # GoCkpt mode: its step hooks come after the soft copy-on-write one (registered above).
+            def start(take: Take) -> bool:  # one snapshot to the tier stack
+                return self._stack.start_take(take, lambda m: {**self.metadata, **check_metadata(m)}, self._errors)
             self._spread: SpreadMode | None = None
-            self._snapshots = PlainSnapshots(self._source, self.soft_cow, self._start)
+            self._snapshots = PlainSnapshots(self._source, self.soft_cow, start)
             if snapshot_opts.spread_steps != 1 and self._orch is not None:
                 self._spread = SpreadMode(snapshot_opts.spread_steps, optimizer, grad_budget,
                                           self._orch.copy_engine, tuned=self.settings["spread_steps"])
-                self._snapshots = SpreadSnapshots(self._source, self.soft_cow, self._start, self._spread)
+                self._snapshots = SpreadSnapshots(self._source, self.soft_cow, start, self._spread)
             # its hooks last: the optimizer step's own hooks (copy-on-write, GoCkpt) run before it prepares
             self._prep = Preparation(self._stack, self._source, optimizer, state, self.metadata, prepared)
         except BaseException:
@@ -134,6 +132,7 @@ class Checkpointer:
         # Left open at interpreter exit: closed then as close() would (before its threads could be
         # cut off); held strongly until close(): its threads run whether the script keeps it or not.
         self._forget_exit = shutdown.on_exit(lambda: self.close())
+        self._preempt = Preemption(self._stack)
 
     @property
     def interval(self) -> int:
@@ -160,16 +159,38 @@ class Checkpointer:
         """
         self._errors.raise_pending()
         check_step(step)
-        report_from_checkpointer(self._state_bytes)  # under `pccheck-tune -- python train.py` only
-        if self._memory is not None:  # its own interval, from the same state at the same call
-            self._stack.on_step(step, self._source.snapshot, {**self.metadata, **check_metadata(metadata)},
-                                self.soft_cow)
-        self._snapshots.on_call(step, self._stack.finished(), metadata)  # a spread ending at this call
-        # Whether this step is due is the policy's: every `interval` steps, or the online tuner's.
-        if not self._policy.due(step) or not self.checkpoint(step, metadata):
-            return False
-        self._policy.taken(step)
-        return True
+        with self._preempt.gate.call(step) as boundary:  # a flush holds the call here (preemption.gate)
+            if boundary:  # the flush's checkpoint, at this step boundary
+                return boundary.took(self.checkpoint(step, metadata))
+            report_from_checkpointer(lambda: self._stack.state_bytes(self._initial_bytes))  # under pccheck-tune only
+            if self._memory is not None:  # its own interval, from the same state at the same call
+                self._stack.on_step(step, self._source.snapshot, {**self.metadata, **check_metadata(metadata)},
+                                    self.soft_cow)
+            self._snapshots.on_call(step, self._stack.finished(), metadata)  # a spread ending at this call
+            # Whether this step is due is the policy's: every `interval` steps, or the online tuner's.
+            if not self._policy.due(step) or not self.checkpoint(step, metadata):
+                return False
+            self._policy.taken(step)
+            return True
+
+    def on_preemption(self, grace_s: float = 30.0, signals: Sequence[int] = (signal.SIGTERM,),
+                      notice_url: str | None = None, poll_s: float = 5.0) -> None:
+        """Flushes (:meth:`flush`) within ``grace_s`` s of a notice: one of ``signals`` (handled from the
+        main thread; the handler replaced runs after the flush: a default SIGTERM ends the process),
+        or a 200 from ``notice_url``, polled every ``poll_s`` s (404, or GCE's "FALSE": no notice).
+        :attr:`preempted` is True from the notice on. See docs/guide/preemption.md."""
+        self._preempt.install(grace_s, signals, notice_url, poll_s)
+
+    def flush(self, timeout: float | None = None) -> FlushResult:
+        """Makes the newest consistent state (at least the last returned ``maybe_checkpoint``'s
+        step) durable on disk, then committed on the remote tier, within ``timeout`` s (None: no
+        limit); returns what each tier reached. Collective in a group. Call it between steps."""
+        return self._preempt.flush(timeout, lambda step: self.checkpoint(step))
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption notice arrived (:meth:`on_preemption`)."""
+        return self._preempt.preempted
 
     def checkpoint(self, step: int, metadata: Mapping[str, Any] | None = None) -> bool:
         """Checkpoints now, regardless of the interval. False if skipped (``when_busy="skip"``).
@@ -183,28 +204,6 @@ class Checkpointer:
             wait_for_pending(self.state)  # never snapshot a model a lazy restore is still filling
         self._prep.claim()  # not prepared yet: start() opens the store and makes the pool
         return self._snapshots.due(step, self._stack.finished(), self.interval, metadata)
-
-    def _start(self, take: Take) -> bool:
-        """Hands one snapshot to the tier stack; gives it back if the disk did not start it."""
-        try:
-            started = self._stack.start(take.step, take.arrays, {**self.metadata, **check_metadata(take.metadata)},
-                                        replace(take.args, epoch=self._stack.epoch))
-        except BaseException as exc:
-            take.abort()
-            # An I/O fault while preparing the slot or a new generation: the same policy as a
-            # fault in the background part of the checkpoint.
-            if isinstance(exc, StorageError) and not self._errors.raises:
-                self._errors(exc)
-                return False
-            raise
-        if not started:  # skipped (when_busy="skip")
-            take.abort()
-        return started
-
-    def _state_bytes(self) -> int:
-        """Bytes of the newest checkpoint, or of the state as first planned (before any)."""
-        stats = self._stack.finished()
-        return stats[-1].nbytes if stats else self._initial_bytes
 
     def wait_copied(self) -> None:
         """Returns once no checkpoint in flight still reads live tensors (soft copy-on-write).
@@ -272,6 +271,7 @@ class Checkpointer:
         remote tier it first waits for the newest checkpoint to be committed remotely, up to
         ``remote_timeout`` s (default: the ``remote.close_timeout`` option; None: no limit)."""
         self._forget_exit()
+        self._preempt.close()  # a flush in progress ends first
         timeout = self.options.remote.close_timeout if remote_timeout == "default" else remote_timeout
         try:
             try:
@@ -290,11 +290,10 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
+        try:
             self.close()
-        else:  # do not mask the exception in flight with a pending checkpoint error
-            try:
-                self.close()
-            except PCCheckError as err:
-                log.error("pccheck: %s (while handling %s)", err, exc_type.__name__)
+        except PCCheckError as err:  # never masks the exception in flight with a pending checkpoint error
+            if exc_type is None:
+                raise
+            log.error("pccheck: %s (while handling %s)", err, exc_type.__name__)
 

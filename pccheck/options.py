@@ -564,3 +564,17 @@ class Options:
                     raise
                 raise ConfigError(f"{exc} (given as {', '.join(olds)})") from None
         return replace(self, **groups)
+
+
+def checkpointer_arguments(optimizer: Any, path: Any, options: Any,
+                           settings: dict[str, Any]) -> tuple[Any, Any, Options]:
+    """The Checkpointer's optimizer, path and resolved options from its arguments: a path given
+    as the second positional argument (``Checkpointer(arrays, "ckpt")``), and ``options``
+    updated by the keyword ``settings``. ConfigError for a path given twice or a wrong ``options``."""
+    if isinstance(optimizer, (str, os.PathLike)):  # Checkpointer(arrays, "ckpt")
+        if path is not None:
+            raise ConfigError("path given twice (positionally and as path=)")
+        optimizer, path = None, optimizer
+    if options is not None and not isinstance(options, Options):
+        raise ConfigError(f"options must be a pccheck.Options, got {type(options).__name__}")
+    return optimizer, path, (options or Options()).updated(**settings)

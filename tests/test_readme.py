@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # Not here: remote.md and memory.md, whose examples need an S3 server and two nodes; the same calls
 # run in test_remote.py (a SeaweedFS started by a fixture) and test_memory_tier.py (two torchrun agents).
+# preemption.md's examples install signal handlers and poll metadata URLs; test_preemption.py runs
+# the same calls against real signals, a local notice endpoint and SeaweedFS.
 GUIDES = ["resume", "distributed", "spread", "transparent", "integrations", "tuning", "gpu"]
 
 

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("orchestrator", ("pccheck.orchestrator",)),
     ("store services", ("pccheck.ops", "pccheck.group", "pccheck.sharded", "pccheck.transparent", "pccheck.tiers")),
     ("state", ("pccheck.state",)),
-    ("front-end parts", ("pccheck.lazy", "pccheck.spread", "pccheck.tuner", "pccheck.prepare")),
+    ("front-end parts", ("pccheck.lazy", "pccheck.spread", "pccheck.tuner", "pccheck.prepare", "pccheck.preemption")),
     ("front-end", ("pccheck.checkpointer", "pccheck.restore", "pccheck.options")),
     ("integrations", ("pccheck.integrations",)),
     ("entry", ("pccheck", "pccheck.aio", "pccheck.dcp", "pccheck.hf", "pccheck.lightning", "pccheck.tune",

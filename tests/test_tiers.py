@@ -22,7 +22,7 @@ LIFE = [name for name, _ in inspect.getmembers(Tier, inspect.isfunction) if not 
 
 @pytest.mark.parametrize("cls", [MemoryTier, RemoteUploader, GroupUploader, HistoryKeeper])
 def test_every_tier_has_the_one_life(cls):
-    assert set(LIFE) == {"start", "prepare", "on_step", "on_commit", "ensure_copied", "wait", "newest", "close"}
+    assert set(LIFE) == {"start", "prepare", "on_step", "on_commit", "ensure_copied", "wait", "flush", "newest", "close"}
     for name in LIFE:
         theirs = inspect.signature(getattr(cls, name))
         ours = inspect.signature(getattr(Tier, name))

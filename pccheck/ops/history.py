@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -174,6 +175,13 @@ class HistoryKeeper:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.wait_idle(timeout)
+
+    def flush(self, deadline: float, step: int | None) -> int | None:
+        """A preemption: the copies queued (the flushed step's among them, if the rule keeps
+        it) finish until ``deadline`` (time.monotonic()); returns the newest step kept."""
+        self.wait_idle(None if deadline == float("inf") else max(0.0, deadline - time.monotonic()))
+        with self._cv:
+            return self._newest
 
     def newest(self) -> dict[str, Any]:
         with self._cv:

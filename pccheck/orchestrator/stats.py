@@ -120,6 +120,9 @@ class StatsReport:
     def remote_lag_s(self) -> float | None:
         return self.remote["remote_lag_s"] if self.remote else None
     tiers: dict[str, Any] = field(default_factory=dict)  # newest step per tier (pccheck.tiers)
+    # The last flush (a preemption notice or Checkpointer.flush()): pccheck.FlushResult.as_dict(),
+    # what each tier reached and how many seconds after the notice. None before any.
+    flush: dict[str, Any] | None = None
 
     @property
     def last_durable_age_s(self) -> float | None:
@@ -148,6 +151,7 @@ class StatsReport:
                 **(self.remote or {}),
             },
             "tiers": self.tiers,
+            "flush": self.flush,
         }
 
     def to_json(self, **kw: Any) -> str:

@@ -7,7 +7,7 @@ tier is built by its own ``build_*`` function from a :class:`TierContext` and it
 absent from the list when it is not configured.
 
 A :class:`Tier`'s life, in the order :class:`pccheck.tiers.stack.TierStack` calls it (the
-numbers are the order; 4 to 7 repeat)::
+numbers are the order; 4 to 8 repeat)::
 
     1. build_*(ctx, ...) -> Tier | None   collective in a group; probes what it needs (the object
                                           store: RemoteConfigError; tmpfs room: NoSpaceError)
@@ -21,7 +21,14 @@ numbers are the order; 4 to 7 repeat)::
     6. ensure_copied()                    before each optimizer step: no copy still reads live
                                           tensors (soft copy-on-write)
     7. wait(timeout) -> bool              everything taken so far is done (False: timed out)
-    8. close(timeout)                     finishes (``timeout``: how long a tier after the disk may
+    8. flush(deadline, step) -> int|None  a preemption (pccheck.preemption), between 4-7 and 9,
+                                          while no maybe_checkpoint call runs: a tier beside the
+                                          disk commits its checkpoint in flight (``step`` None);
+                                          a tier after it takes the disk's durable commit of
+                                          ``step`` whatever its own schedule (``every``) says;
+                                          both wait until ``deadline`` (time.monotonic(), inf: no
+                                          limit) at most and return the newest step they hold
+    9. close(timeout)                     finishes (``timeout``: how long a tier after the disk may
                                           still wait for its newest copy), stops its threads
 
 ``newest()`` (any time after 2) gives the newest step per kind the tier holds, for ``stats()``.
@@ -79,6 +86,8 @@ class Tier(Protocol):
     def ensure_copied(self) -> None: ...
 
     def wait(self, timeout: float | None = None) -> bool: ...
+
+    def flush(self, deadline: float, step: int | None) -> int | None: ...
 
     def newest(self) -> dict[str, Any]: ...
 

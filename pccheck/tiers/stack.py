@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ErrorSink, StorageError
 from ..group.distributed import GroupCoordinator
 from ..orchestrator.args import StartArgs
 from ..orchestrator.copy_engine import CopyEngine
@@ -116,6 +117,8 @@ class TierStack:
         self.coord: GroupCoordinator | None = None
         self.tiers: list[Tier] = []
         self._remote_timeout: float | None = 0.0  # until close() says otherwise (a failed construction)
+        self.started_step: int | None = None  # the newest step a disk checkpoint was started for
+        self.flushed: dict[str, Any] | None = None  # the last flush's FlushResult.as_dict() (stats())
         stack = contextlib.ExitStack()
         try:
             history = None
@@ -211,7 +214,29 @@ class TierStack:
     def start(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any], args: StartArgs) -> bool:
         """The disk checkpoint of ``step`` (the orchestrator's start)."""
         assert self.disk is not None
-        return self.disk.start(step, arrays, metadata, args)
+        started = self.disk.start(step, arrays, metadata, args)
+        if started and (self.started_step is None or step > self.started_step):
+            self.started_step = step
+        return started
+
+    def start_take(self, take: Any, metadata: Callable[[Any], Mapping[str, Any]], errors: ErrorSink) -> bool:
+        """The disk checkpoint of one snapshot (a ``spread.strategy.Take``), its manifest's
+        metadata ``metadata(take.metadata)`` (checked there: a bad one gives the take back too);
+        the take is given back if the disk did not start it. An I/O fault
+        while preparing the slot or a new generation follows ``errors``' policy, as a fault in
+        the background part of the checkpoint does."""
+        try:
+            started = self.start(take.step, take.arrays, metadata(take.metadata),
+                                 dataclasses.replace(take.args, epoch=self.epoch))
+        except BaseException as exc:
+            take.abort()
+            if isinstance(exc, StorageError) and not errors.raises:
+                errors(exc)
+                return False
+            raise
+        if not started:  # skipped (when_busy="skip")
+            take.abort()
+        return started
 
     def prepare(self, layout: Layout, metadata: Mapping[str, Any], tree: Any) -> float:
         """Opens the stores and makes the pools for the state as it is now; returns the disk's
@@ -244,6 +269,11 @@ class TierStack:
         """The disk's finished checkpoints' stats, oldest first (the live sequence: no copy)."""
         return self.disk.stats if self.disk is not None else ()
 
+    def state_bytes(self, initial: int) -> int:
+        """Bytes of the newest finished disk checkpoint, else ``initial`` (the state as first planned)."""
+        stats = self.finished()
+        return stats[-1].nbytes if stats else initial
+
     def newest(self) -> dict[str, Any]:
         """The newest step per tier (``stats().tiers``)."""
         out: dict[str, Any] = {"disk": self.disk.last_durable_step if self.disk is not None else None}
@@ -258,7 +288,46 @@ class TierStack:
             return StatsReport((), 0, None, None)
         remote = self.tier("remote")
         return StatsReport(tuple(o.stats), o.skipped, o.last_durable_step, o.last_durable_time,
-                           remote=remote.progress.as_dict() if remote is not None else None, tiers=self.newest())
+                           remote=remote.progress.as_dict() if remote is not None else None, tiers=self.newest(),
+                           flush=self.flushed)
+
+    # -- a flush (pccheck.preemption; the Tier protocol's step 8) --------------------------------
+
+    def flush_beside(self, deadline: float) -> dict[str, int | None]:
+        """The tiers beside the disk commit their checkpoints in flight; their newest steps."""
+        return {t.name: t.flush(deadline, None) for t in self.tiers if not t.after_disk}
+
+    def persist(self, step: int, arrays: Mapping[str, Any], metadata: Mapping[str, Any], tree: Any,
+                crcs: Mapping[str, int]) -> bool:
+        """A disk checkpoint of ``step`` from arrays that are not live memory (another tier's
+        committed slot): copied before this returns, committed only if the writers' crc32c of
+        every array matches ``crcs`` (no pass of its own over the bytes)."""
+        return self.start(step, arrays, metadata, StartArgs(tree=tree, epoch=self.epoch, expect_crcs=crcs))
+
+    def disk_reached(self, step: int, deadline: float) -> bool:
+        """Waits until the disk's durable latest is ``step`` or newer (True), its checkpoint of
+        ``step`` failed or no checkpoint of it runs (False), or ``deadline``."""
+        disk = self.disk
+        assert disk is not None
+
+        def failed() -> int:  # the newest few only (deque ends: O(1)); no other checkpoint ends meanwhile
+            return sum(disk.stats[-i].step == step and disk.stats[-i].outcome == "failed"
+                       for i in range(1, min(8, len(disk.stats)) + 1))
+        before = failed()
+        while True:
+            newest = disk.last_durable_step
+            if newest is not None and newest >= step:
+                return True
+            if failed() > before:
+                return False
+            if self.started_step is None or self.started_step < step or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    def flush_after(self, deadline: float, step: int, names: Sequence[str]) -> dict[str, int | None]:
+        """The tiers after the disk named in ``names`` take the disk's commit of ``step``; the
+        newest step of each."""
+        return {t.name: t.flush(deadline, step) for t in self.tiers if t.after_disk and t.name in names}
 
     # -- the end -----------------------------------------------------------------------------------
 

@@ -332,6 +332,12 @@ class MemoryTier:
             self.orch.wait()
         return True
 
+    def flush(self, deadline: float, step: int | None = None) -> int | None:
+        """A preemption: the memory checkpoint in flight commits (a copy into RAM: ``deadline``
+        is not needed); returns the newest step this process committed to its memory store."""
+        self.wait()
+        return self.orch.last_durable_step if self.orch is not None else None
+
     def newest(self) -> dict[str, Any]:
         """Newest step per tier this rank knows: its own memory commit, the newest step every
         peer acknowledged, and per source rank the newest replica it holds."""

@@ -64,6 +64,7 @@ class GroupUploader(RemoteUploader):
         self._wanted: int | None = None   # rank 0: the newest selected global step not announced
         self._busy = False                # rank 0: an announced step is in progress
         self._done_steps: set[int] = set()
+        self._announced: set[int] = set()  # rank 0: steps announced so far
         self._seen = 0                    # announcements this rank has taken
         super().__init__(options, on_error=on_error, rank=group.rank)
 
@@ -90,7 +91,11 @@ class GroupUploader(RemoteUploader):
 
     def announce_newest(self, newest: int | None) -> None:
         """Rank 0, under the coordinator's publish lock: announces the wanted step if it is
-        still the newest published global step (else some rank may have given its slot back)."""
+        still the newest published global step (else some rank may have given its slot back).
+        A step a flush forced (:meth:`flush`) is wanted once it is the newest, even if it was
+        published before the flush asked for it."""
+        if newest is not None and newest in self._forced and newest not in self._announced:
+            self._wanted = newest
         if self._wanted is not None and not self._busy:
             if self._wanted == newest:
                 self._announce(self._wanted)
@@ -108,6 +113,7 @@ class GroupUploader(RemoteUploader):
         if self._stopped or self._closing:
             return
         self._busy, self._wanted = True, None
+        self._announced.add(step)
         log.debug("pccheck: announcing step %d", step)
         self._kv.set(self._ns + f"a/{step}", "1")
         i = self._kv.add(self._ns + "up", 1)
@@ -115,6 +121,28 @@ class GroupUploader(RemoteUploader):
         with self._cv:
             if self.progress.behind_since is None:
                 self.progress.behind_since = time.time()
+
+    def flush(self, deadline: float, step: int | None) -> int | None:
+        """A preemption (every rank, the same ``step``): rank 0 announces ``step`` whatever
+        ``every`` says, as soon as it is the newest global step (at its publication, or now if it
+        is already, under the coordinator's publish lock); every rank uploads its part as for any
+        announced step. Waits until rank 0 committed it or ``deadline`` (time.monotonic());
+        returns the newest step committed remotely that this rank knows of."""
+        if step is None:
+            return self.progress.step
+        self._forced.add(step)
+        if self.group.rank == 0:
+            self._coord.announce_newest()
+        while True:
+            if self.group.rank != 0:
+                self._learn_committed()
+            with self._cv:
+                p = self.progress
+                if self._stopped or self._closing or (p.step is not None and p.step >= step):
+                    return p.step
+            if time.monotonic() >= deadline:
+                return self.progress.step
+            time.sleep(0.05)
 
     def pinned(self, step: int) -> bool:
         """Whether this rank must keep the slot of ``step``: announced, its part not uploaded."""

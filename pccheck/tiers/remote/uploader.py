@@ -128,6 +128,8 @@ class RemoteUploader:
         self._held_gen = 0
         self._newest_counter = 0  # the highest local commit counter seen by on_commit
         self._commits = 0  # legacy_every (pccheck 0.1.0's remote_every): the local commits told of so far
+        self._newest_ref: SlotRef | None = None  # the durable latest local commit (flush() uploads it)
+        self._forced: set[int] = set()  # steps a flush uploads whatever `every` says
         self._stopped = False   # a lost race: nothing more is uploaded
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
@@ -175,6 +177,8 @@ class RemoteUploader:
             # supersede the newer one queued (its slot is already replaced).
             newer = info.counter > self._newest_counter
             self._newest_counter = max(self._newest_counter, info.counter)
+            if newer:
+                self._newest_ref = SlotRef(info.store_file, info.slot, info.counter, info.step)
             if newer and not self._stopped and not self._closing and self._selected(info.step, self._commits):
                 if self._pending is not None:
                     self.progress.superseded += 1
@@ -190,6 +194,8 @@ class RemoteUploader:
         """Whether the durable checkpoint of ``step``, the ``count``-th told of, is uploaded: its
         step divisible by ``every``; with ``legacy_every`` (pccheck 0.1.0's ``remote_every=k``,
         kept exactly for that spelling) every k-th one counted, whatever its step."""
+        if step in self._forced:
+            return True
         k = self.options.legacy_every
         return count % k == 0 if k is not None else step % self.options.every == 0
 
@@ -223,6 +229,28 @@ class RemoteUploader:
             self._cv.notify_all()
             return self._cv.wait_for(lambda: self._stopped or (self._pending is None and self._running is None
                                                                and not self._pruning), timeout)
+
+    def flush(self, deadline: float, step: int | None) -> int | None:
+        """A preemption: the disk's durable commit of ``step`` is uploaded whatever ``every``
+        says (queued now unless it is queued, uploading or committed already; its slot stays, as
+        no newer commit replaces it during a flush), and waited for until ``deadline``
+        (time.monotonic()). Returns the newest step committed remotely."""
+        with self._cv:
+            if step is not None:
+                self._forced.add(step)
+                ref, p = self._newest_ref, self.progress
+                have = {r.step for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
+                if (ref is not None and ref.step == step and step not in have and (p.step is None or p.step < step)
+                        and not self._stopped and not self._closing):
+                    self._pending, self._kick = (ref, time.time()), True
+                    if p.behind_since is None:
+                        p.behind_since = self._pending[1]
+                    self._cv.notify_all()
+            left = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+            self._cv.wait_for(lambda: self._stopped or self._closing or step is None or (
+                self.progress.step is not None and self.progress.step >= step) or (
+                self._pending is None and self._running is None), left)
+            return self.progress.step
 
     def close(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether

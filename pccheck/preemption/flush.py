@@ -1,0 +1,178 @@
+"""One flush: the newest consistent state made durable on the disk, then committed on the tiers
+after it, before a deadline. It runs on a thread of pccheck's (the controller's), never in a
+signal handler.
+
+Steps, each bounded by the deadline (``StepGate`` holds the training thread's
+``maybe_checkpoint`` calls meanwhile)::
+
+    1. gate.begin          no maybe_checkpoint call is inside; floor = the step of the last
+                           one that returned
+    2. (group) floors      every rank's floor; a rank behind the newest lets its calls up to it
+                           run (let_through), so every rank's floor is the group's
+    3. flush_beside        the memory tier commits its checkpoint in flight: its newest step
+    4. candidate           the newest step this rank holds: the memory tier's, or the newest disk
+                           checkpoint started; (group) the oldest of every rank's, so every rank
+                           flushes the same step
+    5. boundary            nothing holds the floor's state (no memory tier, or its interval
+                           skipped it): the next maybe_checkpoint call takes a disk checkpoint
+    6. disk                the step is durable already or in flight (wait for it), or is
+                           persisted from the memory tier's committed slot, if the measured
+                           rate says it fits (planner)
+    7. after the disk      the remote tier uploads and commits it (whatever its ``every``), if
+                           it fits; the history keeps it if its rule does
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .agree import Exchange
+from .gate import StepGate
+from .planner import measure, verdict
+from .result import FlushResult, TierReach
+from .source import held_checkpoint
+
+__all__ = ["Notice", "run_flush"]
+
+log = logging.getLogger("pccheck")
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What started a flush: ``cause``, and when (``t0``: time.monotonic(); ``wall``: time.time())."""
+
+    cause: str
+    t0: float
+    wall: float
+    signum: int | None = None
+
+
+def run_flush(stack: Any, gate: StepGate, notice: Notice, deadline: float, index: int,
+              serve: Callable[[int], bool] | None = None) -> FlushResult:
+    """Runs one flush of ``stack`` (a TierStack) and returns what each tier reached; ``index``:
+    the how-many-th flush of this Checkpointer (the group's key namespace); ``serve``: the
+    caller is the training thread, which takes a boundary checkpoint itself."""
+    return _Flush(stack, gate, notice, deadline, index, serve).run()
+
+
+class _Flush:
+    """The steps of the module docstring, one method each; ``reach`` collects each tier's end."""
+
+    def __init__(self, stack: Any, gate: StepGate, notice: Notice, deadline: float, index: int,
+                 serve: Callable[[int], bool] | None) -> None:
+        self.stack, self.gate, self.notice, self.deadline, self.serve = stack, gate, notice, deadline, serve
+        self.ex = Exchange(stack.ctx.group, stack.epoch, index) if stack.coord is not None else None
+        self.reach: dict[str, TierReach] = {}
+        self.floor: int | None = None
+        self.source = "in flight"
+
+    def run(self) -> FlushResult:
+        stack, gate, deadline = self.stack, self.gate, self.deadline
+        if stack.disk is None:  # a replica that never writes (replicated="rank0", rank != 0)
+            return self.done(None)
+        if not gate.begin(deadline):
+            log.warning("pccheck: flush: maybe_checkpoint still running at the deadline")
+        self.floor = gate.last_returned
+        self.rates = measure(stack.finished(), getattr(stack.tier("remote"), "progress", None))
+        self.nbytes = stack.state_bytes(0)
+        self.disk_need = verdict(self.nbytes, self.rates.disk_bps, deadline).need_s or 0.0
+        self.agree_floor()
+        step, beside = self.newest_held()
+        if step is None or (self.floor is not None and step < self.floor):  # 5. the next step boundary
+            b = gate.ask_boundary(self.floor, deadline - self.disk_need, self.serve)
+            if b is not None:
+                step, self.source = b, "boundary"
+        for name, s in beside.items():
+            self.mark(name, s, step, "" if step is not None else "nothing to flush")
+        if step is None:
+            return self.done(None)
+        if self.to_disk(step):
+            self.after_disk(step)
+        result = self.done(step)
+        log.warning("pccheck: flush of step %s (%s, %s): %s in %.2f s", step, self.source, self.notice.cause,
+                    ", ".join(f"{t.tier} {'reached' if t.reached else 'missed'}" for t in result.tiers), result.took_s)
+        return result
+
+    def done(self, step: int | None) -> FlushResult:
+        stack = self.stack
+        order = ["memory", "disk", *[t.name for t in stack.tiers if t.after_disk]]
+        tiers = tuple(self.reach[n] if n in self.reach else TierReach(n, None, False, None, "not attempted")
+                      for n in order if n == "disk" or stack.tier(n) is not None)
+        source = self.source if step is not None else "none"
+        return FlushResult(step, self.floor if stack.disk is not None else self.gate.last_returned, source,
+                           self.notice.cause, tiers, self.notice.wall, time.monotonic() - self.notice.t0)
+
+    def mark(self, name: str, step: int | None, target: int | None, note: str = "") -> None:
+        ok = step is not None and target is not None and step >= target
+        self.reach[name] = TierReach(name, step, ok, time.monotonic() - self.notice.t0 if ok else None, note)
+
+    def agree_floor(self) -> None:
+        """2. In a group, every rank's floor becomes the newest one: a rank behind catches up."""
+        if self.ex is None:
+            return
+        floors = self.ex.all("floor", self.floor, self.deadline)
+        if floors is None:
+            log.warning("pccheck: flush: not every rank answered by the deadline; flushing alone")
+            self.ex = None
+            return
+        top = max((f for f in floors.values() if f is not None), default=None)
+        if top is not None and (self.floor is None or self.floor < top):
+            self.gate.let_through(top, self.deadline - self.disk_need)
+        self.floor = top
+
+    def newest_held(self) -> tuple[int | None, dict[str, int | None]]:
+        """3-4. The tiers beside the disk commit; the newest step held here (a group: by all)."""
+        beside = self.stack.flush_beside(self.deadline)
+        held = [s for s in (beside.get("memory"), self.stack.started_step) if s is not None]
+        step = max(held) if held else None
+        if self.ex is not None:
+            steps = self.ex.all("step", step, self.deadline)
+            if steps is None:
+                self.ex = None
+            else:
+                step = None if any(s is None for s in steps.values()) else min(steps.values())
+        return step, beside
+
+    def to_disk(self, step: int) -> bool:
+        """6. The disk holds ``step`` durably (True), or why not is marked."""
+        stack, deadline = self.stack, self.deadline
+        durable, started = stack.disk.last_durable_step, stack.started_step
+        if durable is not None and durable >= step:
+            note, wait = "durable before the notice", True
+        elif started is not None and started >= step:
+            wait = True
+            note = "taken at the step boundary" if self.source == "boundary" else "in flight at the notice"
+        else:
+            memory = stack.tier("memory")
+            copy = held_checkpoint(memory.dir, step) if memory is not None else None
+            v = verdict(copy.nbytes, self.rates.disk_bps, deadline) if copy is not None else None
+            if copy is None or v is None:
+                note, wait = f"no copy of step {step} on this rank", False
+            elif not v.attempt:
+                note, wait = v.note, False
+            elif stack.persist(step, copy.arrays, copy.manifest.metadata, copy.manifest.tree, copy.crcs):
+                self.source, self.nbytes = "memory", copy.nbytes
+                note, wait = f"persisted from the memory tier ({v.note})", True
+            else:
+                note, wait = "skipped: every in-flight permit was busy (when_busy='skip')", False
+            del copy
+        reached = wait and stack.disk_reached(step, deadline)
+        if wait and not reached:
+            note += "; not durable by the deadline"
+        self.mark("disk", stack.disk.last_durable_step, step if reached else None, note)
+        return reached
+
+    def after_disk(self, step: int) -> None:
+        """7. The tiers after the disk that fit take the disk's commit of ``step``."""
+        stack, go = self.stack, []
+        for t in stack.tiers:
+            if t.after_disk:
+                v = verdict(self.nbytes, self.rates.remote_bps if t.name == "remote" else None, self.deadline)
+                (go.append(t.name) if v.attempt else self.mark(t.name, None, None, v.note))
+        for name, s in stack.flush_after(self.deadline, step, go).items():
+            err = getattr(getattr(stack.tier(name), "progress", None), "error", None)
+            self.mark(name, s, step, "" if s is not None and s >= step else
+                      "not committed by the deadline" + (f": {err}" if err else ""))
