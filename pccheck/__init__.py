@@ -23,13 +23,15 @@ from .orchestrator.stats import CheckpointStats, StatsReport
 from .persist.recovery import Restored
 from .lazy import LazyRestore
 from .restore import load_latest
+from .ops.hf_export import HfExport, export_hf
 from .tuner.policy import FixedInterval, OnlineTuned
 from .version import __version__
 
 __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "GroupOptions", "DiskOptions",
     "MemoryOptions", "RemoteOptions", "HistoryOptions", "FixedInterval", "OnlineTuned",
-    "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "SnapshotError",
+    "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "export_hf", "HfExport",
+    "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "RemoteError",
