@@ -425,7 +425,7 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
 
 def _convert(a: np.ndarray, src: str, dst: str) -> np.ndarray:
     """``a`` (torch dtype ``src``, in its numpy carrier) as torch dtype ``dst``, as torch's
-    ``.to()`` rounds: to nearest, ties to even, a NaN stays a quiet NaN."""
+    ``.to()`` on the CPU rounds: to nearest, ties to even, a NaN stays a NaN."""
     if src == dst:
         return a
     if src == "bfloat16":
@@ -436,7 +436,8 @@ def _convert(a: np.ndarray, src: str, dst: str) -> np.ndarray:
         return f32
     u = f32.view(np.uint32)
     rounded = ((u + (((u >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(f32), np.uint16(0x7FC0), rounded)
+    # A NaN becomes 0xFFFF, the bit pattern torch's CPU conversion gives it (a quiet NaN).
+    return np.where(np.isnan(f32), np.uint16(0xFFFF), rounded)
 
 
 # -- config.json ---------------------------------------------------------------------------------
