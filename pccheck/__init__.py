@@ -24,6 +24,7 @@ from .persist.recovery import Restored
 from .lazy import LazyRestore
 from .restore import load_latest
 from .ops.hf_export import HfExport, export_hf
+from .resumable_sampler import ResumableSampler
 from .tuner.policy import FixedInterval, OnlineTuned
 from .version import __version__
 
@@ -31,6 +32,7 @@ __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "GroupOptions", "DiskOptions",
     "MemoryOptions", "RemoteOptions", "HistoryOptions", "FixedInterval", "OnlineTuned",
     "CheckpointStats", "StatsReport", "Restored", "LazyRestore", "load_latest", "export_hf", "HfExport",
+    "ResumableSampler",
     "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
