@@ -24,7 +24,7 @@ from .persist.recovery import Restored
 from .lazy import LazyRestore
 from .restore import load_latest
 from .ops.hf_export import HfExport, export_hf
-from .resumable_sampler import ResumableSampler
+from .state.resumable_sampler import ResumableSampler
 from .tuner.policy import FixedInterval, OnlineTuned
 from .version import __version__
 

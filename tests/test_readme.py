@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # Not here: remote.md and memory.md, whose examples need an S3 server and two nodes; the same calls
 # run in test_remote.py (a SeaweedFS started by a fixture) and test_memory_tier.py (two torchrun agents).
-GUIDES = ["resume", "distributed", "spread", "transparent", "integrations", "tuning", "gpu"]
+GUIDES = ["resume", "distributed", "spread", "transparent", "integrations", "tuning", "gpu", "export", "dataloaders"]
 
 
 def _blocks() -> list[tuple[str, str]]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ResumableSampler"]
 
