@@ -20,7 +20,7 @@ folder        X
 micro/        persist, recovery, call_cost, copy_threads, memory_tier
 training/     overhead, restart, soak, integrations, ab
 paper/        fig8, fig11, fig12, goodput, tuner
-modes/        gockpt, lazy, sharded, distributed, transparent
+modes/        gockpt, lazy, sharded, distributed, transparent, export
 resilience/   remote, remote_clients, tiers, tiers_loss, tiers_plot, scale
 gpu/          gpu, gpu_claims
 ============  =====================================================================

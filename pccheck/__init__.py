@@ -24,13 +24,16 @@ from .persist.recovery import Restored
 from .preemption import FlushResult, TierReach
 from .lazy import LazyRestore
 from .restore import load_latest
+from .ops.hf_export import HfExport, export_hf
+from .state.resumable_sampler import ResumableSampler
 from .tuner.policy import FixedInterval, OnlineTuned
 from .version import __version__
 
 __all__ = [
     "Checkpointer", "Options", "EngineOptions", "SnapshotOptions", "GroupOptions", "DiskOptions",
     "MemoryOptions", "RemoteOptions", "HistoryOptions", "FixedInterval", "OnlineTuned",
-    "CheckpointStats", "StatsReport", "FlushResult", "TierReach", "Restored", "LazyRestore", "load_latest", "SnapshotError",
+    "CheckpointStats", "StatsReport", "FlushResult", "TierReach", "Restored", "LazyRestore", "load_latest",
+    "export_hf", "HfExport", "ResumableSampler", "SnapshotError",
     "PCCheckError", "NativeExtensionError", "ConfigError", "UnsupportedDtypeError",
     "PathNotWritableError", "StoreLockedError", "NoCheckpointError", "CorruptCheckpointError",
     "StorageError", "NoSpaceError", "DeviceIOError", "CriuError", "RemoteError",

@@ -4,6 +4,8 @@
     pccheck verify  [PATH]                              fsck: every meta record and array crc32c
     pccheck inspect [PATH] [--step N]                   a checkpoint's arrays: name, dtype, shape
     pccheck export  [PATH] [--step N] --format safetensors|torch --out FILE
+    pccheck export  [PATH] [--step N] --format hf --out DIR [--dtype keep|bf16|fp32]
+                    [--max-shard-size 5GB] [--config config.json]   the model, as from_pretrained reads it
     pccheck run     [--every S] [--path P] -- CMD ARGS...    checkpoint a whole process with CRIU
     pccheck resume  [--path P] [--every S]                  restore the newest valid CRIU image
 
@@ -14,7 +16,7 @@ the latest checkpoint is invalid but an older one is valid, 2 when none is; any 
 to run while training writes to it (a slot being rewritten shows up as free or invalid).
 
 This module only parses arguments and renders; the work is in :mod:`pccheck.ops.inventory`,
-:mod:`pccheck.ops.export` and :mod:`pccheck.transparent` (``run`` and ``resume`` need root and CRIU).
+:mod:`pccheck.ops.export`, :mod:`pccheck.ops.hf_export` and :mod:`pccheck.transparent` (``run`` and ``resume`` need root and CRIU).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..version import __version__
-from ..errors import PCCheckError
+from ..errors import ConfigError, PCCheckError
 from ..tiers.remote.inventory import remote_url
 from ..ops.export import export_checkpoint
 from ..ops.inventory import (GenerationInfo, VerifyReport, find_stores, load, locate, resolve_directory, resolve_store,
@@ -53,6 +55,13 @@ StepOpt = Annotated[Optional[int], typer.Option("--step", help="this step instea
 class ExportFormat(str, Enum):
     safetensors = "safetensors"
     torch = "torch"
+    hf = "hf"
+
+
+class ExportDtype(str, Enum):
+    keep = "keep"
+    bf16 = "bf16"
+    fp32 = "fp32"
 
 
 def _out() -> Console:
@@ -316,17 +325,35 @@ def inspect_cmd(path: PathArg = None, step: StepOpt = None, as_json: JsonOpt = F
 
 
 @app.command("export")
-def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (replaced atomically)")],
+def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (replaced atomically); with --format hf "
+                                                 "the model directory")],
                path: PathArg = None, step: StepOpt = None,
                fmt: Annotated[ExportFormat, typer.Option("--format", help="file format to write")] = ExportFormat.safetensors,
                skip_unsupported: Annotated[bool, typer.Option(
                    "--skip-unsupported", help="leave out arrays the format cannot hold instead of failing")] = False,
+               dtype: Annotated[ExportDtype, typer.Option(
+                   "--dtype", help="--format hf: floating tensors as saved (keep), bf16 or fp32")] = ExportDtype.keep,
+               max_shard_size: Annotated[str, typer.Option(
+                   "--max-shard-size", help="--format hf: the largest safetensors shard (5GB, 500MiB, bytes)")] = "5GB",
+               config: Annotated[Optional[Path], typer.Option(
+                   "--config", help="--format hf: the model's config.json, copied into the directory",
+                   show_default=False)] = None,
                as_json: JsonOpt = False) -> None:
-    """Write a checkpoint's arrays as a safetensors file or a torch state dict.
+    """Write a checkpoint's arrays as a safetensors file or a torch state dict, or (--format hf)
+    its model weights as a Hugging Face model directory that from_pretrained loads.
 
-    The checkpoint is fully verified first. A torch file loads with torch.load(weights_only=True).
+    safetensors/torch: the checkpoint is fully verified first; a torch file loads with
+    torch.load(weights_only=True). hf: every store kind (one process, DDP, FSDP2/DTensor shards
+    consolidated, a memory tier's directory, s3://); only the model, under its state_dict names,
+    in model.safetensors or model-0000x-of-0000n.safetensors + model.safetensors.index.json; each
+    byte checked against its crc32c before it is written.
     """
     def run() -> None:
+        if fmt is ExportFormat.hf:
+            _export_hf(out, path, step, dtype.value, max_shard_size, config, as_json)
+            return
+        if dtype is not ExportDtype.keep or config is not None or max_shard_size != "5GB":
+            raise ConfigError("--dtype, --max-shard-size and --config belong to --format hf")
         url = remote_url(path)
         if url is not None:
             from ..tiers.remote.inventory import load_step
@@ -349,6 +376,25 @@ def export_cmd(out: Annotated[Path, typer.Option("--out", help="file to write (r
             con.print(f"left out (dtype not supported by {fmt.value}): {', '.join(skipped)}", markup=False)
 
     _guard(as_json, run)
+
+
+def _export_hf(out: Path, path: Path | None, step: int | None, dtype: str, max_shard_size: str,
+               config: Path | None, as_json: bool) -> None:
+    from ..ops.hf_export import export_hf
+
+    src: Any = remote_url(path) or path
+    r = export_hf(src, out, step=step, dtype=dtype, max_shard_size=max_shard_size, config=config)
+    if as_json:
+        _emit_json({"out": str(r.out), "format": "hf", "step": r.step, "files": list(r.files), "tensors": r.tensors,
+                    "bytes": r.bytes, "bytes_read": r.bytes_read, "dtype": r.dtype, "seconds": r.seconds,
+                    "peak_rss": r.peak_rss})
+        return
+    _out().print(f"wrote {r.out} (hf, dtype {r.dtype}): {r.tensors} tensors, {_bytes(r.bytes)} in "
+                 f"{len(r.files)} file(s) from step {r.step} in {r.seconds:.2f} s; peak RSS {_bytes(r.peak_rss)}",
+                 markup=False)
+    if config is None:
+        _out().print(f"from_pretrained also needs the model's config.json in {r.out} (--config copies one)",
+                     markup=False)
 
 
 # -- transparent mode (CRIU) ---------------------------------------------------------------------------
