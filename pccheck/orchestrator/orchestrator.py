@@ -33,9 +33,11 @@ from ..errors import (ConfigError, CorruptCheckpointError, PCCheckError, Snapsho
                       storage_error_from_oserror)
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
+from ..persist.recovery import read_manifest, read_store
 from ..persist.store import SlotStore
 from .args import StartArgs
 from .copy_engine import CopyEngine, Sources, abandon
+from .incremental import CellPlan, Incremental
 from .options import EngineOptions, chunk_geometry
 from .reserve import Reserve, resolve_reserve
 from .threads import started_pool
@@ -89,6 +91,7 @@ class _Flight:
     copied_s: float = 0.0  # from the start until every byte was in DRAM chunks
     extra_stats: Mapping[str, Any] = field(default_factory=dict)
     expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
+    cells: CellPlan | None = None  # an incremental checkpoint: what it writes, where, what it references
 
     def check(self) -> str | None:
         """The snapshot's version check, once, after the last read of live memory and before
@@ -124,7 +127,8 @@ class Orchestrator:
                  world_size: int = 1, rank: int = 0,
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
-                 device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False) -> None:
+                 device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False,
+                 incremental: bool = False) -> None:
         if not engine.resolved:
             raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
         self.engine_options = engine
@@ -146,15 +150,23 @@ class Orchestrator:
         # straight into the slot's mapping and the writers only checksum it, one memcpy of the
         # state instead of two (native engine.h, "In place").
         self._in_place = populate_store
+        # incremental=True: unchanged arrays are referenced, changed ones written into free cells
+        # (incremental.py); the layout's arrays are then block-aligned (FORMAT.md §14).
+        self._cells: Incremental | None = Incremental() if incremental else None
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         try:
+            # incremental: the continued-from checkpoint is validated at open, before anything
+            # references it (its cells then hold the bytes every later reference relies on)
             self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced,
-                                   populate=populate_store)  # tmpfs (memory tier): slots faulted in at open
+                                   populate=populate_store,  # tmpfs (memory tier): slots faulted in at open
+                                   validate_latest=incremental)
         except BaseException:
-            copy_engine.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
+            copy_engine.close()
+            if self._cells is not None:
+                self._cells.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
             raise
         self._pool = started_pool(self.max_concurrent, "pccheck-commit")
         # pool=False: the chunk pool waits for prepare() or the first start(), once the state's
@@ -216,8 +228,17 @@ class Orchestrator:
     def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
                    epoch: int | None = None) -> int:
         """Slot capacity this layout needs: data, then the manifest with slack."""
-        man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch) + MANIFEST_SLACK
+        layout = self._aligned(layout)
+        man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch,
+                                   incremental=self._cells is not None) + MANIFEST_SLACK
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
+
+    def _aligned(self, layout: Layout) -> Layout:
+        """The layout as this store writes it: block-aligned arrays when incremental (each array's
+        cells must be whole blocks, FORMAT.md §14)."""
+        if self._cells is None or all(e.offset % BLOCK == 0 for e in layout.entries):
+            return layout
+        return layout.realigned(BLOCK)
 
     # -- the store -------------------------------------------------------------------------------
 
@@ -226,15 +247,36 @@ class Orchestrator:
         Called by the front-end once the state's size is known (else by the first ``start``)."""
         with self._store_lock:
             self.store.open(self.num_slots, slot_bytes, self.retention.protected_slots())
+            self._reset_cells()
 
-    def _fit_store(self, slot_bytes: int) -> None:
-        """Opens the store, or moves to a new generation when the state outgrew the slots."""
+    def _reset_cells(self) -> None:
+        """Incremental: a generation was opened; its committed checkpoint (validated by the
+        store's open) becomes the base that later checkpoints reference and never overwrite."""
+        if self._cells is None:
+            return
+        word = self.store.native.check_word
+        if not word or self.store.file is None:
+            self._cells.reset(None)
+            return
+        slot = _native.word_slot(word)
+        image = read_store(self.store.file)
+        with open(self.store.file, "rb", buffering=0) as f:
+            self._cells.reset(read_manifest(image, slot, f.fileno()), slot)
+
+    def _fit_store(self, slot_bytes: int, layout: Layout | None = None) -> None:
+        """Opens the store, or moves to a new generation when the state outgrew the slots (or,
+        incremental, when ``layout`` differs from the generation's: one layout per generation)."""
         if self.store.native is None:
             self.open_store(slot_bytes)
-        elif not self.store.fits(self.num_slots, slot_bytes):
-            self._drain()  # every slot of the old generation must be settled first
-            with self._store_lock:
-                self.store.new_generation(self.num_slots, slot_bytes)
+        fits = self.store.fits(self.num_slots, slot_bytes)
+        if fits and (self._cells is None or layout is None or self._cells.accepts(layout)):
+            return
+        self._drain()  # every slot of the old generation must be settled first
+        if fits and self._cells.accepts(layout):  # the flights of the other layout have ended
+            return
+        with self._store_lock:
+            self.store.new_generation(self.num_slots, slot_bytes)
+            self._reset_cells()
 
     def _fit_pool(self, state_bytes: int) -> None:
         """Makes the chunk pool if there is none yet, or remakes it when the default budget (2x
@@ -255,7 +297,8 @@ class Orchestrator:
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
-        self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
+        layout = self._aligned(layout)
+        self._fit_store(self.slot_bytes(layout, metadata, tree, epoch), layout)
         self._fit_pool(layout.data_len)
         return time.perf_counter() - t0
 
@@ -306,12 +349,12 @@ class Orchestrator:
         if hold is not None and n_eager != 0:
             raise ValueError("hold needs n_eager=0: a chunk copied early could hold bytes not final yet")
         t0 = time.perf_counter()
-        layout = plan(arrays)
+        layout = plan(arrays, BLOCK) if self._cells is not None else plan(arrays)
         if not self._permit():
             return False
         stall = time.perf_counter() - t0
         try:
-            self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
+            self._fit_store(self.slot_bytes(layout, metadata, tree, epoch), layout)
             self._fit_pool(layout.data_len)
             native = self.store.native
             counter = native.next_counter()
@@ -321,17 +364,26 @@ class Orchestrator:
         except BaseException:
             self._inflight.release()
             raise
+        cells = None
         try:
-            src = self.copy_engine.sources(arrays, layout)
-            job = self.engine.begin(native, slot, src.native, layout.data_len, zero_meta=True,
-                                    in_place=self._in_place and native.mode == "mmap")
+            if self._cells is not None:  # the changed arrays alone, each to a free cell
+                h = self.store.header
+                cells = self._cells.plan(layout, counter, slot, h["num_slots"],
+                                         lambda s: h["slots_offset"] + s * h["slot_capacity"])
+            stream = layout if cells is None else cells.stream
+            src = self.copy_engine.sources(arrays, stream)
+            job = self.engine.begin(native, slot, src.native, stream.data_len, zero_meta=True,
+                                    in_place=self._in_place and native.mode == "mmap" and cells is None,
+                                    extents=cells.extents if cells is not None else [])
         except BaseException:
+            if cells is not None:
+                self._cells.end(cells, "abandoned")
             native.release_slot(slot)
             self._inflight.release()
             raise
         fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
                      cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
-                     expect=args.expect_crcs)
+                     expect=args.expect_crcs, cells=cells)
         if args.copied is not None:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
@@ -339,12 +391,13 @@ class Orchestrator:
         try:
             if n_eager is None:
                 self.copy_engine.copy(job, src)
-            elif n_eager > 0:
-                e = layout.entries[n_eager - 1]
-                self.copy_engine.copy(job, src, e.offset + e.nbytes)
+            elif n_eager > 0 and (until := _eager_end(layout, cells, n_eager)):
+                self.copy_engine.copy(job, src, until)
         except BaseException:
             abandon(job, errno.EIO)
             job.wait()
+            if cells is not None:
+                self._cells.end(cells, "abandoned")
             native.release_slot(slot)
             self._inflight.release()
             raise
@@ -506,12 +559,19 @@ class Orchestrator:
         if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), job.crcs)) != dict(fl.expect):
             native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
             raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
-        manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
-                                  epoch=fl.epoch)
+        cp = fl.cells
+        crcs = job.crcs if cp is None else cp.crcs(job.crcs)
+        manifest = build_manifest(fl.layout, step, fl.counter, crcs, fl.metadata, tree=fl.tree,
+                                  epoch=fl.epoch, cells=None if cp is None else cp.manifest_cells())
         try:
-            return native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
+            won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
         except OSError as exc:
+            if cp is not None:  # the word may name it now: its cells stay pinned
+                self._cells.end(cp, "failed-commit")
             raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
+        if cp is not None:
+            self._cells.end(cp, "committed" if won else "superseded", crcs)
+        return won
 
     def _committed(self, fl: _Flight) -> None:
         """After a commit that won: the on_commit hook, the durable latest, older generations."""
@@ -529,14 +589,18 @@ class Orchestrator:
     def _record(self, fl: _Flight, outcome: str) -> None:
         """The checkpoint's end, whatever its outcome: its events set, its stats recorded and
         handed to on_finished, its in-flight permit given back."""
-        job = fl.job
+        job, cp = fl.job, fl.cells
         fl.live_done.set()
         fl.copied.set()
+        if cp is not None:  # a no-op unless it ended before its commit (its cells are free again)
+            self._cells.end(cp, "abandoned")
+        written = sum(e.nbytes for e in fl.layout.entries) if cp is None else cp.bytes_written
         st = CheckpointStats(
             fl.step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
             job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
             time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
-            slot_wait_s=fl.slot_wait, **fl.extra_stats)
+            slot_wait_s=fl.slot_wait, bytes_written=written, bytes_referenced=cp.bytes_referenced if cp else 0,
+            fingerprint_s=cp.fingerprint_s if cp else 0.0, **fl.extra_stats)
         self.stats.append(st)
         if self._on_finished is not None:
             try:
@@ -589,6 +653,8 @@ class Orchestrator:
             self.copy_engine.close()
             if self.engine is not None:
                 self.engine.close()  # unmaps the chunk pool
+            if self._cells is not None:
+                self._cells.close()
         finally:
             with self._store_lock:  # retire_if_allowed (a coordinator's thread) sees _closed first
                 self.store.close()  # releases the store lock
@@ -596,3 +662,14 @@ class Orchestrator:
             # a closed Checkpointer (and the model it holds) is freed without the cyclic GC.
             self._on_commit = self._on_finished = None
             self._on_error = _closed_error
+
+
+def _eager_end(layout: Layout, cells: CellPlan | None, n_eager: int) -> int:
+    """The stream byte the eager prefix (the first ``n_eager`` arrays) ends at; 0 when none of
+    them is written (an incremental checkpoint that references them all)."""
+    if cells is None:
+        e = layout.entries[n_eager - 1]
+        return e.offset + e.nbytes
+    pos = {i: k for k, i in enumerate(cells.changed)}
+    ends = [cells.stream.entries[pos[i]] for i in range(n_eager) if i in pos]
+    return ends[-1].offset + ends[-1].nbytes if ends else 0
