@@ -36,8 +36,9 @@ from ..arrays import ArrayInfo
 from ..errors import ConfigError, StorageError
 from ..native import _native
 from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
+from ..persist.recovery import read_manifest, read_store
 
-__all__ = ["CellPlan", "Incremental", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
+__all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
 
 BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
@@ -136,6 +137,16 @@ class Incremental:
                                committed.cells.fps if same_keys else (None,) * n, committed.crcs,
                                committed.counter)
 
+    def reset_from(self, store_file: Any, check_word: int) -> None:
+        """:meth:`reset` from an opened store file and its CHECK_ADDR word (0: no checkpoint)."""
+        if not check_word or store_file is None:
+            self.reset(None)
+            return
+        slot = _native.word_slot(check_word)
+        image = read_store(store_file)
+        with open(store_file, "rb", buffering=0) as f:
+            self.reset(read_manifest(image, slot, f.fileno()), slot)
+
     def accepts(self, layout: Layout) -> bool:
         """Whether ``layout`` may be written to the open generation (one layout per generation)."""
         with self._lock:
@@ -193,6 +204,25 @@ class Incremental:
                 self._zombies = {c: z for c, z in self._zombies.items() if c > plan.counter}
             elif outcome == "failed-commit":
                 self._zombies[plan.counter] = pins
+
+
+def aligned(layout: Layout, incremental: bool) -> Layout:
+    """The layout as a store writes it: block-aligned arrays when incremental (each array's cells
+    must be whole blocks, FORMAT.md §14)."""
+    if not incremental or all(e.offset % BLOCK == 0 for e in layout.entries):
+        return layout
+    return layout.realigned(BLOCK)
+
+
+def eager_end(layout: Layout, cells: CellPlan | None, n_eager: int) -> int:
+    """The stream byte the eager prefix (the first ``n_eager`` arrays) ends at; 0 when none of
+    them is written (an incremental checkpoint that references them all)."""
+    if cells is None:
+        e = layout.entries[n_eager - 1]
+        return e.offset + e.nbytes
+    pos = {i: k for k, i in enumerate(cells.changed)}
+    ends = [cells.stream.entries[pos[i]] for i in range(n_eager) if i in pos]
+    return ends[-1].offset + ends[-1].nbytes if ends else 0
 
 
 def _stream(layout: Layout, changed: list[int], cells: list[int],

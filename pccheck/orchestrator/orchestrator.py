@@ -25,7 +25,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, wait as futures_wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -33,11 +32,11 @@ from ..errors import (ConfigError, CorruptCheckpointError, PCCheckError, Snapsho
                       storage_error_from_oserror)
 from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
-from ..persist.recovery import read_manifest, read_store
 from ..persist.store import SlotStore
 from .args import StartArgs
-from .copy_engine import CopyEngine, Sources, abandon
-from .incremental import CellPlan, Incremental
+from .copy_engine import CopyEngine, abandon
+from .flight import CommitInfo, Flight
+from .incremental import Incremental, aligned, eager_end
 from .options import EngineOptions, chunk_geometry
 from .reserve import Reserve, resolve_reserve
 from .threads import started_pool
@@ -52,66 +51,6 @@ BLOCK: int = _native.BLOCK
 # Room kept in each slot beyond the manifest's current size, so metadata can grow a little
 # without a new store generation.
 MANIFEST_SLACK = 64 << 10
-
-
-@dataclass
-class _Flight:
-    """A checkpoint in flight (mutable, owned by the orchestrator)."""
-
-    job: Any
-    src: Sources
-    native: Any
-    layout: Layout
-    step: int
-    counter: int
-    metadata: Mapping[str, Any] | None
-    tree: Any
-    epoch: int | None
-    validate: Callable[[], str | None] | None
-    t0: float
-    stall: float
-    blocked_copy: float = 0.0
-    prepare: float = 0.0
-    slot_wait: float = 0.0  # part of prepare: waiting for a free slot
-    cow_wait: float = 0.0
-    reserve_bytes: int = 0
-    copied: threading.Event = field(default_factory=threading.Event)  # every chunk is in host memory
-    # Soft copy-on-write: set once the copy thread has claimed its last chunk (all chunks are
-    # claimed by then, and the ones it claimed are copied), so no thread still reads live memory
-    # except the caller of ensure_copied itself.
-    live_done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    staged: list = field(default_factory=list)  # (chunk, reserve offset, token), guarded by lock
-    checked: bool = False  # the version check ran (guarded by lock), with this result:
-    problem: str | None = None
-    hold: threading.Event | None = None  # pccheck's own tail buffers are final once set (start())
-    # The arrays themselves: the native job copies through raw pointers, so whatever it has not
-    # copied yet must stay alive (e.g. a spread checkpoint's clones, which nobody else holds).
-    arrays: Any = None
-    copied_s: float = 0.0  # from the start until every byte was in DRAM chunks
-    extra_stats: Mapping[str, Any] = field(default_factory=dict)
-    expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
-    cells: CellPlan | None = None  # an incremental checkpoint: what it writes, where, what it references
-
-    def check(self) -> str | None:
-        """The snapshot's version check, once, after the last read of live memory and before
-        ensure_copied lets a mutation run (either thread may get here first)."""
-        with self.lock:
-            if not self.checked:
-                self.problem = self.validate() if self.validate is not None else None
-                self.checked = True
-            return self.problem
-
-
-@dataclass(frozen=True)
-class CommitInfo:
-    """A checkpoint that just became the durable latest: where it lives. The slot stays as it is
-    until a newer checkpoint commits, so readers must validate what they read (crc32c)."""
-
-    step: int
-    counter: int
-    slot: int
-    store_file: Path
 
 
 def _closed_error(exc: PCCheckError) -> None:
@@ -187,7 +126,7 @@ class Orchestrator:
         self._lock = threading.Lock()
         # (counter, step, wall time) of the newest durable commit
         self._durable: tuple[int, int, float] | None = None
-        self._copying: list[_Flight] = []  # checkpoints whose copy may still read live memory
+        self._copying: list[Flight] = []  # checkpoints whose copy may still read live memory
         self.skipped = 0  # checkpoints skipped by when_busy="skip"
         self.stats: deque[CheckpointStats] = deque(maxlen=10_000)
         self._closed = False
@@ -228,17 +167,10 @@ class Orchestrator:
     def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
                    epoch: int | None = None) -> int:
         """Slot capacity this layout needs: data, then the manifest with slack."""
-        layout = self._aligned(layout)
+        layout = aligned(layout, self._cells is not None)
         man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch,
                                    incremental=self._cells is not None) + MANIFEST_SLACK
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
-
-    def _aligned(self, layout: Layout) -> Layout:
-        """The layout as this store writes it: block-aligned arrays when incremental (each array's
-        cells must be whole blocks, FORMAT.md §14)."""
-        if self._cells is None or all(e.offset % BLOCK == 0 for e in layout.entries):
-            return layout
-        return layout.realigned(BLOCK)
 
     # -- the store -------------------------------------------------------------------------------
 
@@ -252,16 +184,8 @@ class Orchestrator:
     def _reset_cells(self) -> None:
         """Incremental: a generation was opened; its committed checkpoint (validated by the
         store's open) becomes the base that later checkpoints reference and never overwrite."""
-        if self._cells is None:
-            return
-        word = self.store.native.check_word
-        if not word or self.store.file is None:
-            self._cells.reset(None)
-            return
-        slot = _native.word_slot(word)
-        image = read_store(self.store.file)
-        with open(self.store.file, "rb", buffering=0) as f:
-            self._cells.reset(read_manifest(image, slot, f.fileno()), slot)
+        if self._cells is not None:
+            self._cells.reset_from(self.store.file, self.store.native.check_word)
 
     def _fit_store(self, slot_bytes: int, layout: Layout | None = None) -> None:
         """Opens the store, or moves to a new generation when the state outgrew the slots (or,
@@ -297,7 +221,7 @@ class Orchestrator:
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
-        layout = self._aligned(layout)
+        layout = aligned(layout, self._cells is not None)
         self._fit_store(self.slot_bytes(layout, metadata, tree, epoch), layout)
         self._fit_pool(layout.data_len)
         return time.perf_counter() - t0
@@ -381,7 +305,7 @@ class Orchestrator:
             native.release_slot(slot)
             self._inflight.release()
             raise
-        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
+        fl = Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
                      cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
                      expect=args.expect_crcs, cells=cells)
         if args.copied is not None:
@@ -391,7 +315,7 @@ class Orchestrator:
         try:
             if n_eager is None:
                 self.copy_engine.copy(job, src)
-            elif n_eager > 0 and (until := _eager_end(layout, cells, n_eager)):
+            elif n_eager > 0 and (until := eager_end(layout, cells, n_eager)):
                 self.copy_engine.copy(job, src, until)
         except BaseException:
             abandon(job, errno.EIO)
@@ -453,7 +377,7 @@ class Orchestrator:
             fl.cow_wait += time.perf_counter() - w0
         return time.perf_counter() - t0
 
-    def _stage(self, fl: _Flight) -> None:
+    def _stage(self, fl: Flight) -> None:
         """Claims unclaimed chunks of ``fl`` and clones each into a free reserve slot, until the
         chunks or the slots run out. Runs under ``fl.lock``: the copy thread takes the staged list
         under it once every chunk is claimed, so it sees every staged chunk (reserve.py)."""
@@ -500,7 +424,7 @@ class Orchestrator:
         with self._lock:
             self._futures.discard(fut)
 
-    def _finish(self, fl: _Flight) -> None:
+    def _finish(self, fl: Flight) -> None:
         """The commit thread's part of one checkpoint: copy the rest, commit, record. A failure
         reaches ``on_error``; the record (stats, hooks, the in-flight permit) happens either way."""
         outcome = "failed"
@@ -519,7 +443,7 @@ class Orchestrator:
         finally:
             self._record(fl, outcome)
 
-    def _copy_rest(self, fl: _Flight) -> None:
+    def _copy_rest(self, fl: Flight) -> None:
         """Copies what ``start`` left (after ``hold``, if any), ships the staged chunks, and runs the
         version check; raises (the slot given back) if the copy failed or the check did."""
         job, native, step = fl.job, fl.native, fl.step
@@ -547,7 +471,7 @@ class Orchestrator:
                 raise PCCheckError(f"copying checkpoint of step {step} failed: {failure}") from failure
             raise SnapshotError(f"checkpoint of step {step} discarded: {problem}")
 
-    def _commit(self, fl: _Flight) -> bool:
+    def _commit(self, fl: Flight) -> bool:
         """Waits for every chunk to be written, then the native commit with the manifest (FORMAT.md
         §4). True if this checkpoint became the latest, False if a newer one already had."""
         job, native, step = fl.job, fl.native, fl.step
@@ -573,7 +497,7 @@ class Orchestrator:
             self._cells.end(cp, "committed" if won else "superseded", crcs)
         return won
 
-    def _committed(self, fl: _Flight) -> None:
+    def _committed(self, fl: Flight) -> None:
         """After a commit that won: the on_commit hook, the durable latest, older generations."""
         if self._on_commit is not None:
             try:  # e.g. history retention: it must only enqueue, and never fail the checkpoint
@@ -586,7 +510,7 @@ class Orchestrator:
         self.store.after_commit()  # a reopened store's protected fallback is not needed now
         self.retire_if_allowed()
 
-    def _record(self, fl: _Flight, outcome: str) -> None:
+    def _record(self, fl: Flight, outcome: str) -> None:
         """The checkpoint's end, whatever its outcome: its events set, its stats recorded and
         handed to on_finished, its in-flight permit given back."""
         job, cp = fl.job, fl.cells
@@ -609,7 +533,7 @@ class Orchestrator:
                 log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
         self._inflight.release()
 
-    def _ship(self, fl: _Flight, failure: Exception | None) -> Exception | None:
+    def _ship(self, fl: Flight, failure: Exception | None) -> Exception | None:
         """Copies the chunks ensure_copied staged into the reserve to host chunks, giving each
         reserve slot back once its bytes are out; after a failure, skips them instead. Returns the
         first failure."""
@@ -663,13 +587,3 @@ class Orchestrator:
             self._on_commit = self._on_finished = None
             self._on_error = _closed_error
 
-
-def _eager_end(layout: Layout, cells: CellPlan | None, n_eager: int) -> int:
-    """The stream byte the eager prefix (the first ``n_eager`` arrays) ends at; 0 when none of
-    them is written (an incremental checkpoint that references them all)."""
-    if cells is None:
-        e = layout.entries[n_eager - 1]
-        return e.offset + e.nbytes
-    pos = {i: k for k, i in enumerate(cells.changed)}
-    ends = [cells.stream.entries[pos[i]] for i in range(n_eager) if i in pos]
-    return ends[-1].offset + ends[-1].nbytes if ends else 0
