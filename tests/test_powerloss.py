@@ -545,28 +545,28 @@ def test_power_loss_after_reopening_a_store_whose_latest_is_damaged(tmp_path: Pa
 
 def test_oracle_catches_a_referenced_cell_overwritten(tmp_path: Path, scratch: Path, monkeypatch,
                                                       quiet_pccheck) -> None:
-    """The incremental oracle can fail: with the pinning rule removed (every changed array
-    written into its checkpoint's own slot, even where the newest committed checkpoint
-    references that cell), some crash state loses the newest committed checkpoint."""
+    """The incremental oracle can fail: with the pinning rule broken (each changed array written
+    into the very cell the newest committed checkpoint references for it, in place), some crash
+    state loses the newest committed checkpoint."""
     from pccheck.orchestrator import incremental
 
     real = incremental.Incremental.plan
 
-    def unpinned(self, layout, counter, home, num_slots, slot_base):  # noqa: ANN001
+    def in_place(self, layout, counter, home, num_slots, slot_base):  # noqa: ANN001
         plan = real(self, layout, counter, home, num_slots, slot_base)
-        cells = tuple(home if i in plan.changed else c for i, c in enumerate(plan.cells))
+        base = self._base
+        if base is None:
+            return plan
+        cells = tuple(base.cells[i] if i in plan.changed else c for i, c in enumerate(plan.cells))
         stream, extents = incremental._stream(layout, list(plan.changed), list(cells), slot_base)
+        with self._lock:  # what it pins (and, committed, what later checkpoints reference): the cells written
+            self._flights[counter] = incremental._Pins(layout.entries, cells, plan.fps, (), counter)
         return incremental.CellPlan(plan.counter, plan.changed, stream, extents, cells, plan.fps, plan.ref_crcs,
                                     plan.keys, plan.fingerprint_s, plan.bytes_written, plan.bytes_referenced)
 
-    monkeypatch.setattr(incremental.Incremental, "plan", unpinned)
-    violations = 0
-    for attempt in range(4):
-        rec = Recorded(tmp_path / f"bad{attempt}", incremental=True)
-        sim = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won)
-        _, outcomes, _ = run_states(sim, scratch / f"s{attempt}", rec.step_of, seed=5, exhaustive_cap=16, torn=2,
-                                    stop_after=1, incremental=True)
-        violations += outcomes["VIOLATION"]
-        if violations:
-            break
-    assert violations > 0
+    monkeypatch.setattr(incremental.Incremental, "plan", in_place)
+    rec = Recorded(tmp_path / "bad", incremental=True)
+    sim = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won)
+    _, outcomes, failures = run_states(sim, scratch / "s", rec.step_of, seed=5, exhaustive_cap=16, torn=2,
+                                       stop_after=3, incremental=True)
+    assert outcomes["VIOLATION"] > 0 and failures, outcomes
