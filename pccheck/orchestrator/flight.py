@@ -53,6 +53,10 @@ class Flight:
     extra_stats: Mapping[str, Any] = field(default_factory=dict)
     expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
     cells: CellPlan | None = None  # an incremental checkpoint: what it writes, where, what it references
+    slot: int = -1  # the slot its meta record and manifest go to
+    # set once job, src and cells exist (at once, unless an incremental plan runs on the commit
+    # thread: ensure_copied waits for it, since its fingerprint pass reads live memory)
+    planned: threading.Event = field(default_factory=lambda: _set(threading.Event()))
 
     def check(self) -> str | None:
         """The snapshot's version check, once, after the last read of live memory and before
@@ -73,3 +77,8 @@ class CommitInfo:
     counter: int
     slot: int
     store_file: Path
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event

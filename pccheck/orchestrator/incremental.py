@@ -30,7 +30,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from ..arrays import ArrayInfo
 from ..errors import ConfigError, StorageError
@@ -38,7 +40,7 @@ from ..native import _native
 from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
 
-__all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
+__all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "own_prefix", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
 
 BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
@@ -223,6 +225,17 @@ def eager_end(layout: Layout, cells: CellPlan | None, n_eager: int) -> int:
     pos = {i: k for k, i in enumerate(cells.changed)}
     ends = [cells.stream.entries[pos[i]] for i in range(n_eager) if i in pos]
     return ends[-1].offset + ends[-1].nbytes if ends else 0
+
+
+def own_prefix(arrays: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """``arrays`` with its first ``n`` (the eager prefix: buffers, which the next forward changes)
+    replaced by private copies, so a plan made later on the commit thread sees them as they are now."""
+    out = {}
+    for i, (name, a) in enumerate(arrays.items()):
+        if i < n:
+            a = a.detach().clone() if hasattr(a, "detach") else np.array(a, copy=True)
+        out[name] = a
+    return out
 
 
 def _stream(layout: Layout, changed: list[int], cells: list[int],

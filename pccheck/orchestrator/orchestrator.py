@@ -36,9 +36,9 @@ from ..persist.store import SlotStore
 from .args import StartArgs
 from .copy_engine import CopyEngine, abandon
 from .flight import CommitInfo, Flight
-from .incremental import Incremental, aligned, eager_end
+from .incremental import Incremental, aligned, eager_end, own_prefix
 from .options import EngineOptions, chunk_geometry
-from .reserve import Reserve, resolve_reserve
+from .reserve import Reserve, resolve_reserve, ship_chunks, stage_chunks
 from .threads import started_pool
 from .retention import Retention
 from .stats import CheckpointStats
@@ -273,6 +273,12 @@ class Orchestrator:
         if hold is not None and n_eager != 0:
             raise ValueError("hold needs n_eager=0: a chunk copied early could hold bytes not final yet")
         t0 = time.perf_counter()
+        # Incremental with soft copy-on-write: the fingerprint pass, the plan and the copy run on
+        # the commit thread, and ensure_copied (the optimizer step's pre-hook) waits for them; the
+        # eager prefix (buffers: the next forward changes them) is cloned here first.
+        defer = self._cells is not None and n_eager is not None and hold is None
+        if defer and n_eager:
+            arrays = own_prefix(arrays, n_eager)
         layout = plan(arrays, BLOCK) if self._cells is not None else plan(arrays)
         if not self._permit():
             return False
@@ -288,29 +294,24 @@ class Orchestrator:
         except BaseException:
             self._inflight.release()
             raise
-        cells = None
-        try:
-            if self._cells is not None:  # the changed arrays alone, each to a free cell
-                h = self.store.header
-                cells = self._cells.plan(layout, counter, slot, h["num_slots"],
-                                         lambda s: h["slots_offset"] + s * h["slot_capacity"])
-            stream = layout if cells is None else cells.stream
-            src = self.copy_engine.sources(arrays, stream)
-            job = self.engine.begin(native, slot, src.native, stream.data_len, zero_meta=True,
-                                    in_place=self._in_place and native.mode == "mmap" and cells is None,
-                                    extents=cells.extents if cells is not None else [])
-        except BaseException:
-            if cells is not None:
-                self._cells.end(cells, "abandoned")
-            native.release_slot(slot)
-            self._inflight.release()
-            raise
-        fl = Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
-                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
-                     expect=args.expect_crcs, cells=cells)
+        fl = Flight(None, None, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
+                    cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
+                    expect=args.expect_crcs, slot=slot)
         if args.copied is not None:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
+        if defer:
+            fl.planned = threading.Event()
+            fl.prepare = time.perf_counter() - t0 - stall
+            self._launch(fl, copying=True)
+            return True
+        try:
+            self._begin(fl)
+        except BaseException:
+            native.release_slot(slot)
+            self._inflight.release()
+            raise
+        job, src, cells = fl.job, fl.src, fl.cells
         t1 = time.perf_counter()
         try:
             if n_eager is None:
@@ -330,14 +331,54 @@ class Orchestrator:
         if n_eager is None:
             fl.copied_s = time.perf_counter() - t0
             fl.copied.set()
-        elif hold is None:  # the rest is live memory: soft copy-on-write
+        self._launch(fl, copying=n_eager is not None and hold is None)  # else: soft copy-on-write
+        return True
+
+    def _begin(self, fl: Flight) -> None:
+        """The native job of ``fl``: for an incremental checkpoint, after the fingerprint pass and
+        the plan (the changed arrays alone, each to a free cell). Raises with nothing pinned."""
+        cells = None
+        try:
+            if self._cells is not None:
+                h = self.store.header
+                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
+                                         lambda s: h["slots_offset"] + s * h["slot_capacity"])
+            stream = fl.layout if cells is None else cells.stream
+            src = self.copy_engine.sources(fl.arrays, stream)
+            job = self.engine.begin(fl.native, fl.slot, src.native, stream.data_len, zero_meta=True,
+                                    in_place=self._in_place and fl.native.mode == "mmap" and cells is None,
+                                    extents=cells.extents if cells is not None else [])
+        except BaseException:
+            if cells is not None:
+                self._cells.end(cells, "abandoned")
+            raise
+        fl.job, fl.src, fl.cells = job, src, cells
+
+    def _begin_deferred(self, fl: Flight) -> None:
+        """The commit thread's :meth:`_begin` of a deferred incremental checkpoint; on failure the
+        slot goes back and nothing reads live memory any more (ensure_copied stops waiting)."""
+        try:
+            self._begin(fl)
+        except BaseException:
+            fl.native.release_slot(fl.slot)
+            fl.live_done.set()
+            with self._lock:
+                if fl in self._copying:
+                    self._copying.remove(fl)
+            raise
+        finally:
+            fl.planned.set()
+
+    def _launch(self, fl: Flight, *, copying: bool) -> None:
+        """Hands ``fl`` to the commit thread (``copying``: it still reads live memory, so
+        ensure_copied must wait for it)."""
+        if copying:
             with self._lock:
                 self._copying.append(fl)
         fut = self._pool.submit(self._finish, fl)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
-        return True
 
     def _permit(self) -> bool:
         """Takes one of the N in-flight permits: waits for it, or with ``when_busy="skip"``
@@ -365,9 +406,13 @@ class Orchestrator:
             if fl.copied.is_set():
                 continue
             w0 = time.perf_counter()
+            fl.planned.wait()  # a deferred incremental plan: its fingerprint pass reads live memory
+            if fl.job is None:  # its plan failed: nothing reads live memory any more
+                fl.cow_wait += time.perf_counter() - w0
+                continue
             try:
                 if self.reserve is not None:
-                    self._stage(fl)
+                    stage_chunks(fl, self.reserve, self.copy_engine)
                 self.copy_engine.copy(fl.job, fl.src)  # what did not fit: straight from live memory
             except Exception:  # e.g. a device copy failed: the checkpoint fails, training goes on
                 log.exception("pccheck: copying the checkpoint of step %d failed", fl.step)
@@ -376,26 +421,6 @@ class Orchestrator:
             fl.check()  # the version check, before the update this call lets run
             fl.cow_wait += time.perf_counter() - w0
         return time.perf_counter() - t0
-
-    def _stage(self, fl: Flight) -> None:
-        """Claims unclaimed chunks of ``fl`` and clones each into a free reserve slot, until the
-        chunks or the slots run out. Runs under ``fl.lock``: the copy thread takes the staged list
-        under it once every chunk is claimed, so it sees every staged chunk (reserve.py)."""
-        reserve = self.reserve
-        with fl.lock:
-            while (off := reserve.take()) is not None:
-                k = fl.job.claim()
-                if k < 0:
-                    reserve.give(off)
-                    return
-                try:
-                    token = self.copy_engine.stage(fl.job, fl.src, k, reserve, off)
-                except BaseException:
-                    reserve.give(off)
-                    fl.job.skip(k, errno.EIO)
-                    raise
-                fl.staged.append((k, off, token))
-                fl.reserve_bytes += fl.job.chunk_len(k)
 
     def _acquire_slot(self, native: Any) -> int:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
@@ -429,6 +454,8 @@ class Orchestrator:
         reaches ``on_error``; the record (stats, hooks, the in-flight permit) happens either way."""
         outcome = "failed"
         try:
+            if fl.job is None:
+                self._begin_deferred(fl)
             if not fl.copied.is_set():
                 self._copy_rest(fl)
             won = self._commit(fl)
@@ -456,7 +483,7 @@ class Orchestrator:
             abandon(job, errno.EIO)
             failure = exc
         fl.live_done.set()  # every chunk is claimed; those this thread claimed are copied
-        failure = self._ship(fl, failure)
+        failure = ship_chunks(fl, self.reserve, self.copy_engine, failure)
         job.wait_copied()
         problem = fl.check() if failure is None else None
         with self._lock:
@@ -514,6 +541,7 @@ class Orchestrator:
         """The checkpoint's end, whatever its outcome: its events set, its stats recorded and
         handed to on_finished, its in-flight permit given back."""
         job, cp = fl.job, fl.cells
+        fl.planned.set()
         fl.live_done.set()
         fl.copied.set()
         if cp is not None:  # a no-op unless it ended before its commit (its cells are free again)
@@ -521,7 +549,7 @@ class Orchestrator:
         written = sum(e.nbytes for e in fl.layout.entries) if cp is None else cp.bytes_written
         st = CheckpointStats(
             fl.step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
-            job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
+            job.copy_seconds + job.backpressure_seconds if job else 0.0, job.backpressure_seconds if job else 0.0,
             time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
             slot_wait_s=fl.slot_wait, bytes_written=written, bytes_referenced=cp.bytes_referenced if cp else 0,
             fingerprint_s=cp.fingerprint_s if cp else 0.0, **fl.extra_stats)
@@ -532,24 +560,6 @@ class Orchestrator:
             except Exception:
                 log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
         self._inflight.release()
-
-    def _ship(self, fl: Flight, failure: Exception | None) -> Exception | None:
-        """Copies the chunks ensure_copied staged into the reserve to host chunks, giving each
-        reserve slot back once its bytes are out; after a failure, skips them instead. Returns the
-        first failure."""
-        with fl.lock:  # staging holds it: once taken here, every staged chunk is listed
-            staged, fl.staged = fl.staged, []
-        for k, off, token in staged:
-            try:
-                if failure is None:
-                    self.copy_engine.ship(fl.job, k, self.reserve, off, token)
-                else:
-                    fl.job.skip(k, errno.EIO)
-            except Exception as exc:  # ship skipped the chunk itself
-                failure = exc
-            finally:
-                self.reserve.give(off)
-        return failure
 
     def _drain(self) -> None:
         """Waits for every in-flight checkpoint (callers hold one in-flight permit)."""
