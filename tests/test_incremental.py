@@ -551,3 +551,35 @@ def test_the_deferred_plan_sees_the_buffers_as_they_were_at_the_call(tmp_path):
                 assert torch.equal(v, want[k]), (step, k)
         st = list(ck.stats().checkpoints)
     assert st[-1].bytes_referenced >= 32 * 32 * 4  # the frozen linear layer
+
+
+def test_deferred_checkpoints_of_two_layouts_never_share_a_generation(tmp_path):
+    """Two checkpoints started back to back with different layouts, each planned later on a commit
+    thread: the second waits for the first and goes to a new generation (one layout per
+    generation), and both load bit-exact in turn."""
+    from pccheck.orchestrator.args import StartArgs
+    from pccheck.orchestrator.copy_engine import CpuCopyEngine
+    from pccheck.orchestrator.options import EngineOptions
+    from pccheck.orchestrator.orchestrator import Orchestrator
+    from pccheck.persist.layout import plan
+
+    small = {"a": np.arange(3000, dtype=np.float32)}
+    grown = {"a": np.arange(3000, dtype=np.float32) + 1, "b": np.arange(9000, dtype=np.int64)}
+    errors: list = []
+    orch = Orchestrator(tmp_path / "s", plan(small), EngineOptions(max_concurrent=2, writer_threads=1,
+                                                                    chunk_size=1 << 16, storage="mmap"),
+                        copy_engine=CpuCopyEngine(threads=1), on_error=errors.append, incremental=True)
+    try:
+        orch.start(1, small, {}, StartArgs(n_eager=0))
+        orch.start(2, grown, {}, StartArgs(n_eager=0))
+        orch.ensure_copied()
+        orch.wait()
+        assert [s.outcome for s in orch.stats] == ["committed", "committed"] and not errors
+        orch.start(3, grown, {}, StartArgs(n_eager=0))
+        orch.ensure_copied()
+        orch.wait()
+    finally:
+        orch.close()
+    assert [s.bytes_written for s in orch.stats] == [12000, 84000, 0]
+    assert sorted(p.name for p in (tmp_path / "s").glob("store-*.pcc")) == ["store-000002.pcc"]
+    assert_state_equal(pccheck.load_latest(tmp_path / "s").state, grown)

@@ -116,6 +116,9 @@ class Incremental:
         self._base: _Pins | None = None
         self._flights: dict[int, _Pins] = {}   # counter -> a checkpoint in flight
         self._zombies: dict[int, _Pins] = {}   # counter -> a commit that failed: the word may name it
+        # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
+        # commit thread): it counts for the one-layout rule before it pins anything
+        self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
         self._pool = ThreadPoolExecutor(_FP_THREADS, thread_name_prefix="pccheck-fingerprint")
 
     def close(self) -> None:
@@ -125,9 +128,9 @@ class Incremental:
         """A store generation was opened: its committed checkpoint (``committed``, in ``slot``; its
         every byte validated by the store's reopen) becomes the base, or there is none."""
         with self._lock:
-            if self._flights:
+            if self._flights or self._pending:
                 raise RuntimeError("reset with checkpoints in flight")  # the orchestrator drains first
-            self._zombies = {}
+            self._zombies, self._pending = {}, {}
             self._base = None
             if committed is None:
                 return
@@ -153,11 +156,18 @@ class Incremental:
         """Whether ``layout`` may be written to the open generation (one layout per generation)."""
         with self._lock:
             known = [p.entries for p in (self._base, *self._flights.values(), *self._zombies.values()) if p]
+            known += list(self._pending.values())
         return all(e == layout.entries for e in known)
 
-    def idle(self) -> bool:
+    def started(self, counter: int, layout: Layout) -> None:
+        """A checkpoint of ``layout`` started; its plan comes later (:meth:`plan` or :meth:`end`)."""
         with self._lock:
-            return not self._flights
+            self._pending[counter] = layout.entries
+
+    def forget(self, counter: int) -> None:
+        """A started checkpoint ended before its plan (the plan failed, or never ran)."""
+        with self._lock:
+            self._pending.pop(counter, None)
 
     def plan(self, layout: Layout, counter: int, home: int, num_slots: int, slot_base: Any) -> CellPlan:
         """Fingerprints the arrays (``layout.infos``), picks the referenced and the written ones
@@ -168,11 +178,14 @@ class Incremental:
         fps = list(self._pool.map(lambda info: _fingerprint(info, self.keys), infos))
         fingerprint_s = time.perf_counter() - t0
         with self._lock:
+            self._pending.pop(counter, None)
             base = self._base
             others = [p.cells for p in (base, *self._flights.values(), *self._zombies.values()) if p]
+            if base is not None and base.entries != layout.entries:
+                raise RuntimeError("a layout other than the generation's")  # the orchestrator never plans one
             cells, changed, ref_crcs = [], [], []
             for i, e in enumerate(layout.entries):
-                if base is not None and base.entries[i] == e and base.fps[i] == fps[i]:
+                if base is not None and base.fps[i] == fps[i]:
                     cells.append(base.cells[i])  # unchanged: equal geometry and fingerprint
                     ref_crcs.append(base.crcs[i])
                     continue
@@ -197,6 +210,7 @@ class Incremental:
         newest: its cells are free again), "failed-commit" (the word may name it: pinned until a
         later commit succeeds)."""
         with self._lock:
+            self._pending.pop(plan.counter, None)
             pins = self._flights.pop(plan.counter, None)
             if pins is None:
                 return

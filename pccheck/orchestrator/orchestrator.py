@@ -301,6 +301,7 @@ class Orchestrator:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
         if defer:
+            self._cells.started(counter, layout)  # its layout counts before its plan pins cells
             fl.planned = threading.Event()
             fl.prepare = time.perf_counter() - t0 - stall
             self._launch(fl, copying=True)
@@ -355,8 +356,7 @@ class Orchestrator:
         fl.job, fl.src, fl.cells = job, src, cells
 
     def _begin_deferred(self, fl: Flight) -> None:
-        """The commit thread's :meth:`_begin` of a deferred incremental checkpoint; on failure the
-        slot goes back and nothing reads live memory any more (ensure_copied stops waiting)."""
+        """:meth:`_begin` on the commit thread; a failure gives the slot back and ends the waits."""
         try:
             self._begin(fl)
         except BaseException:
@@ -370,8 +370,7 @@ class Orchestrator:
             fl.planned.set()
 
     def _launch(self, fl: Flight, *, copying: bool) -> None:
-        """Hands ``fl`` to the commit thread (``copying``: it still reads live memory, so
-        ensure_copied must wait for it)."""
+        """Hands ``fl`` to the commit thread (``copying``: ensure_copied must wait for it)."""
         if copying:
             with self._lock:
                 self._copying.append(fl)
@@ -546,6 +545,8 @@ class Orchestrator:
         fl.copied.set()
         if cp is not None:  # a no-op unless it ended before its commit (its cells are free again)
             self._cells.end(cp, "abandoned")
+        elif self._cells is not None:  # ended before its plan
+            self._cells.forget(fl.counter)
         written = sum(e.nbytes for e in fl.layout.entries) if cp is None else cp.bytes_written
         st = CheckpointStats(
             fl.step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
