@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -39,6 +38,7 @@ from ..errors import ConfigError, StorageError
 from ..native import _native
 from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
+from .threads import started_pool
 
 __all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "own_prefix", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
 
@@ -119,7 +119,7 @@ class Incremental:
         # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
         # commit thread): it counts for the one-layout rule before it pins anything
         self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
-        self._pool = ThreadPoolExecutor(_FP_THREADS, thread_name_prefix="pccheck-fingerprint")
+        self._pool = started_pool(_FP_THREADS, "pccheck-fingerprint")  # threads.py says why started now
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
