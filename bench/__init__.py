@@ -5,7 +5,8 @@ Grouped by job, one folder each (each folder's ``__init__.py`` lists its files):
 - ``harness/``: what every bench shares: ``common.py`` (sizes, tables, JSON/CSV, figures, host info,
   ``BENCH_DIR``), ``probes.py``, ``workloads.py``, ``systems.py`` (the systems compared, each defined once).
 - ``micro/``: one operation timed: persist, recovery, call_cost, copy_threads.
-- ``training/``: training loops that checkpoint: overhead (+ overhead_report), restart, soak, integrations, ab.
+- ``training/``: training loops that checkpoint: overhead (+ overhead_report), restart, soak, integrations, ab,
+  incremental.
 - ``paper/``: the paper's figures: fig8, fig11, fig12, goodput (Figure 9), tuner.
 - ``modes/``: pccheck's modes: gockpt (spread), lazy, sharded, distributed, transparent.
 - ``resilience/``: surviving a lost machine: scale (the goodput model of a large job per tier set).
@@ -18,7 +19,7 @@ Where each runnable name lives (``python -m bench.X``; results in ``bench/result
 folder        X
 ============  =====================================================================
 micro/        persist, recovery, call_cost, copy_threads, memory_tier
-training/     overhead, restart, soak, integrations, ab
+training/     overhead, restart, soak, integrations, ab, incremental
 paper/        fig8, fig11, fig12, goodput, tuner
 modes/        gockpt, lazy, sharded, distributed, transparent, export
 resilience/   remote, remote_clients, tiers, tiers_loss, tiers_plot, scale

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 
 from .errors import ConfigError
 from .orchestrator.copy_engine import CopyEngine
+from .orchestrator.incremental import refuse_incremental
 from .orchestrator.options import AUTO, TUNABLE_LIMITS, EngineOptions, check_int
 
 __all__ = ["Options", "EngineOptions", "SnapshotOptions", "GroupOptions", "DiskOptions", "MemoryOptions",
@@ -213,6 +214,12 @@ class DiskOptions:
             copies deleted). 0 (default): no such copies; None: keep a copy of every one.
         keep_every: also keep a copy of every disk checkpoint whose ``step % k == 0`` (never
             deleted by keep_last). None (default): none.
+        incremental: write only the arrays whose bytes differ from the newest committed
+            checkpoint's and reference the rest (docs/guide/incremental.md; FORMAT.md §14).
+            False (default): every checkpoint writes every array. Supported for now: one
+            process's disk tier with host (CPU) state; with the memory or remote tier, spread
+            steps, a torch.distributed group, DTensor state or device state it raises ConfigError.
+            Also a Checkpointer keyword of its own (``incremental=True``).
 
     ``keep_last`` != 0 copies every disk checkpoint into ``history/``: a second full write of the
     state per checkpoint (in the background, from the committed slot), of which only the newest
@@ -228,8 +235,11 @@ class DiskOptions:
     keep_last: int | None = 0
     keep_every: int | None = None
     legacy_history: HistoryOptions | None = None
+    incremental: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.incremental, bool):
+            raise ConfigError(f"disk.incremental must be True or False, got {self.incremental!r}")
         if isinstance(self.every, str) and self.every != AUTO:
             raise ConfigError(f'disk.every must be an integer >= 1 or "auto", got {self.every!r}')
         if self.every != AUTO:
@@ -460,6 +470,7 @@ _GROUPS: dict[str, type] = {"engine": EngineOptions, "snapshot": SnapshotOptions
                             "disk": DiskOptions, "memory": MemoryOptions, "remote": RemoteOptions}
 _FLAT_GROUPS = ("engine", "snapshot", "group")  # their fields are Checkpointer keywords of their own
 TIERS = ("disk", "memory", "remote")
+TIER_KEYWORDS = {"incremental": "disk"}  # tier fields that are Checkpointer keywords of their own
 
 
 @dataclass(frozen=True, init=False)
@@ -494,6 +505,13 @@ class Options:
                 raise ConfigError(_MIXED_HISTORY)
             given = {"keep_every": history.keep_every, "max_history": history.max_history}
             object.__setattr__(self, "disk", replace(self.disk, **_disk_history_fields(self.disk, given)))
+        if self.disk.incremental:
+            if self.memory.every is not None:
+                raise refuse_incremental("the memory tier (memory=MemoryOptions(every=...))")
+            if self.remote.url is not None:
+                raise refuse_incremental("the remote tier (remote=...)")
+            if self.snapshot.spread_steps != 1:
+                raise refuse_incremental("spread_steps != 1")
 
     @property
     def history(self) -> HistoryOptions | None:
@@ -509,6 +527,7 @@ class Options:
         tier keywords (LEGACY_KEYWORDS)."""
         names = {f.name: group for group in _FLAT_GROUPS for f in fields(_GROUPS[group])}
         names.update({t: t for t in TIERS})
+        names.update(TIER_KEYWORDS)
         names.update({old: tier for old, (tier, _) in LEGACY_KEYWORDS.items()})
         return names
 

@@ -97,7 +97,7 @@ def test_format_1_fields_are_moved_out_of_metadata():
 
 @pytest.mark.parametrize("raw", [
     _manifest(2, {}, epoch=-1), _manifest(2, {}, epoch="3"), _manifest(2, {}, epoch=True),
-    _manifest(1, {"pccheck.epoch": 1.5}), _manifest(3, {}), _manifest(0, {}),
+    _manifest(1, {"pccheck.epoch": 1.5}), _manifest(4, {}), _manifest(0, {}),
 ])
 def test_bad_own_fields_and_unknown_formats_are_corrupt(raw):
     with pytest.raises(pccheck.CorruptCheckpointError):

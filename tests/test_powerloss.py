@@ -32,6 +32,7 @@ import pytest
 import pccheck
 from pccheck.native import _native
 from _crashsim import BLOCK, Op, PowerLossSim, WORD_OFFSET, digest, record
+from pccheck.persist.recovery import read_manifest, read_store
 
 SCALE = max(0.1, float(os.environ.get("PCCHECK_POWERLOSS_SCALE", "1")))
 STEPS = 9
@@ -58,26 +59,37 @@ def expected(step: int) -> dict[str, np.ndarray]:
     }
 
 
+def expected_incremental(step: int) -> dict[str, np.ndarray]:
+    """The state of an incremental run: "w" changes every 3 steps, "h" every 2, "mask" every
+    step, "ids" and "rec" never; still a pure function of the step."""
+    out = dict(expected(0))
+    out["w"] = expected(step - step % 3)["w"]
+    out["h"] = expected(step - step % 2)["h"]
+    out["mask"] = expected(step)["mask"]
+    return out
+
+
 def finished(ck: pccheck.Checkpointer) -> list:
     """The CheckpointStats of the finished checkpoints (``stats()`` report or plain list)."""
     s = ck.stats() if callable(ck.stats) else ck.stats
     return list(getattr(s, "checkpoints", s))
 
 
-def fill(state: dict[str, np.ndarray], step: int) -> None:
-    for k, v in expected(step).items():
+def fill(state: dict[str, np.ndarray], step: int, incremental: bool = False) -> None:
+    for k, v in (expected_incremental if incremental else expected)(step).items():
         state[k][...] = v
 
 
 class Recorded:
     """One recorded run: the trace, the store's inode and what the Checkpointer reported."""
 
-    def __init__(self, d: Path, first_step: int = 1, initial: bytes = b"") -> None:
-        state = expected(first_step - 1)
+    def __init__(self, d: Path, first_step: int = 1, initial: bytes = b"", incremental: bool = False) -> None:
+        state = (expected_incremental if incremental else expected)(first_step - 1)
+        self.incremental = incremental
         with record() as ops:
-            with pccheck.Checkpointer(state, d, **KW) as ck:
+            with pccheck.Checkpointer(state, d, **KW, incremental=incremental) as ck:
                 for step in range(first_step, first_step + STEPS):
-                    fill(state, step)
+                    fill(state, step, incremental)
                     ck.maybe_checkpoint(step, metadata={"step": step})
                 ck.wait()
                 stats = finished(ck)
@@ -89,7 +101,8 @@ class Recorded:
         self.initial = initial
 
 
-def check_recovery(d: Path, floor: int, step_of: dict[int, int], new_steps: frozenset[int] = frozenset()) -> str:
+def check_recovery(d: Path, floor: int, step_of: dict[int, int], new_steps: frozenset[int] = frozenset(),
+                   incremental: bool = False) -> str:
     """The oracle. Returns how the state recovered; raises AssertionError on a violation.
 
     ``step_of``: counter -> step of the checkpoints the image can hold; ``new_steps``: steps
@@ -103,7 +116,7 @@ def check_recovery(d: Path, floor: int, step_of: dict[int, int], new_steps: froz
     assert r.counter >= floor, f"recovered counter {r.counter} (step {r.step}) older than the barrier's {floor}"
     assert step_of.get(r.counter) == r.step or (r.step in new_steps and r.counter > floor), \
         f"counter {r.counter} step {r.step} was never checkpointed"
-    want = _expected_cached(r.step)
+    want = _expected_cached(r.step, incremental)
     assert list(r.state) == list(want)
     for k, w in want.items():
         g = r.state[k]
@@ -113,13 +126,13 @@ def check_recovery(d: Path, floor: int, step_of: dict[int, int], new_steps: froz
     return "barrier" if r.counter == floor else "newer"
 
 
-_EXPECTED: dict[int, dict[str, np.ndarray]] = {}
+_EXPECTED: dict[tuple[int, bool], dict[str, np.ndarray]] = {}
 
 
-def _expected_cached(step: int) -> dict[str, np.ndarray]:
-    if step not in _EXPECTED:
-        _EXPECTED[step] = expected(step)
-    return _EXPECTED[step]
+def _expected_cached(step: int, incremental: bool = False) -> dict[str, np.ndarray]:
+    if (step, incremental) not in _EXPECTED:
+        _EXPECTED[step, incremental] = (expected_incremental if incremental else expected)(step)
+    return _EXPECTED[step, incremental]
 
 
 def write_image(d: Path, image: bytes) -> None:
@@ -166,6 +179,22 @@ def recorded(tmp_path_factory) -> Recorded:
     return best[1]
 
 
+@pytest.fixture(scope="module")
+def recorded_incremental(tmp_path_factory) -> Recorded:
+    """The same run with incremental=True (checkpoints reference each other's cells), with at
+    least 2 checkpoints in flight at once."""
+    best = None
+    for attempt in range(6):
+        rec = Recorded(tmp_path_factory.mktemp(f"inc{attempt}"), incremental=True)
+        conc = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won).max_concurrency()
+        if best is None or conc > best[0]:
+            best = (conc, rec)
+        if conc >= 3:
+            break
+    assert best is not None and best[0] >= 2, f"could not record 2 concurrent checkpoints (max {best[0]})"
+    return best[1]
+
+
 @pytest.fixture
 def quiet_pccheck():
     """Recovery logs a warning per fallback; thousands of states would flood the log."""
@@ -177,7 +206,8 @@ def quiet_pccheck():
 
 
 def run_states(sim: PowerLossSim, d: Path, step_of: dict[int, int], seed: int, *, exhaustive_cap: int,
-               torn: int, stop_after: int | None = None, save_to: Path | None = None) -> tuple[int, Counter, list[str]]:
+               torn: int, stop_after: int | None = None, save_to: Path | None = None,
+               incremental: bool = False) -> tuple[int, Counter, list[str]]:
     """Checks every distinct state, replayed in directory ``d``; returns (states checked, outcomes,
     failure descriptions). Images that violate the oracle are saved under ``save_to``."""
     seen: set[bytes] = set()
@@ -190,7 +220,7 @@ def run_states(sim: PowerLossSim, d: Path, step_of: dict[int, int], seed: int, *
         seen.add(key)
         write_image(d, st.image)
         try:
-            outcomes[check_recovery(d, st.floor, step_of)] += 1
+            outcomes[check_recovery(d, st.floor, step_of, incremental=incremental)] += 1
         except AssertionError as exc:
             outcomes["VIOLATION"] += 1
             if len(failures) < 10:
@@ -288,6 +318,28 @@ def test_power_loss_states(recorded: Recorded, scratch: Path, tmp_path: Path, ca
     # The states must exercise every outcome: nothing durable yet, exactly the last barrier,
     # and a newer checkpoint whose word reached the disk without its msync having returned.
     assert outcomes["none"] > 0 and outcomes["barrier"] > 0 and outcomes["newer"] > 0, outcomes
+
+
+def test_power_loss_states_of_an_incremental_run(recorded_incremental: Recorded, scratch: Path, tmp_path: Path,
+                                                capsys, quiet_pccheck) -> None:
+    """References survive power loss: every crash state of a run whose checkpoints reference the
+    cells of earlier ones recovers to a checkpoint whose every array (written or referenced)
+    holds its step's bytes, no older than the last completed commit barrier."""
+    rec = recorded_incremental
+    sim = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won)
+    n, outcomes, failures = run_states(sim, scratch / "s", rec.step_of, seed=11, save_to=tmp_path,
+                                       exhaustive_cap=int(128 * SCALE), torn=int(24 * SCALE), incremental=True)
+    with capsys.disabled():
+        print(f"\n[powerloss incremental] {n} distinct crash states from {sim.events + 1} crash points "
+              f"({len(sim.commits)} commits, up to {sim.max_concurrency()} in flight): {dict(outcomes)}")
+    assert not failures, "\n".join(failures)
+    assert n >= 10 * (sim.events + 1) * min(SCALE, 1), (n, sim.events + 1)
+    assert outcomes["none"] > 0 and outcomes["barrier"] > 0, outcomes
+    # the run did reference: some data writes went to a slot other than their checkpoint's own
+    image = read_store(rec.dir / STORE)
+    with open(rec.dir / STORE, "rb", buffering=0) as f:
+        mans = {st.slot: read_manifest(image, st.slot, f.fileno()) for st in image.slots if st.meta}
+    assert any(m.references(slot) for slot, m in mans.items()), "no checkpoint referenced another's cells"
 
 
 def test_oracle_catches_a_commit_word_written_before_its_data(recorded: Recorded, scratch: Path,
@@ -489,3 +541,32 @@ def test_power_loss_after_reopening_a_store_whose_latest_is_damaged(tmp_path: Pa
     assert outcomes["none"] == 0 and n >= 100 * min(SCALE, 1), (n, outcomes)
     with capsys.disabled():
         print(f"\n[powerloss] {n} crash states after reopening with a damaged latest: {dict(outcomes)}")
+
+
+def test_oracle_catches_a_referenced_cell_overwritten(tmp_path: Path, scratch: Path, monkeypatch,
+                                                      quiet_pccheck) -> None:
+    """The incremental oracle can fail: with the pinning rule broken (each changed array written
+    into the very cell the newest committed checkpoint references for it, in place), some crash
+    state loses the newest committed checkpoint."""
+    from pccheck.orchestrator import incremental
+
+    real = incremental.Incremental.plan
+
+    def in_place(self, layout, counter, home, num_slots, slot_base):  # noqa: ANN001
+        plan = real(self, layout, counter, home, num_slots, slot_base)
+        base = self._base
+        if base is None:
+            return plan
+        cells = tuple(base.cells[i] if i in plan.changed else c for i, c in enumerate(plan.cells))
+        stream, extents = incremental._stream(layout, list(plan.changed), list(cells), slot_base)
+        with self._lock:  # what it pins (and, committed, what later checkpoints reference): the cells written
+            self._flights[counter] = incremental._Pins(layout.entries, cells, plan.fps, (), counter)
+        return incremental.CellPlan(plan.counter, plan.changed, stream, extents, cells, plan.fps, plan.ref_crcs,
+                                    plan.keys, plan.fingerprint_s, plan.bytes_written, plan.bytes_referenced)
+
+    monkeypatch.setattr(incremental.Incremental, "plan", in_place)
+    rec = Recorded(tmp_path / "bad", incremental=True)
+    sim = PowerLossSim(rec.ops, ino=rec.ino, won=rec.won)
+    _, outcomes, failures = run_states(sim, scratch / "s", rec.step_of, seed=5, exhaustive_cap=16, torn=2,
+                                       stop_after=3, incremental=True)
+    assert outcomes["VIOLATION"] > 0 and failures, outcomes

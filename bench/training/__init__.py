@@ -6,6 +6,8 @@
   step after a SIGKILL, per system.
 - ``soak.py``: memory, file descriptors and threads over a long run.
 - ``integrations.py``: Lightning and Hugging Face Trainer runs that checkpoint through pccheck.
+- ``incremental.py``: a LoRA-like model checkpointed at interval 1 with ``incremental=True`` and
+  without: bytes written and time per checkpoint.
 - ``ab.py``: the same benches (persist, the emulated loop) against the library before and after a
   change, interleaved round by round: the no-regression check of a refactor.
 

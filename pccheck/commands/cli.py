@@ -297,8 +297,10 @@ def inspect_cmd(path: PathArg = None, step: StepOpt = None, as_json: JsonOpt = F
             loc = locate(path, step)
             man, generation, slot, where = loc.manifest, loc.generation, loc.slot, str(loc.image.path)
         arrays = [{"name": e.name, "dtype": _descr(e.dtype), "torch_dtype": getattr(e, "torch_dtype", None),
-                   "shape": list(e.shape), "nbytes": e.nbytes, "offset": e.offset, "crc32c": f"{crc:08x}"}
-                  for e, crc in zip(man.arrays, man.crcs)]
+                   "shape": list(e.shape), "nbytes": e.nbytes, "offset": e.offset, "crc32c": f"{crc:08x}",
+                   # an incremental checkpoint: the slot whose cell holds the bytes (FORMAT.md §14)
+                   **({"cell": man.cells.cells[i]} if getattr(man, "cells", None) is not None else {})}
+                  for i, (e, crc) in enumerate(zip(man.arrays, man.crcs))]
         if as_json:
             _emit_json({"step": man.step, "counter": man.counter, "generation": generation, "slot": slot,
                         "path": where, "data_bytes": man.data_len, "metadata": man.metadata, "arrays": arrays})

@@ -34,7 +34,7 @@ import numpy as np
 from ..arrays import torch_dtype
 from ..errors import ConfigError, CorruptCheckpointError
 from ..ops.inventory import Located
-from ..persist.recovery import mark_validated, slot_base
+from ..persist.recovery import array_bases, mark_validated, slot_base
 from ..state.torch_state import TorchState, rebuild, unwrap_extra
 from .loader import Loader, read_entry
 
@@ -97,6 +97,9 @@ def restore_lazily(located: Located, source: TorchState, read: Any = None) -> La
                           "load it without model=")
     entries = {e.name: (e, crc) for e, crc in zip(man.arrays, man.crcs)}
     path = located.image.path
+    local = read is None
+    if local and man.references(located.slot):  # an incremental checkpoint: each array from its cell
+        read = _cell_reader(path, dict(zip(entries, array_bases(located.image, located.slot, man))))
     base = slot_base(located.image, located.slot) if read is None else 0
     tree = {k: v for k, v in man.tree.items() if k not in ("order", "order_forward")}
     lazy = _lazy_names(tree) & set(entries)
@@ -132,7 +135,7 @@ def restore_lazily(located: Located, source: TorchState, read: Any = None) -> La
     complete = set(order) | set(small) == set(entries)  # then a clean load validated every array
     loader = Loader(path, base, entries, order, _deliverer(torch, dests, entries),
                     f"{path} slot {located.slot} (step {man.step})", _targeter(torch, dests, entries),
-                    lambda: mark_validated(located.image, located.slot, man.counter) if complete and read is None
+                    lambda: mark_validated(located.image, located.slot, man.counter) if complete and local
                     else None, read=read)
     handles = _hooks(source, loader, tree.get("model"), _unrun_model_names(man.tree, order))
     _pending[source.model] = loader
@@ -194,6 +197,15 @@ def _order(tree: Mapping[str, Any], entries: Mapping[str, Any]) -> list[str]:
     recorded = tree.get("order")
     first = [n for n in recorded if isinstance(n, str) and n in entries] if isinstance(recorded, list) else []
     return list(dict.fromkeys(first + list(entries)))
+
+
+def _cell_reader(path: Path, bases: Mapping[str, int]) -> Any:
+    """``read(entry, crc32c, into)`` for a slot whose arrays lie in several cells (FORMAT.md §14):
+    each array from the file offset of its own cell, checked against its crc32c."""
+    def read(entry: Any, crc: int, into: Any) -> np.ndarray:
+        with open(path, "rb", buffering=0) as f:
+            return read_entry(f.fileno(), bases[entry.name], entry, crc, into=into)
+    return read
 
 
 def _read_now(path: Path, base: int, entries: Mapping[str, Any], names: list[str]) -> dict[str, np.ndarray]:

@@ -7,6 +7,7 @@
 
 #include "crc32c.h"
 #include "engine.h"
+#include "fingerprint.h"
 #include "format.h"
 #include "io.h"
 #include "ntcopy.h"
@@ -91,6 +92,22 @@ PYBIND11_MODULE(_native, m) {
       py::arg("data"),
       "Faults in every page of a writable buffer (MADV_POPULATE_WRITE, else one write per page), "
       "so a later O_DIRECT read into it does not pay the first touch.");
+  m.def("fingerprint", [](uintptr_t ptr, uint64_t nbytes, uint64_t itemsize, std::vector<int64_t> shape,
+                          std::vector<int64_t> strides, uint64_t key1, uint64_t key2) {
+        if (shape.size() != strides.size() || shape.size() > 64) throw std::invalid_argument("bad array shape/strides");
+        ArraySource s;
+        s.ptr = reinterpret_cast<const uint8_t*>(ptr);
+        s.nbytes = nbytes;
+        s.itemsize = itemsize;
+        s.shape = std::move(shape);
+        s.strides = std::move(strides);
+        s.prepare();
+        py::gil_scoped_release nogil;
+        return fingerprint(s, key1, key2);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("itemsize"), py::arg("shape"), py::arg("strides"), py::arg("key1"),
+      py::arg("key2"),
+      "(H_key1, H_key2): the array's 2 x 61-bit polynomial fingerprint over its logical bytes (fingerprint.h).");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("have_libpmem", &have_libpmem);
@@ -239,7 +256,7 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("chunk_size"), py::arg("num_chunks"), py::arg("writer_threads"))
       .def("begin", [](Engine& e, std::shared_ptr<Store> store, uint32_t slot, const py::list& sources,
-                       uint64_t stream_len, bool zero_meta, bool in_place) {
+                       uint64_t stream_len, bool zero_meta, bool in_place, const py::list& extents) {
              std::vector<ArraySource> srcs;
              srcs.reserve(sources.size());
              for (const py::handle& item : sources) {
@@ -254,10 +271,18 @@ PYBIND11_MODULE(_native, m) {
                s.strides = t[5].cast<std::vector<int64_t>>();
                srcs.push_back(std::move(s));
              }
-             return e.begin(std::move(store), slot, std::move(srcs), stream_len, zero_meta, in_place);
+             std::vector<Extent> exts;
+             exts.reserve(extents.size());
+             for (const py::handle& item : extents) {
+               auto t = item.cast<py::tuple>();
+               if (t.size() != 3) throw std::invalid_argument("extent is (stream_off, len, file_off)");
+               exts.push_back({t[0].cast<uint64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>()});
+             }
+             return e.begin(std::move(store), slot, std::move(srcs), stream_len, zero_meta, in_place,
+                            std::move(exts));
            },
            py::arg("store"), py::arg("slot"), py::arg("sources"), py::arg("stream_len"), py::arg("zero_meta") = false,
-           py::arg("in_place") = false)
+           py::arg("in_place") = false, py::arg("extents") = py::list())
       .def_property_readonly("chunk_size", &Engine::chunk_size)
       .def_property_readonly("num_chunks", &Engine::num_chunks)
       .def("free_chunks", &Engine::free_chunks)

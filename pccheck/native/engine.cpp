@@ -167,7 +167,7 @@ uint32_t Engine::free_chunks() {
 
 std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
                                    std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta,
-                                   bool in_place) {
+                                   bool in_place, std::vector<Extent> extents) {
   if (closed_) throw std::invalid_argument("the engine is closed");
   const Header& h = store->header();
   if (slot >= h.num_slots) throw std::invalid_argument("slot out of range");
@@ -176,7 +176,26 @@ std::shared_ptr<Job> Engine::begin(std::shared_ptr<Store> store, uint32_t slot,
   uint8_t* slot_map = nullptr;
   if (in_place && !(slot_map = store->mapped(h.slot_offset(slot), stream_len)))
     throw std::invalid_argument("in place needs an open mmap-mode store");
+  if (!extents.empty()) {
+    if (in_place) throw std::invalid_argument("extents and in place exclude each other");
+    // Invariant: the extents tile the stream in order, block-aligned, each inside one slot's
+    // region, so no write can reach a header, a meta record or another slot's bytes by accident.
+    uint64_t at = 0;
+    const uint64_t slots_end = h.slot_offset(h.num_slots);
+    for (const Extent& x : extents) {
+      if (x.stream_off != at || x.len == 0 || x.len % kBlock || x.file_off % kBlock)
+        throw std::invalid_argument("extents must tile the stream in order, in whole blocks");
+      if (x.file_off < h.slots_offset || x.file_off >= slots_end)
+        throw std::invalid_argument("an extent lies outside the slots");
+      const uint64_t s = (x.file_off - h.slots_offset) / h.slot_capacity;
+      if (x.len > h.slot_offset(s) + h.slot_capacity - x.file_off)
+        throw std::invalid_argument("an extent crosses the end of its slot");
+      at += x.len;
+    }
+    if (at != stream_len) throw std::invalid_argument("extents must cover the stream exactly");
+  }
   auto job = std::make_shared<Job>();
+  job->extents_ = std::move(extents);
   job->slot_map_ = slot_map;
   job->engine_ = this;
   job->store_ = std::move(store);
@@ -399,8 +418,29 @@ void Job::write_chunk(uint64_t k, uint8_t* chunk) {
     for (Piece& p : *c->pieces) p.crc = crc32c_update(0, c->chunk + p.chunk_off, p.len);
   };
   const uint64_t len = std::min(chunk_size_, stream_len_ - k * chunk_size_);
-  int rc = store_->write_data(chunk, len, slot_off_ + k * chunk_size_, checksum, &ctx);
-  if (rc != 0) set_error(rc);
+  if (extents_.empty()) {
+    int rc = store_->write_data(chunk, len, slot_off_ + k * chunk_size_, checksum, &ctx);
+    if (rc != 0) set_error(rc);
+    return;
+  }
+  // Cut at the extents (block-aligned, so each piece is a valid O_DIRECT write); the checksums run
+  // beside the first piece's write.
+  const uint64_t base = k * chunk_size_;
+  auto it = std::upper_bound(extents_.begin(), extents_.end(), base,
+                             [](uint64_t v, const Extent& x) { return v < x.stream_off; });
+  if (it != extents_.begin()) --it;
+  bool first = true;
+  for (; it != extents_.end() && it->stream_off < base + len; ++it) {
+    const uint64_t lo = std::max(base, it->stream_off), hi = std::min(base + len, it->stream_off + it->len);
+    if (lo >= hi) continue;
+    int rc = store_->write_data(chunk + (lo - base), hi - lo, it->file_off + (lo - it->stream_off),
+                                first ? +checksum : +[](void*) {}, &ctx);
+    first = false;
+    if (rc != 0) {
+      set_error(rc);
+      return;
+    }
+  }
 }
 
 void Job::done(uint64_t n) {

@@ -57,6 +57,16 @@ void prefault(uint8_t* p, size_t n);
 
 class Engine;
 
+// Where a run of the stream goes in the store file when it is not the slot's own data region
+// (an incremental checkpoint writes each changed array into a cell of its choosing: docs/FORMAT.md
+// §14). Extents tile the stream [0, stream_len) in order; every offset and length is a multiple of
+// the block size, and each lies inside one slot's region.
+struct Extent {
+  uint64_t stream_off = 0;
+  uint64_t len = 0;
+  uint64_t file_off = 0;
+};
+
 class Job : public std::enable_shared_from_this<Job> {
  public:
   // Claims and fills chunks until none is left to claim; returns then (others may still be
@@ -123,6 +133,7 @@ class Job : public std::enable_shared_from_this<Job> {
   uint64_t chunk_size_ = 0;
   uint64_t nchunks_ = 0;
   uint8_t* slot_map_ = nullptr;                // in place: the slot's data region in the store's mapping
+  std::vector<Extent> extents_;                // empty: the stream goes to [slot_off_, +stream_len_)
   std::vector<ArraySource> srcs_;              // sorted by offset, non-overlapping
   std::vector<uint32_t> input_index_;          // srcs_[i] was the input_index_[i]-th array given
   std::vector<std::vector<Piece>> pieces_;     // per chunk: the array bytes it carries
@@ -156,12 +167,13 @@ class Engine {
 
   // zero_meta: the slot came from acquire_slot(t, false); the job zeroes its meta record before
   // the first data write (docs/FORMAT.md §3), on the first writer thread to reach it.
+  // extents: where each run of the stream is written (see Extent); empty: the slot's own region.
   // in_place: fill the slot's mapping directly (see the top of this file); kMmap stores only
   // (std::invalid_argument otherwise). Meant for stores whose pages are populated (tmpfs):
   // filling a file-backed mapping in place would dirty page cache inside the copy phase.
   std::shared_ptr<Job> begin(std::shared_ptr<Store> store, uint32_t slot,
                              std::vector<ArraySource> sources, uint64_t stream_len, bool zero_meta = false,
-                             bool in_place = false);
+                             bool in_place = false, std::vector<Extent> extents = {});
   // Chunks filled in place that may wait for the writers at once (tokens in in_place_tasks_).
   static constexpr uint32_t kInPlaceTasks = 64;
   static constexpr uint32_t kInPlace = 0xffffffffu;  // a Task's chunk id: the bytes are in the slot

@@ -58,7 +58,7 @@ from ..errors import ConfigError, CorruptCheckpointError
 from .export import SafetensorsEntry, safetensors_dtype, safetensors_header
 from ..persist.files import HISTORY_DIR, fsync_dir, write_durably
 from ..persist.reader import crc32c
-from ..persist.recovery import read_manifest, read_store
+from ..persist.recovery import array_bases, read_manifest, read_store
 from ..tiers.keep import retained
 
 __all__ = ["HistoryKeeper", "HistoryCounts", "HISTORY_DIR", "history_files"]
@@ -297,9 +297,11 @@ class HistoryKeeper:
         meta = image.slots[info.slot].meta if info.slot < len(image.slots) else None
         if meta is None or meta["counter"] != info.counter:
             raise _Overwritten(f"slot {info.slot} of {store.name} was reused before it could be copied")
-        base = image.header["slots_offset"] + info.slot * image.header["slot_capacity"]
         with open(store, "rb", buffering=0) as f:
             man = read_manifest(image, info.slot, f.fileno())  # checks its crc and the meta's counter
+            # each array from the cell holding it: the slot's own, or one an incremental
+            # checkpoint references (FORMAT.md §14); the crc32c check below covers both
+            bases = dict(zip((e.name for e in man.arrays), array_bases(image, info.slot, man)))
             entries, dtypes = [], {}
             for e in man.arrays:
                 tdt = getattr(e, "torch_dtype", None)
@@ -319,7 +321,7 @@ class HistoryKeeper:
                 out.write(header)
                 for ent in order:
                     arr, want = by_name[ent.name]
-                    if _stream(f.fileno(), base + arr.offset, arr.nbytes, out) != want:
+                    if _stream(f.fileno(), bases[arr.name] + arr.offset, arr.nbytes, out) != want:
                         raise _Overwritten(f"array {arr.name!r} changed while it was copied "
                                            f"(slot {info.slot} was reused)")
 

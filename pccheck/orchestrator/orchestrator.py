@@ -25,7 +25,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, wait as futures_wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -35,9 +34,11 @@ from ..native import _native
 from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
 from ..persist.store import SlotStore
 from .args import StartArgs
-from .copy_engine import CopyEngine, Sources, abandon
+from .copy_engine import CopyEngine, abandon
+from .flight import CommitInfo, Flight
+from .incremental import Incremental, aligned, eager_end, own_prefix
 from .options import EngineOptions, chunk_geometry
-from .reserve import Reserve, resolve_reserve
+from .reserve import Reserve, resolve_reserve, ship_chunks, stage_chunks
 from .threads import started_pool
 from .retention import Retention
 from .stats import CheckpointStats
@@ -50,65 +51,6 @@ BLOCK: int = _native.BLOCK
 # Room kept in each slot beyond the manifest's current size, so metadata can grow a little
 # without a new store generation.
 MANIFEST_SLACK = 64 << 10
-
-
-@dataclass
-class _Flight:
-    """A checkpoint in flight (mutable, owned by the orchestrator)."""
-
-    job: Any
-    src: Sources
-    native: Any
-    layout: Layout
-    step: int
-    counter: int
-    metadata: Mapping[str, Any] | None
-    tree: Any
-    epoch: int | None
-    validate: Callable[[], str | None] | None
-    t0: float
-    stall: float
-    blocked_copy: float = 0.0
-    prepare: float = 0.0
-    slot_wait: float = 0.0  # part of prepare: waiting for a free slot
-    cow_wait: float = 0.0
-    reserve_bytes: int = 0
-    copied: threading.Event = field(default_factory=threading.Event)  # every chunk is in host memory
-    # Soft copy-on-write: set once the copy thread has claimed its last chunk (all chunks are
-    # claimed by then, and the ones it claimed are copied), so no thread still reads live memory
-    # except the caller of ensure_copied itself.
-    live_done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    staged: list = field(default_factory=list)  # (chunk, reserve offset, token), guarded by lock
-    checked: bool = False  # the version check ran (guarded by lock), with this result:
-    problem: str | None = None
-    hold: threading.Event | None = None  # pccheck's own tail buffers are final once set (start())
-    # The arrays themselves: the native job copies through raw pointers, so whatever it has not
-    # copied yet must stay alive (e.g. a spread checkpoint's clones, which nobody else holds).
-    arrays: Any = None
-    copied_s: float = 0.0  # from the start until every byte was in DRAM chunks
-    extra_stats: Mapping[str, Any] = field(default_factory=dict)
-    expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
-
-    def check(self) -> str | None:
-        """The snapshot's version check, once, after the last read of live memory and before
-        ensure_copied lets a mutation run (either thread may get here first)."""
-        with self.lock:
-            if not self.checked:
-                self.problem = self.validate() if self.validate is not None else None
-                self.checked = True
-            return self.problem
-
-
-@dataclass(frozen=True)
-class CommitInfo:
-    """A checkpoint that just became the durable latest: where it lives. The slot stays as it is
-    until a newer checkpoint commits, so readers must validate what they read (crc32c)."""
-
-    step: int
-    counter: int
-    slot: int
-    store_file: Path
 
 
 def _closed_error(exc: PCCheckError) -> None:
@@ -124,7 +66,8 @@ class Orchestrator:
                  world_size: int = 1, rank: int = 0,
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
-                 device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False) -> None:
+                 device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False,
+                 incremental: bool = False) -> None:
         if not engine.resolved:
             raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
         self.engine_options = engine
@@ -146,15 +89,23 @@ class Orchestrator:
         # straight into the slot's mapping and the writers only checksum it, one memcpy of the
         # state instead of two (native engine.h, "In place").
         self._in_place = populate_store
+        # incremental=True: unchanged arrays are referenced, changed ones written into free cells
+        # (incremental.py); the layout's arrays are then block-aligned (FORMAT.md §14).
+        self._cells: Incremental | None = Incremental() if incremental else None
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         try:
+            # incremental: the continued-from checkpoint is validated at open, before anything
+            # references it (its cells then hold the bytes every later reference relies on)
             self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced,
-                                   populate=populate_store)  # tmpfs (memory tier): slots faulted in at open
+                                   populate=populate_store,  # tmpfs (memory tier): slots faulted in at open
+                                   validate_latest=incremental)
         except BaseException:
-            copy_engine.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
+            copy_engine.close()
+            if self._cells is not None:
+                self._cells.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
             raise
         self._pool = started_pool(self.max_concurrent, "pccheck-commit")
         # pool=False: the chunk pool waits for prepare() or the first start(), once the state's
@@ -175,7 +126,7 @@ class Orchestrator:
         self._lock = threading.Lock()
         # (counter, step, wall time) of the newest durable commit
         self._durable: tuple[int, int, float] | None = None
-        self._copying: list[_Flight] = []  # checkpoints whose copy may still read live memory
+        self._copying: list[Flight] = []  # checkpoints whose copy may still read live memory
         self.skipped = 0  # checkpoints skipped by when_busy="skip"
         self.stats: deque[CheckpointStats] = deque(maxlen=10_000)
         self._closed = False
@@ -216,7 +167,9 @@ class Orchestrator:
     def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
                    epoch: int | None = None) -> int:
         """Slot capacity this layout needs: data, then the manifest with slack."""
-        man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch) + MANIFEST_SLACK
+        layout = aligned(layout, self._cells is not None)
+        man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch,
+                                   incremental=self._cells is not None) + MANIFEST_SLACK
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
 
     # -- the store -------------------------------------------------------------------------------
@@ -226,15 +179,28 @@ class Orchestrator:
         Called by the front-end once the state's size is known (else by the first ``start``)."""
         with self._store_lock:
             self.store.open(self.num_slots, slot_bytes, self.retention.protected_slots())
+            self._reset_cells()
 
-    def _fit_store(self, slot_bytes: int) -> None:
-        """Opens the store, or moves to a new generation when the state outgrew the slots."""
+    def _reset_cells(self) -> None:
+        """Incremental: a generation was opened; its committed checkpoint (validated by the
+        store's open) becomes the base that later checkpoints reference and never overwrite."""
+        if self._cells is not None:
+            self._cells.reset_from(self.store.file, self.store.native.check_word)
+
+    def _fit_store(self, slot_bytes: int, layout: Layout | None = None) -> None:
+        """Opens the store, or moves to a new generation when the state outgrew the slots (or,
+        incremental, when ``layout`` differs from the generation's: one layout per generation)."""
         if self.store.native is None:
             self.open_store(slot_bytes)
-        elif not self.store.fits(self.num_slots, slot_bytes):
-            self._drain()  # every slot of the old generation must be settled first
-            with self._store_lock:
-                self.store.new_generation(self.num_slots, slot_bytes)
+        fits = self.store.fits(self.num_slots, slot_bytes)
+        if fits and (self._cells is None or layout is None or self._cells.accepts(layout)):
+            return
+        self._drain()  # every slot of the old generation must be settled first
+        if fits and self._cells.accepts(layout):  # the flights of the other layout have ended
+            return
+        with self._store_lock:
+            self.store.new_generation(self.num_slots, slot_bytes)
+            self._reset_cells()
 
     def _fit_pool(self, state_bytes: int) -> None:
         """Makes the chunk pool if there is none yet, or remakes it when the default budget (2x
@@ -255,7 +221,8 @@ class Orchestrator:
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
-        self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
+        layout = aligned(layout, self._cells is not None)
+        self._fit_store(self.slot_bytes(layout, metadata, tree, epoch), layout)
         self._fit_pool(layout.data_len)
         return time.perf_counter() - t0
 
@@ -306,12 +273,18 @@ class Orchestrator:
         if hold is not None and n_eager != 0:
             raise ValueError("hold needs n_eager=0: a chunk copied early could hold bytes not final yet")
         t0 = time.perf_counter()
-        layout = plan(arrays)
+        # Incremental with soft copy-on-write: the fingerprint pass, the plan and the copy run on
+        # the commit thread, and ensure_copied (the optimizer step's pre-hook) waits for them; the
+        # eager prefix (buffers: the next forward changes them) is cloned here first.
+        defer = self._cells is not None and n_eager is not None and hold is None
+        if defer and n_eager:
+            arrays = own_prefix(arrays, n_eager)
+        layout = plan(arrays, BLOCK) if self._cells is not None else plan(arrays)
         if not self._permit():
             return False
         stall = time.perf_counter() - t0
         try:
-            self._fit_store(self.slot_bytes(layout, metadata, tree, epoch))
+            self._fit_store(self.slot_bytes(layout, metadata, tree, epoch), layout)
             self._fit_pool(layout.data_len)
             native = self.store.native
             counter = native.next_counter()
@@ -321,30 +294,36 @@ class Orchestrator:
         except BaseException:
             self._inflight.release()
             raise
+        fl = Flight(None, None, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
+                    cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
+                    expect=args.expect_crcs, slot=slot)
+        if args.copied is not None:
+            fl.copied = args.copied
+        fl.slot_wait = slot_wait
+        if defer:
+            self._cells.started(counter, layout)  # its layout counts before its plan pins cells
+            fl.planned = threading.Event()
+            fl.prepare = time.perf_counter() - t0 - stall
+            self._launch(fl, copying=True)
+            return True
         try:
-            src = self.copy_engine.sources(arrays, layout)
-            job = self.engine.begin(native, slot, src.native, layout.data_len, zero_meta=True,
-                                    in_place=self._in_place and native.mode == "mmap")
+            self._begin(fl)
         except BaseException:
             native.release_slot(slot)
             self._inflight.release()
             raise
-        fl = _Flight(job, src, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
-                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
-                     expect=args.expect_crcs)
-        if args.copied is not None:
-            fl.copied = args.copied
-        fl.slot_wait = slot_wait
+        job, src, cells = fl.job, fl.src, fl.cells
         t1 = time.perf_counter()
         try:
             if n_eager is None:
                 self.copy_engine.copy(job, src)
-            elif n_eager > 0:
-                e = layout.entries[n_eager - 1]
-                self.copy_engine.copy(job, src, e.offset + e.nbytes)
+            elif n_eager > 0 and (until := eager_end(layout, cells, n_eager)):
+                self.copy_engine.copy(job, src, until)
         except BaseException:
             abandon(job, errno.EIO)
             job.wait()
+            if cells is not None:
+                self._cells.end(cells, "abandoned")
             native.release_slot(slot)
             self._inflight.release()
             raise
@@ -353,14 +332,52 @@ class Orchestrator:
         if n_eager is None:
             fl.copied_s = time.perf_counter() - t0
             fl.copied.set()
-        elif hold is None:  # the rest is live memory: soft copy-on-write
+        self._launch(fl, copying=n_eager is not None and hold is None)  # else: soft copy-on-write
+        return True
+
+    def _begin(self, fl: Flight) -> None:
+        """The native job of ``fl``: for an incremental checkpoint, after the fingerprint pass and
+        the plan (the changed arrays alone, each to a free cell). Raises with nothing pinned."""
+        cells = None
+        try:
+            if self._cells is not None:
+                h = self.store.header
+                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
+                                         lambda s: h["slots_offset"] + s * h["slot_capacity"])
+            stream = fl.layout if cells is None else cells.stream
+            src = self.copy_engine.sources(fl.arrays, stream)
+            job = self.engine.begin(fl.native, fl.slot, src.native, stream.data_len, zero_meta=True,
+                                    in_place=self._in_place and fl.native.mode == "mmap" and cells is None,
+                                    extents=cells.extents if cells is not None else [])
+        except BaseException:
+            if cells is not None:
+                self._cells.end(cells, "abandoned")
+            raise
+        fl.job, fl.src, fl.cells = job, src, cells
+
+    def _begin_deferred(self, fl: Flight) -> None:
+        """:meth:`_begin` on the commit thread; a failure gives the slot back and ends the waits."""
+        try:
+            self._begin(fl)
+        except BaseException:
+            fl.native.release_slot(fl.slot)
+            fl.live_done.set()
+            with self._lock:
+                if fl in self._copying:
+                    self._copying.remove(fl)
+            raise
+        finally:
+            fl.planned.set()
+
+    def _launch(self, fl: Flight, *, copying: bool) -> None:
+        """Hands ``fl`` to the commit thread (``copying``: ensure_copied must wait for it)."""
+        if copying:
             with self._lock:
                 self._copying.append(fl)
         fut = self._pool.submit(self._finish, fl)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
-        return True
 
     def _permit(self) -> bool:
         """Takes one of the N in-flight permits: waits for it, or with ``when_busy="skip"``
@@ -388,9 +405,13 @@ class Orchestrator:
             if fl.copied.is_set():
                 continue
             w0 = time.perf_counter()
+            fl.planned.wait()  # a deferred incremental plan: its fingerprint pass reads live memory
+            if fl.job is None:  # its plan failed: nothing reads live memory any more
+                fl.cow_wait += time.perf_counter() - w0
+                continue
             try:
                 if self.reserve is not None:
-                    self._stage(fl)
+                    stage_chunks(fl, self.reserve, self.copy_engine)
                 self.copy_engine.copy(fl.job, fl.src)  # what did not fit: straight from live memory
             except Exception:  # e.g. a device copy failed: the checkpoint fails, training goes on
                 log.exception("pccheck: copying the checkpoint of step %d failed", fl.step)
@@ -399,26 +420,6 @@ class Orchestrator:
             fl.check()  # the version check, before the update this call lets run
             fl.cow_wait += time.perf_counter() - w0
         return time.perf_counter() - t0
-
-    def _stage(self, fl: _Flight) -> None:
-        """Claims unclaimed chunks of ``fl`` and clones each into a free reserve slot, until the
-        chunks or the slots run out. Runs under ``fl.lock``: the copy thread takes the staged list
-        under it once every chunk is claimed, so it sees every staged chunk (reserve.py)."""
-        reserve = self.reserve
-        with fl.lock:
-            while (off := reserve.take()) is not None:
-                k = fl.job.claim()
-                if k < 0:
-                    reserve.give(off)
-                    return
-                try:
-                    token = self.copy_engine.stage(fl.job, fl.src, k, reserve, off)
-                except BaseException:
-                    reserve.give(off)
-                    fl.job.skip(k, errno.EIO)
-                    raise
-                fl.staged.append((k, off, token))
-                fl.reserve_bytes += fl.job.chunk_len(k)
 
     def _acquire_slot(self, native: Any) -> int:
         # N+1 slots, at most N in flight plus the latest: a slot is free, unless a failed commit
@@ -447,11 +448,13 @@ class Orchestrator:
         with self._lock:
             self._futures.discard(fut)
 
-    def _finish(self, fl: _Flight) -> None:
+    def _finish(self, fl: Flight) -> None:
         """The commit thread's part of one checkpoint: copy the rest, commit, record. A failure
         reaches ``on_error``; the record (stats, hooks, the in-flight permit) happens either way."""
         outcome = "failed"
         try:
+            if fl.job is None:
+                self._begin_deferred(fl)
             if not fl.copied.is_set():
                 self._copy_rest(fl)
             won = self._commit(fl)
@@ -466,7 +469,7 @@ class Orchestrator:
         finally:
             self._record(fl, outcome)
 
-    def _copy_rest(self, fl: _Flight) -> None:
+    def _copy_rest(self, fl: Flight) -> None:
         """Copies what ``start`` left (after ``hold``, if any), ships the staged chunks, and runs the
         version check; raises (the slot given back) if the copy failed or the check did."""
         job, native, step = fl.job, fl.native, fl.step
@@ -479,7 +482,7 @@ class Orchestrator:
             abandon(job, errno.EIO)
             failure = exc
         fl.live_done.set()  # every chunk is claimed; those this thread claimed are copied
-        failure = self._ship(fl, failure)
+        failure = ship_chunks(fl, self.reserve, self.copy_engine, failure)
         job.wait_copied()
         problem = fl.check() if failure is None else None
         with self._lock:
@@ -494,7 +497,7 @@ class Orchestrator:
                 raise PCCheckError(f"copying checkpoint of step {step} failed: {failure}") from failure
             raise SnapshotError(f"checkpoint of step {step} discarded: {problem}")
 
-    def _commit(self, fl: _Flight) -> bool:
+    def _commit(self, fl: Flight) -> bool:
         """Waits for every chunk to be written, then the native commit with the manifest (FORMAT.md
         §4). True if this checkpoint became the latest, False if a newer one already had."""
         job, native, step = fl.job, fl.native, fl.step
@@ -506,14 +509,21 @@ class Orchestrator:
         if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), job.crcs)) != dict(fl.expect):
             native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
             raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
-        manifest = build_manifest(fl.layout, step, fl.counter, job.crcs, fl.metadata, tree=fl.tree,
-                                  epoch=fl.epoch)
+        cp = fl.cells
+        crcs = job.crcs if cp is None else cp.crcs(job.crcs)
+        manifest = build_manifest(fl.layout, step, fl.counter, crcs, fl.metadata, tree=fl.tree,
+                                  epoch=fl.epoch, cells=None if cp is None else cp.manifest_cells())
         try:
-            return native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
+            won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
         except OSError as exc:
+            if cp is not None:  # the word may name it now: its cells stay pinned
+                self._cells.end(cp, "failed-commit")
             raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
+        if cp is not None:
+            self._cells.end(cp, "committed" if won else "superseded", crcs)
+        return won
 
-    def _committed(self, fl: _Flight) -> None:
+    def _committed(self, fl: Flight) -> None:
         """After a commit that won: the on_commit hook, the durable latest, older generations."""
         if self._on_commit is not None:
             try:  # e.g. history retention: it must only enqueue, and never fail the checkpoint
@@ -526,17 +536,24 @@ class Orchestrator:
         self.store.after_commit()  # a reopened store's protected fallback is not needed now
         self.retire_if_allowed()
 
-    def _record(self, fl: _Flight, outcome: str) -> None:
+    def _record(self, fl: Flight, outcome: str) -> None:
         """The checkpoint's end, whatever its outcome: its events set, its stats recorded and
         handed to on_finished, its in-flight permit given back."""
-        job = fl.job
+        job, cp = fl.job, fl.cells
+        fl.planned.set()
         fl.live_done.set()
         fl.copied.set()
+        if cp is not None:  # a no-op unless it ended before its commit (its cells are free again)
+            self._cells.end(cp, "abandoned")
+        elif self._cells is not None:  # ended before its plan
+            self._cells.forget(fl.counter)
+        written = sum(e.nbytes for e in fl.layout.entries) if cp is None else cp.bytes_written
         st = CheckpointStats(
             fl.step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
-            job.copy_seconds + job.backpressure_seconds, job.backpressure_seconds,
+            job.copy_seconds + job.backpressure_seconds if job else 0.0, job.backpressure_seconds if job else 0.0,
             time.perf_counter() - fl.t0, outcome, fl.reserve_bytes, fl.prepare, copied_s=fl.copied_s,
-            slot_wait_s=fl.slot_wait, **fl.extra_stats)
+            slot_wait_s=fl.slot_wait, bytes_written=written, bytes_referenced=cp.bytes_referenced if cp else 0,
+            fingerprint_s=cp.fingerprint_s if cp else 0.0, **fl.extra_stats)
         self.stats.append(st)
         if self._on_finished is not None:
             try:
@@ -544,24 +561,6 @@ class Orchestrator:
             except Exception:
                 log.exception("pccheck: the on_finished hook raised; the checkpoint is unaffected")
         self._inflight.release()
-
-    def _ship(self, fl: _Flight, failure: Exception | None) -> Exception | None:
-        """Copies the chunks ensure_copied staged into the reserve to host chunks, giving each
-        reserve slot back once its bytes are out; after a failure, skips them instead. Returns the
-        first failure."""
-        with fl.lock:  # staging holds it: once taken here, every staged chunk is listed
-            staged, fl.staged = fl.staged, []
-        for k, off, token in staged:
-            try:
-                if failure is None:
-                    self.copy_engine.ship(fl.job, k, self.reserve, off, token)
-                else:
-                    fl.job.skip(k, errno.EIO)
-            except Exception as exc:  # ship skipped the chunk itself
-                failure = exc
-            finally:
-                self.reserve.give(off)
-        return failure
 
     def _drain(self) -> None:
         """Waits for every in-flight checkpoint (callers hold one in-flight permit)."""
@@ -589,6 +588,8 @@ class Orchestrator:
             self.copy_engine.close()
             if self.engine is not None:
                 self.engine.close()  # unmaps the chunk pool
+            if self._cells is not None:
+                self._cells.close()
         finally:
             with self._store_lock:  # retire_if_allowed (a coordinator's thread) sees _closed first
                 self.store.close()  # releases the store lock
@@ -596,3 +597,4 @@ class Orchestrator:
             # a closed Checkpointer (and the model it holds) is freed without the cyclic GC.
             self._on_commit = self._on_finished = None
             self._on_error = _closed_error
+

@@ -20,13 +20,14 @@ Invariants, kept by :class:`Reserve` and ``Orchestrator.ensure_copied`` / ``_fin
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["Reserve", "resolve_reserve"]
+__all__ = ["Reserve", "resolve_reserve", "stage_chunks", "ship_chunks"]
 
 log = logging.getLogger("pccheck")
 
@@ -74,3 +75,42 @@ def resolve_reserve(request: int | str | None, engine: Any, state_bytes: int, ch
     else:
         log.info("pccheck: device reserve of %d chunks x %d bytes (%s engine)", slots, chunk, engine.name)
     return slots
+
+
+def stage_chunks(fl: Any, reserve: Reserve, engine: Any) -> None:
+    """Claims unclaimed chunks of ``fl`` and clones each into a free reserve slot, until the
+    chunks or the slots run out. Runs under ``fl.lock``: the copy thread takes the staged list
+    under it once every chunk is claimed, so it sees every staged chunk (the module docstring)."""
+    with fl.lock:
+        while (off := reserve.take()) is not None:
+            k = fl.job.claim()
+            if k < 0:
+                reserve.give(off)
+                return
+            try:
+                token = engine.stage(fl.job, fl.src, k, reserve, off)
+            except BaseException:
+                reserve.give(off)
+                fl.job.skip(k, errno.EIO)
+                raise
+            fl.staged.append((k, off, token))
+            fl.reserve_bytes += fl.job.chunk_len(k)
+
+
+def ship_chunks(fl: Any, reserve: Reserve, engine: Any, failure: Exception | None) -> Exception | None:
+    """Copies the chunks ensure_copied staged into the reserve to host chunks, giving each
+    reserve slot back once its bytes are out; after a failure, skips them instead. Returns the
+    first failure."""
+    with fl.lock:  # staging holds it: once taken here, every staged chunk is listed
+        staged, fl.staged = fl.staged, []
+    for k, off, token in staged:
+        try:
+            if failure is None:
+                engine.ship(fl.job, k, reserve, off, token)
+            else:
+                fl.job.skip(k, errno.EIO)
+        except Exception as exc:  # ship skipped the chunk itself
+            failure = exc
+        finally:
+            reserve.give(off)
+    return failure

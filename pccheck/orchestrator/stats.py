@@ -87,6 +87,11 @@ class CheckpointStats:
     spread_waits: dict[str, float] | None = None
     # spread_steps="auto": the decision behind spread_steps (None for a fixed spread_steps)
     spread_decision: SpreadDecision | None = None
+    # array bytes this checkpoint wrote, and (incremental=True) the unchanged ones it referenced
+    # in an earlier checkpoint's cells instead, and the seconds its fingerprint pass took
+    bytes_written: int = 0
+    bytes_referenced: int = 0
+    fingerprint_s: float = 0.0
 
     @property
     def blocked_s(self) -> float:
@@ -145,6 +150,8 @@ class StatsReport:
                 "median_persist_s": med([c.persist_s for c in done]),
                 "median_gbps": med([c.gbps for c in done]),
                 "bytes": sum(c.nbytes for c in done),
+                "bytes_written": sum(c.bytes_written for c in done),
+                "bytes_referenced": sum(c.bytes_referenced for c in done),
                 "reserve_bytes": sum(c.reserve_bytes for c in done),
                 "last_durable_step": self.last_durable_step,
                 "last_durable_age_s": self.last_durable_age_s,

@@ -197,16 +197,22 @@ def open_direct(path: Path) -> int:
     return _open(path)
 
 
-def read_region(path: Path, offset: int, length: int,
-                spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+def read_region(path: Path, offset: int, length: int, spans: list[tuple[int, int]],
+                extents: list[tuple[int, int, int]] | None = None) -> tuple[np.ndarray, list[int]]:
     """Reads ``length`` bytes at ``offset`` (both multiples of 4096) and returns them as a uint8
-    array plus the crc32c of each ``(start, nbytes)`` span of it (spans sorted, disjoint)."""
+    array plus the crc32c of each ``(start, nbytes)`` span of it (spans sorted, disjoint).
+
+    ``extents``: the region is gathered instead from runs ``(start, end, file offset)`` (sorted,
+    disjoint, block-aligned; an incremental checkpoint's cells, FORMAT.md §14); bytes no run
+    covers stay zero and are not read."""
     if length == 0:
         return np.empty(0, np.uint8), [0] * len(spans)
     buf = fresh_buffer(length)
     view = memoryview(buf)
     starts = [s for s, _ in spans]
-    pieces = [(p, min(PIECE, length - p)) for p in range(0, length, PIECE)]
+    runs = [(0, length, offset)] if extents is None else extents
+    # (buffer offset, length, file offset) of each read, at most PIECE long, in buffer order
+    pieces = [(p, min(PIECE, hi - p), f + p - lo) for lo, hi, f in runs for p in range(lo, hi, PIECE)]
     fd = _open(path)
     # the pieces' pages populated in file order, ahead of the readers (Prefaulter's invariant:
     # a piece is read into only once pre.wait says it is populated)
@@ -215,13 +221,13 @@ def read_region(path: Path, offset: int, length: int,
     def work(i: int) -> list[tuple[int, int, int, int]]:
         done = []
         for k in range(i, len(pieces), THREADS):
-            p, n = pieces[k]
+            p, n, at = pieces[k]
             pre.wait(p + n)
             got = 0
             while got < n:
-                r = os.preadv(fd, [view[p + got:p + n]], offset + p + got)
+                r = os.preadv(fd, [view[p + got:p + n]], at + got)
                 if r <= 0:
-                    raise CorruptCheckpointError(f"{path}: short read at offset {offset + p + got}")
+                    raise CorruptCheckpointError(f"{path}: short read at offset {at + got}")
                 got += r
             # Checksum the spans' bytes of this piece now, while they are in cache.
             j = max(0, bisect.bisect_right(starts, p) - 1)

@@ -30,7 +30,7 @@ __all__ = [
     "Restored", "SlotState", "StoreImage", "Scanned", "read_store", "scan", "confirmed_slot", "candidate_order",
     "first_valid", "read_manifest", "load_slot", "load_newest", "store_files", "slot_was_written",
     "was_validated", "mark_validated", "parse_header_block", "image_from", "manifest_region", "manifest_from", "slot_base",
-    "slot_manifests",
+    "slot_manifests", "array_bases", "region_extents",
 ]
 
 log = logging.getLogger("pccheck")
@@ -217,8 +217,16 @@ def manifest_from(image: StoreImage, slot: int, raw: bytes) -> Manifest:
         raise CorruptCheckpointError(f"slot {slot}: short read of the manifest: the file is truncated")
     if _native.crc32c(raw) != meta["manifest_crc"]:
         raise CorruptCheckpointError(f"slot {slot}: manifest checksum mismatch")
-    return parse_manifest(raw, step=meta["step"], counter=meta["counter"],
-                          data_len_limit=meta["manifest_offset"])
+    man = parse_manifest(raw, step=meta["step"], counter=meta["counter"],
+                         data_len_limit=meta["manifest_offset"])
+    if man.cells is not None:
+        # FORMAT.md §14: a cell names a slot of this store; its bytes sit at the array's offset
+        # there, inside [0, data_len), which the slot's capacity bounds (data_len <= manifest_offset).
+        bad = [c for c in man.cells.cells if c >= len(image.slots)]
+        if bad:
+            raise CorruptCheckpointError(f"slot {slot}: an array's cell {bad[0]} is beyond the "
+                                         f"{len(image.slots)} slots of generation {image.generation}")
+    return man
 
 
 def confirmed_slot(image: StoreImage) -> tuple[int | None, str | None]:
@@ -277,6 +285,27 @@ def slot_base(image: StoreImage, slot: int) -> int:
     return image.header["slots_offset"] + slot * image.header["slot_capacity"]
 
 
+def array_bases(image: StoreImage, slot: int, man: Manifest) -> list[int]:
+    """The file offset of the slot region holding each array of ``man`` (read from ``slot``): the
+    slot's own, or for an incremental checkpoint the cell it references (FORMAT.md §14); an
+    array's bytes are at base + its offset."""
+    return [slot_base(image, man.cell_of(i, slot)) for i in range(len(man.arrays))]
+
+
+def region_extents(image: StoreImage, slot: int, man: Manifest, end: int) -> list[tuple[int, int, int]] | None:
+    """For :func:`read_region`: where each block-aligned run of ``[0, end)`` of the data region is
+    read from, as (start, end, file offset), when some array lies in another slot's cell; None
+    when every byte is in the slot's own region (one contiguous read)."""
+    if not man.references(slot):
+        return None
+    out = []
+    for i, e in enumerate(man.arrays):  # format 3: offsets block-aligned, so runs never overlap
+        if e.nbytes:
+            hi = min(end, (e.offset + e.nbytes + BLOCK - 1) // BLOCK * BLOCK)
+            out.append((e.offset, hi, slot_base(image, man.cell_of(i, slot)) + e.offset))
+    return out
+
+
 def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: bool = True,
               fd: int, mm: mmap.mmap | None = None) -> Restored:
     """Validates one slot (meta, manifest, every array's crc32c) and loads its arrays.
@@ -293,7 +322,9 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
         # manifest's arrays account for.
         end = max((e.offset + e.nbytes for e in man.arrays), default=0)
         end = min(man.data_len, (end + BLOCK - 1) // BLOCK * BLOCK)
-        buf, got = read_region(image.path, base, end, [(e.offset, e.nbytes) for e in man.arrays])
+        buf, got = read_region(image.path, base, end, [(e.offset, e.nbytes) for e in man.arrays],
+                               extents=region_extents(image, slot, man, end))
+    bases = array_bases(image, slot, man)
     for i, (entry, crc) in enumerate(zip(man.arrays, man.crcs)):
         try:
             if not entry.nbytes:
@@ -301,12 +332,12 @@ def load_slot(image: StoreImage, slot: int, *, zero_copy: bool = False, verify: 
             else:
                 src = buf if copy else mm
                 arr = np.frombuffer(src, dtype=entry.dtype, count=entry.nbytes // entry.dtype.itemsize,
-                                    offset=entry.offset if copy else base + entry.offset).reshape(entry.shape)
+                                    offset=entry.offset if copy else bases[i] + entry.offset).reshape(entry.shape)
         except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # defence in depth
             raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} cannot be built: {exc}") from None
         if verify:
             have = got[i] if copy else (
-                _native.crc32c(memoryview(mm)[base + entry.offset:base + entry.offset + entry.nbytes])
+                _native.crc32c(memoryview(mm)[bases[i] + entry.offset:bases[i] + entry.offset + entry.nbytes])
                 if entry.nbytes else 0)
             if have != crc:
                 raise CorruptCheckpointError(f"slot {slot}: array {entry.name!r} checksum mismatch")

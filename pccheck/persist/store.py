@@ -46,8 +46,11 @@ class SlotStore:
     by the orchestrator, which decides when older generations are retired."""
 
     def __init__(self, path: Path, storage: str = "auto", world_size: int = 1, rank: int = 0, *,
-                 hold_replaced: bool = False, populate: bool = False) -> None:
+                 hold_replaced: bool = False, populate: bool = False, validate_latest: bool = False) -> None:
         self.path = path
+        # validate_latest: every byte of the continued-from checkpoint is checked at open, on the
+        # caller's thread (an incremental store: later checkpoints reference its cells)
+        self.validate_latest = validate_latest
         # populate: fault every page of each generation's mapping in on a thread of its own when it
         # opens, in mmap mode (a store on tmpfs: the memory tier), so no checkpoint pays the first
         # touch of its slot (native Store.populate says why)
@@ -218,7 +221,7 @@ class SlotStore:
         chosen), since the repaired word is a commit barrier.
         """
         with open(image.path, "rb", buffering=0) as f:
-            full = self.hold_replaced or image.header["num_slots"] <= 2
+            full = self.hold_replaced or image.header["num_slots"] <= 2 or self.validate_latest
             found = first_valid(image, lambda slot: (load_slot(image, slot, fd=f.fileno()) if full
                                                      else read_manifest(image, slot, f.fileno())))
             if found is None:

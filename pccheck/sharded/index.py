@@ -29,7 +29,7 @@ from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..persist.files import rank_dir
 from ..persist.layout import ArrayEntry, Manifest
 from ..persist.reader import read_entry
-from ..persist.recovery import StoreImage, scan, slot_base, slot_manifests
+from ..persist.recovery import StoreImage, array_bases, scan, slot_manifests
 from .geometry import Box
 
 __all__ = ["Member", "Chunk", "TensorInfo", "CheckpointSet", "find_sets", "newest_set", "rank_dirs"]
@@ -51,6 +51,12 @@ class Member:
     @cached_property
     def entries(self) -> dict[str, tuple[ArrayEntry, int]]:
         return {e.name: (e, c) for e, c in zip(self.manifest.arrays, self.manifest.crcs)}
+
+    @cached_property
+    def bases(self) -> dict[str, int]:
+        """The file offset of the slot region holding each array (an incremental checkpoint's
+        arrays may lie in other slots' cells, FORMAT.md §14)."""
+        return dict(zip((e.name for e in self.manifest.arrays), array_bases(self.image, self.slot, self.manifest)))
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ class CheckpointSet:
             entry, crc = entries[name]
             if into is not None and into.nbytes != entry.nbytes:
                 raise ValueError(f"array {name!r} holds {entry.nbytes} bytes, the destination {into.nbytes}")
-            arr = read_entry(self._fd(rank), slot_base(m.image, m.slot), entry, crc, into=into)
+            arr = read_entry(self._fd(rank), m.bases[name], entry, crc, into=into)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{m.image.path} slot {m.slot} (step {self.step}): {exc}") from None
         with self._lock:
@@ -124,7 +130,7 @@ class CheckpointSet:
         m = self.members[rank]
         if name not in m.entries:
             raise CorruptCheckpointError(f"{m.image.path} slot {m.slot}: no array {name!r}")
-        return rank, slot_base(m.image, m.slot) + m.entries[name][0].offset
+        return rank, m.bases[name] + m.entries[name][0].offset
 
     def _fd(self, rank: int) -> int:
         """One descriptor per member file, opened at its first read (closed by :meth:`close`)."""

@@ -37,6 +37,7 @@ from ..group.distributed import GroupCoordinator
 from ..orchestrator.args import StartArgs
 from ..orchestrator.copy_engine import CopyEngine
 from ..orchestrator.engine_choice import select_copy_engine
+from ..orchestrator.incremental import refuse_incremental
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import CommitInfo, Orchestrator
 from ..orchestrator.retention import Retention
@@ -117,6 +118,8 @@ class TierStack:
         self.coord: GroupCoordinator | None = None
         self.tiers: list[Tier] = []
         self._remote_timeout: float | None = 0.0  # until close() says otherwise (a failed construction)
+        if opts.disk.incremental:
+            _check_incremental(group, layout, snap)
         self.started_step: int | None = None  # the newest step a disk checkpoint was started for
         self.flushed: dict[str, Any] | None = None  # the last flush's FlushResult.as_dict() (stats())
         stack = contextlib.ExitStack()
@@ -174,7 +177,8 @@ class TierStack:
         self.disk = orch = Orchestrator(
             store_dir, layout, engine, copy_engine=copy_engine or select_copy_engine(snap.arrays),
             on_error=ctx.on_error, retention=retention, world_size=world_size, rank=rank, on_commit=self._on_commit,
-            on_finished=on_finished, device_reserve=device_reserve, pool=prepared)
+            on_finished=on_finished, device_reserve=device_reserve, pool=prepared,
+            incremental=ctx.options.disk.incremental)
         if prepared and open_now:
             orch.open_store(orch.slot_bytes(layout, ctx.metadata, snap.tree, self.epoch))
         # else: the store and the chunk pool are sized once the state is final (prepare), instead
@@ -345,3 +349,16 @@ class TierStack:
         if self.disk is not None:
             self.disk.close()
 
+
+
+def _check_incremental(group: Any, layout: Layout, snap: Any) -> None:
+    """incremental=True: refuses (ConfigError) what it does not support yet, before anything is
+    built (options.py refuses the tiers and spread_steps; this, what only the state shows)."""
+    if group is not None:
+        raise refuse_incremental("a torch.distributed group")
+    tree = getattr(snap, "tree", None)
+    if isinstance(tree, dict) and tree.get("shards"):
+        raise refuse_incremental("DTensor (sharded) state")
+    devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
+    if devices:
+        raise refuse_incremental(f"state on {', '.join(devices)} (its fingerprint would run on the device)")

@@ -1,0 +1,268 @@
+"""Incremental checkpoints: which arrays changed, and where each changed one is written.
+
+Every slot of a store generation has the same layout, so array i sits at the same offset in
+every slot: each array position has ``num_slots`` *cells*, one per slot (FORMAT.md §14). A
+checkpoint's manifest names, per array, the cell holding its bytes. A checkpoint
+
+- fingerprints every array (native ``fingerprint``: two 61-bit polynomial hashes, the bound in
+  docs/ARCHITECTURE.md "Incremental checkpoints");
+- *references* the cell of the newest committed checkpoint (the *base*) for each array whose
+  fingerprint and geometry equal the base's;
+- writes every other array into a *free* cell: one that neither the base nor any checkpoint in
+  flight references.
+
+Invariant (what keeps the newest committed checkpoint complete at every instant): a cell is
+written only while free, and the set of pinned cells (the base's, plus every flight's from its
+plan until it ends) is updated under one lock. With N in flight and N + 1 slots, at most N cells
+of a position are pinned by others (the base and N - 1 flights), so one is always free. A flight
+that won its commit becomes the base; one whose commit failed keeps its cells pinned (the word on
+disk may name it) until a later commit succeeds.
+
+Invariant (one layout per generation): every checkpoint of a generation has the same entries, so
+cells never overlap a manifest (all manifests lie at the same ``data_len``) nor each other; a new
+layout goes to a new generation (Orchestrator.start).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..arrays import ArrayInfo
+from ..errors import ConfigError, StorageError
+from ..native import _native
+from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
+from ..persist.recovery import read_manifest, read_store
+from .threads import started_pool
+
+__all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "own_prefix", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
+
+BLOCK: int = _native.BLOCK
+_PRIME = 2**61 - 1
+_FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
+# What incremental=True supports now; everything else is refused naming it (refuse_incremental).
+INCREMENTAL_SUPPORTED = ("the disk tier of one process (history copies included), with host (CPU) arrays or "
+                         "PyTorch state on the CPU")
+
+
+def refuse_incremental(what: str) -> ConfigError:
+    """The error for a setting incremental=True does not support yet, saying what it does."""
+    return ConfigError(f"incremental=True does not support {what} yet; supported now: {INCREMENTAL_SUPPORTED}. "
+                       "Use incremental=False there")
+
+
+def new_keys() -> tuple[int, int]:
+    """Two independent fingerprint keys, uniform in [1, 2^61 - 1)."""
+    return tuple(1 + int.from_bytes(os.urandom(8), "little") % (_PRIME - 1) for _ in range(2))  # type: ignore[return-value]
+
+
+def _fingerprint(info: ArrayInfo, keys: tuple[int, int]) -> tuple[int, int]:
+    if info.device != "cpu":
+        raise ConfigError(f"incremental=True fingerprints host arrays only for now; {info.device!r} state is "
+                          "not supported yet: keep incremental=False for device state")
+    return tuple(_native.fingerprint(info.ptr, info.nbytes, info.itemsize, list(info.shape),  # type: ignore[return-value]
+                                     list(info.strides), keys[0], keys[1]))
+
+
+@dataclass(frozen=True)
+class _Pins:
+    """The cells a checkpoint references, with what the base needs to be referenced again."""
+
+    entries: tuple[ArrayEntry, ...]
+    cells: tuple[int, ...]
+    fps: tuple[tuple[int, int] | None, ...]
+    crcs: tuple[int, ...]
+    counter: int
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """One checkpoint's plan: the stream of changed arrays and where each run of it goes."""
+
+    counter: int
+    changed: tuple[int, ...]          # indices (in the full layout) of the arrays written, in stream order
+    stream: Layout                    # the changed arrays, block-aligned, as the job's stream
+    extents: list[tuple[int, int, int]]  # (stream offset, length, file offset), tiling the stream
+    cells: tuple[int, ...]            # per array: the slot holding its bytes
+    fps: tuple[tuple[int, int], ...]
+    ref_crcs: tuple[int | None, ...]  # per array: the base's crc32c if referenced, else None
+    keys: tuple[int, int]
+    fingerprint_s: float
+    bytes_written: int
+    bytes_referenced: int
+
+    def manifest_cells(self) -> Cells:
+        return Cells(self.cells, self.fps, self.keys)
+
+    def crcs(self, written: Sequence[int]) -> list[int]:
+        """Every array's crc32c: the job's for the written ones (stream order), the base's else."""
+        out = list(self.ref_crcs)
+        for i, crc in zip(self.changed, written):
+            out[i] = crc
+        return [0 if c is None else c for c in out]
+
+
+class Incremental:
+    """The pinned cells of the open generation and the base to compare against (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.keys = new_keys()
+        self._base: _Pins | None = None
+        self._flights: dict[int, _Pins] = {}   # counter -> a checkpoint in flight
+        self._zombies: dict[int, _Pins] = {}   # counter -> a commit that failed: the word may name it
+        # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
+        # commit thread): it counts for the one-layout rule before it pins anything
+        self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
+        self._pool = started_pool(_FP_THREADS, "pccheck-fingerprint")  # threads.py says why started now
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def reset(self, committed: Manifest | None = None, slot: int = 0) -> None:
+        """A store generation was opened: its committed checkpoint (``committed``, in ``slot``; its
+        every byte validated by the store's reopen) becomes the base, or there is none."""
+        with self._lock:
+            if self._flights or self._pending:
+                raise RuntimeError("reset with checkpoints in flight")  # the orchestrator drains first
+            self._zombies, self._pending = {}, {}
+            self._base = None
+            if committed is None:
+                return
+            n = len(committed.arrays)
+            same_keys = committed.cells is not None and committed.cells.keys is not None
+            if same_keys:
+                self.keys = committed.cells.keys  # its fingerprints stay comparable
+            self._base = _Pins(committed.arrays, tuple(committed.cell_of(i, slot) for i in range(n)),
+                               committed.cells.fps if same_keys else (None,) * n, committed.crcs,
+                               committed.counter)
+
+    def reset_from(self, store_file: Any, check_word: int) -> None:
+        """:meth:`reset` from an opened store file and its CHECK_ADDR word (0: no checkpoint)."""
+        if not check_word or store_file is None:
+            self.reset(None)
+            return
+        slot = _native.word_slot(check_word)
+        image = read_store(store_file)
+        with open(store_file, "rb", buffering=0) as f:
+            self.reset(read_manifest(image, slot, f.fileno()), slot)
+
+    def accepts(self, layout: Layout) -> bool:
+        """Whether ``layout`` may be written to the open generation (one layout per generation)."""
+        with self._lock:
+            known = [p.entries for p in (self._base, *self._flights.values(), *self._zombies.values()) if p]
+            known += list(self._pending.values())
+        return all(e == layout.entries for e in known)
+
+    def started(self, counter: int, layout: Layout) -> None:
+        """A checkpoint of ``layout`` started; its plan comes later (:meth:`plan` or :meth:`end`)."""
+        with self._lock:
+            self._pending[counter] = layout.entries
+
+    def forget(self, counter: int) -> None:
+        """A started checkpoint ended before its plan (the plan failed, or never ran)."""
+        with self._lock:
+            self._pending.pop(counter, None)
+
+    def plan(self, layout: Layout, counter: int, home: int, num_slots: int, slot_base: Any) -> CellPlan:
+        """Fingerprints the arrays (``layout.infos``), picks the referenced and the written ones
+        and their cells, and pins them for ``counter`` until :meth:`end`. ``slot_base(s)``: the
+        file offset of slot s."""
+        t0 = time.perf_counter()
+        infos = layout.infos
+        fps = list(self._pool.map(lambda info: _fingerprint(info, self.keys), infos))
+        fingerprint_s = time.perf_counter() - t0
+        with self._lock:
+            self._pending.pop(counter, None)
+            base = self._base
+            others = [p.cells for p in (base, *self._flights.values(), *self._zombies.values()) if p]
+            if base is not None and base.entries != layout.entries:
+                raise RuntimeError("a layout other than the generation's")  # the orchestrator never plans one
+            cells, changed, ref_crcs = [], [], []
+            for i, e in enumerate(layout.entries):
+                if base is not None and base.fps[i] == fps[i]:
+                    cells.append(base.cells[i])  # unchanged: equal geometry and fingerprint
+                    ref_crcs.append(base.crcs[i])
+                    continue
+                taken = {c[i] for c in others}
+                free = [home] if home not in taken else [s for s in range(num_slots) if s not in taken]
+                if not free:
+                    raise StorageError(0, f"no free cell for array {e.name!r}: earlier commits failed and keep "
+                                          "every cell pinned; check the device, then reopen the store")
+                cells.append(free[0])
+                if e.nbytes:
+                    changed.append(i)
+                ref_crcs.append(None if e.nbytes else 0)  # a zero-size array's crc32c is 0
+            self._flights[counter] = _Pins(layout.entries, tuple(cells), tuple(fps), (), counter)
+        stream, extents = _stream(layout, changed, cells, slot_base)
+        written = sum(layout.entries[i].nbytes for i in changed)
+        return CellPlan(counter, tuple(changed), stream, extents, tuple(cells), tuple(fps), tuple(ref_crcs),
+                        self.keys, fingerprint_s, written, sum(e.nbytes for e in layout.entries) - written)
+
+    def end(self, plan: CellPlan, outcome: str, crcs: Sequence[int] = ()) -> None:
+        """A flight ended: "committed" (it is the newest durable checkpoint: the base, and failed
+        commits before it are settled), "superseded" or "abandoned" (never loadable as the
+        newest: its cells are free again), "failed-commit" (the word may name it: pinned until a
+        later commit succeeds)."""
+        with self._lock:
+            self._pending.pop(plan.counter, None)
+            pins = self._flights.pop(plan.counter, None)
+            if pins is None:
+                return
+            if outcome == "committed":
+                if self._base is None or plan.counter > self._base.counter:
+                    self._base = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter)
+                self._zombies = {c: z for c, z in self._zombies.items() if c > plan.counter}
+            elif outcome == "failed-commit":
+                self._zombies[plan.counter] = pins
+
+
+def aligned(layout: Layout, incremental: bool) -> Layout:
+    """The layout as a store writes it: block-aligned arrays when incremental (each array's cells
+    must be whole blocks, FORMAT.md §14)."""
+    if not incremental or all(e.offset % BLOCK == 0 for e in layout.entries):
+        return layout
+    return layout.realigned(BLOCK)
+
+
+def eager_end(layout: Layout, cells: CellPlan | None, n_eager: int) -> int:
+    """The stream byte the eager prefix (the first ``n_eager`` arrays) ends at; 0 when none of
+    them is written (an incremental checkpoint that references them all)."""
+    if cells is None:
+        e = layout.entries[n_eager - 1]
+        return e.offset + e.nbytes
+    pos = {i: k for k, i in enumerate(cells.changed)}
+    ends = [cells.stream.entries[pos[i]] for i in range(n_eager) if i in pos]
+    return ends[-1].offset + ends[-1].nbytes if ends else 0
+
+
+def own_prefix(arrays: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """``arrays`` with its first ``n`` (the eager prefix: buffers, which the next forward changes)
+    replaced by private copies, so a plan made later on the commit thread sees them as they are now."""
+    out = {}
+    for i, (name, a) in enumerate(arrays.items()):
+        if i < n:
+            a = a.detach().clone() if hasattr(a, "detach") else np.array(a, copy=True)
+        out[name] = a
+    return out
+
+
+def _stream(layout: Layout, changed: list[int], cells: list[int],
+            slot_base: Any) -> tuple[Layout, list[tuple[int, int, int]]]:
+    """The changed arrays as one block-aligned stream (the job's data), and the extents that send
+    each array's run to its cell: the array's offset in the slot its cell names."""
+    entries, infos, extents = [], [], []
+    at = 0
+    for i in changed:  # non-empty arrays only
+        e = layout.entries[i]
+        run = (e.nbytes + BLOCK - 1) // BLOCK * BLOCK
+        entries.append(ArrayEntry(e.name, e.dtype, e.shape, at, e.nbytes, e.torch_dtype))
+        infos.append(layout.infos[i])
+        extents.append((at, run, slot_base(cells[i]) + e.offset))
+        at += run
+    return Layout(tuple(entries), at, tuple(infos)), extents
