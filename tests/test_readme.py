@@ -15,7 +15,8 @@ README = ROOT / "README.md"
 # run in test_remote.py (a SeaweedFS started by a fixture) and test_memory_tier.py (two torchrun agents).
 # preemption.md's examples install signal handlers and poll metadata URLs; test_preemption.py runs
 # the same calls against real signals, a local notice endpoint and SeaweedFS.
-GUIDES = ["resume", "distributed", "spread", "transparent", "integrations", "tuning", "gpu", "export", "dataloaders"]
+GUIDES = ["resume", "distributed", "spread", "transparent", "integrations", "tuning", "gpu", "export", "dataloaders",
+          "incremental"]
 
 
 def _blocks() -> list[tuple[str, str]]:
