@@ -40,6 +40,7 @@ from typing import Any
 from bench.harness.common import (BENCH_DIR, fmt, format_size, host_info, machine_label, median_or_none, parse_size,
                                   print_table, result_path, scratch_dir, write_json)
 from bench.harness.probes import wait_quiet
+from bench.modes.sharded import make_cold  # POSIX_FADV_DONTNEED on every file of a checkpoint
 
 __all__ = ["run", "targets", "report", "main"]
 
@@ -99,17 +100,6 @@ def _python(code: str, *args: str, timeout: float = 1200) -> dict[str, Any]:
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-3000:])
     return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def make_cold(workdir: Path) -> None:
-    os.sync()
-    for path in workdir.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _shm_out(nbytes: int) -> Path | None:
