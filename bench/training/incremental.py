@@ -26,7 +26,7 @@ Per row and checkpoint: bytes the process wrote to storage (``/proc/self/io`` ``
 the window, drain included), the library's own count (``stats().bytes_written``), training time lost
 (the window minus the ``none`` row's window of the same repeat, per checkpoint: the judged figure;
 beside it the median step's time minus the ``none`` row's, which leaves bursts of foreign load
-out), the process's extra CPU seconds (the same difference of CPU time: on a host whose cores the
+out), the process's extra CPU seconds and those of its fingerprint threads (the same difference of CPU time: on a host whose cores the
 training saturates, CPU the checkpoint burns is training time lost), the training thread's
 ``blocked_s`` (pccheck), and the time from the call to durable (pccheck ``persist_s``, DCP's upload
 completion, torch.save + fsync).
@@ -65,7 +65,7 @@ from typing import Any
 
 from bench.harness.common import (BENCH_DIR, format_size, host_info, machine_label, median_or_none, parse_size,
                                   print_table, pyplot, result_path, save_figure, scratch_dir, write_json)
-from bench.harness.probes import cpu_busy_s, settle, usage, wait_quiet
+from bench.harness.probes import cpu_busy_s, settle, thread_times, usage, wait_quiet
 from bench.harness.systems import make_loop_system, torch_save_durable
 from bench.harness.workloads import Workload
 from bench.modes.sharded import make_cold  # POSIX_FADV_DONTNEED on every file of a store
@@ -127,6 +127,15 @@ def _changed_bytes(wl: Workload) -> int:
     optim = sum(_nbytes(v) for st in wl.optimizer.state_dict()["state"].values() for v in st.values()
                 if isinstance(v, torch.Tensor))
     return params + optim + sum(_nbytes(b) for b in wl.model.buffers())
+
+
+def _fingerprint_cpu() -> dict[int, float]:
+    """CPU seconds of each of this process's fingerprint threads (the Python threads named
+    ``pccheck-fingerprint...``), by thread id: the profile of the incremental rows."""
+    import threading
+
+    ids = {t.native_id for t in threading.enumerate() if t.name.startswith("pccheck-fingerprint")}
+    return {tid: cpu for tid, _, cpu, _ in thread_times() if tid in ids}
 
 
 def _write_bytes() -> int:
@@ -255,6 +264,7 @@ def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float
         row.drain()
         settle()
         waited, other_before = wait_quiet(quiet_wait_s)
+        threads0 = _fingerprint_cpu()
         w0, busy0, cpu0, t0 = _write_bytes(), cpu_busy_s(), usage()[1], time.perf_counter()
         step_s, t = [], t0
         for step in range(2, steps + 2):
@@ -268,6 +278,7 @@ def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float
         window_s = time.perf_counter() - t0
         cpu_s, busy = usage()[1] - cpu0, cpu_busy_s() - busy0
         written = _write_bytes() - w0
+        fp_cpu = sum(v - threads0.get(tid, 0.0) for tid, v in _fingerprint_cpu().items())
         per = row.records(2)
     finally:
         row.close()
@@ -276,7 +287,8 @@ def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float
     n = 0 if name == "none" else steps
     out: dict[str, Any] = {"window_s": window_s, "cpu_s": cpu_s, "other_cpus": max(0.0, busy - cpu_s) / window_s,
                            "quiet_wait_s": waited, "other_cpus_before": other_before, "checkpoints": n,
-                           "io_write_bytes": written / n if n else 0.0, "step_s": statistics.median(step_s)}
+                           "io_write_bytes": written / n if n else 0.0, "step_s": statistics.median(step_s),
+                           "fingerprint_cpu_s": fp_cpu / n if n else 0.0}
     out.update({k: median_or_none(v) for k, v in per.items()})
     return out
 
@@ -439,17 +451,19 @@ def report(doc: Mapping[str, Any]) -> None:
     size = lambda v: format_size(int(v))  # noqa: E731
     rows = [[name, _cell(s[name], "io_write_bytes", size), _cell(s[name], "library_bytes_written", size),
              _cell(s[name], "time_lost_s", _ms), _cell(s[name], "step_lost_s", _ms), _cell(s[name], "extra_cpu_s", _ms),
-             _cell(s[name], "blocked_s", _ms), _cell(s[name], "durable_s", _ms)] for name in ROWS[1:]]
+             _cell(s[name], "fingerprint_cpu_s", _ms), _cell(s[name], "blocked_s", _ms),
+             _cell(s[name], "durable_s", _ms)] for name in ROWS[1:]]
     print(f"{doc['model']}; changed per step {format_size(doc['changed_bytes'])} of "
           f"{format_size(doc['state_bytes'])}; {doc['machine']}")
     print_table(f"LoRA-like model, interval 1, per checkpoint, median (range) of {cfg['repeats']} repeats "
                 f"(none: {_cell(s['none'], 'window_s', lambda v: f'{v:.2f}')} s for {cfg['steps']} steps)",
-                ["row", "write_bytes", "library bytes", "time lost ms", "median step +ms", "extra CPU ms", "blocked ms",
-                 "to durable ms"], rows)
+                ["row", "write_bytes", "library bytes", "time lost ms", "median step +ms", "extra CPU ms",
+                 "fingerprint CPU ms", "blocked ms", "to durable ms"], rows)
     print_table(f"Full-parameter training, {cfg['full_steps']} steps at interval 1",
-                ["row", "window s", "write_bytes/ckpt", "fingerprint ms", "to durable ms"],
+                ["row", "window s", "write_bytes/ckpt", "fingerprint ms", "fingerprint CPU ms", "to durable ms"],
                 [[name, _cell(s[name], "window_s", lambda v: f"{v:.2f}"), _cell(s[name], "io_write_bytes", size),
-                  _cell(s[name], "fingerprint_s", _ms), _cell(s[name], "durable_s", _ms)] for name in FULL_ROWS])
+                  _cell(s[name], "fingerprint_s", _ms), _cell(s[name], "fingerprint_cpu_s", _ms),
+                  _cell(s[name], "durable_s", _ms)] for name in FULL_ROWS])
     print_table("Cold load_latest", ["store", "seconds"],
                 [[k, _cell(s["load"], f"{k}_load_s", lambda v: f"{v:.3f}")] for k in ("incremental", "full")])
     for t in doc["targets"]:
