@@ -464,7 +464,7 @@ def test_lazy_load_reads_through_references(tmp_path):
     (dict(spread_steps=2), "spread_steps"),
 ])
 def test_unsupported_combinations_raise_config_error(tmp_path, kw, what):
-    with pytest.raises(pccheck.ConfigError, match=f"{what}.*supported now: the disk tier of one process"):
+    with pytest.raises(pccheck.ConfigError, match=f"{what}.*supported now: the disk tier"):
         pccheck.Checkpointer({"a": np.zeros(4)}, tmp_path / "ck", incremental=True, **kw)
     with pytest.raises(pccheck.ConfigError, match=what):
         pccheck.Options(disk=pccheck.DiskOptions(incremental=True)).updated(**kw)

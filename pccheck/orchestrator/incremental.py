@@ -46,8 +46,8 @@ BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
-INCREMENTAL_SUPPORTED = ("the disk tier of one process (history copies included), with host (CPU) arrays or "
-                         "PyTorch state on the CPU")
+INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
+                         "torch.distributed group (DDP, FSDP2/DTensor), with state in host (CPU) memory")
 
 
 def refuse_incremental(what: str) -> ConfigError:
