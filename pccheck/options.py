@@ -297,6 +297,11 @@ class MemoryOptions:
         replicas: copies of each rank's memory checkpoint, its own included: m - 1 go to ranks on
             other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
             ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Needs at least m nodes.
+        incremental: copy into a memory slot, and send to a replica, only the arrays whose bytes
+            differ from what that slot already holds (docs/guide/incremental.md, "With the memory
+            tier"). None (default): as the Checkpointer's ``incremental=``; True or False: this
+            tier alone (True with a torch.distributed group, whose disk tier writes in full).
+            Host (CPU) state only.
     """
 
     every: int | None = None
@@ -304,6 +309,7 @@ class MemoryOptions:
     keep_every: int | None = None
     dir: Any = None
     replicas: int = 1
+    incremental: bool | None = None
 
     def __post_init__(self) -> None:
         if self.every is not None:
@@ -319,6 +325,8 @@ class MemoryOptions:
         check_int("replicas", self.replicas, 1)
         if self.replicas > 1 and self.every is None:
             raise ConfigError("replicas copies memory checkpoints: set memory.every too")
+        if self.incremental is not None and not isinstance(self.incremental, bool):
+            raise ConfigError(f"memory.incremental must be None, True or False, got {self.incremental!r}")
 
 
 @_with_aliases({"remote": "url", "remote_part_size": "part_size", "remote_concurrency": "concurrency",
@@ -506,12 +514,16 @@ class Options:
             given = {"keep_every": history.keep_every, "max_history": history.max_history}
             object.__setattr__(self, "disk", replace(self.disk, **_disk_history_fields(self.disk, given)))
         if self.disk.incremental:
-            if self.memory.every is not None:
-                raise refuse_incremental("the memory tier (memory=MemoryOptions(every=...))")
             if self.remote.url is not None:
                 raise refuse_incremental("the remote tier (remote=...)")
             if self.snapshot.spread_steps != 1:
                 raise refuse_incremental("spread_steps != 1")
+
+    @property
+    def memory_incremental(self) -> bool:
+        """Whether the memory tier copies only changed arrays: ``memory.incremental``, else the
+        Checkpointer's ``incremental=``."""
+        return self.disk.incremental if self.memory.incremental is None else self.memory.incremental
 
     @property
     def history(self) -> HistoryOptions | None:

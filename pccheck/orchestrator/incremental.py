@@ -46,8 +46,9 @@ BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
-INCREMENTAL_SUPPORTED = ("the disk tier of one process (history copies included), with host (CPU) arrays or "
-                         "PyTorch state on the CPU")
+INCREMENTAL_SUPPORTED = ("the disk tier of one process (history copies included), and the memory tier with its "
+                         "replicas (in a torch.distributed group: MemoryOptions(incremental=True), the disk tier "
+                         "writing in full), with host (CPU) arrays or PyTorch state on the CPU")
 
 
 def refuse_incremental(what: str) -> ConfigError:

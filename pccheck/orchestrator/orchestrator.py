@@ -37,6 +37,7 @@ from .args import StartArgs
 from .copy_engine import CopyEngine, abandon
 from .flight import CommitInfo, Flight
 from .incremental import Incremental, aligned, eager_end, own_prefix
+from .slot_records import SlotRecords
 from .options import EngineOptions, chunk_geometry
 from .reserve import Reserve, resolve_reserve, ship_chunks, stage_chunks
 from .threads import started_pool
@@ -67,7 +68,7 @@ class Orchestrator:
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
                  device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, in_slot: bool = False) -> None:
         if not engine.resolved:
             raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
         self.engine_options = engine
@@ -91,7 +92,11 @@ class Orchestrator:
         self._in_place = populate_store
         # incremental=True: unchanged arrays are referenced, changed ones written into free cells
         # (incremental.py); the layout's arrays are then block-aligned (FORMAT.md §14).
-        self._cells: Incremental | None = Incremental() if incremental else None
+        # in_slot=True (the memory tier's stores): each slot stays whole, a checkpoint copies only
+        # the arrays its slot does not hold already (slot_records.py).
+        self._cells: Incremental | SlotRecords | None = (SlotRecords() if in_slot else
+                                                         Incremental() if incremental else None)
+        incremental = self._cells is not None
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
@@ -296,7 +301,7 @@ class Orchestrator:
             raise
         fl = Flight(None, None, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
-                    expect=args.expect_crcs, slot=slot)
+                    expect=args.expect_crcs, slot=slot, given=args.given, on_plan=args.on_plan)
         if args.copied is not None:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
@@ -342,8 +347,11 @@ class Orchestrator:
         try:
             if self._cells is not None:
                 h = self.store.header
+                given = {} if fl.given is None else {"given": fl.given}  # a replica's (SlotRecords)
                 cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
-                                         lambda s: h["slots_offset"] + s * h["slot_capacity"])
+                                         lambda s: h["slots_offset"] + s * h["slot_capacity"], **given)
+                if fl.on_plan is not None:
+                    fl.on_plan(cells)  # e.g. a replica asks its sender for the arrays its slot lacks
             stream = fl.layout if cells is None else cells.stream
             src = self.copy_engine.sources(fl.arrays, stream)
             job = self.engine.begin(fl.native, fl.slot, src.native, stream.data_len, zero_meta=True,
@@ -506,11 +514,13 @@ class Orchestrator:
             native.release_slot(job.slot)
             code = -job.error
             raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
-        if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), job.crcs)) != dict(fl.expect):
-            native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
-            raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
         cp = fl.cells
         crcs = job.crcs if cp is None else cp.crcs(job.crcs)
+        # every array's: the written ones' as the writers computed them, the others' as the slot
+        # records them (a replica left in place must hold what the sender's manifest says)
+        if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), crcs)) != dict(fl.expect):
+            native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
+            raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
         manifest = build_manifest(fl.layout, step, fl.counter, crcs, fl.metadata, tree=fl.tree,
                                   epoch=fl.epoch, cells=None if cp is None else cp.manifest_cells())
         try:

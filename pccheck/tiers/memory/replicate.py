@@ -45,13 +45,14 @@ from ...orchestrator.args import StartArgs
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
 from ...orchestrator.retention import KeepOlder
+from ...orchestrator.slot_records import Given
 from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, send_bytes
+from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, recv_views, send_bytes, send_views
 
-__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
+__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker", "runs_of", "parse_need"]
 
 log = logging.getLogger("pccheck")
 
@@ -108,6 +109,41 @@ def data_end(man: Manifest) -> int:
     """Bytes of a slot's data region that hold arrays (rounded up to a block, within data_len)."""
     end = max((e.offset + e.nbytes for e in man.arrays), default=0)
     return min(man.data_len, (end + 4095) // 4096 * 4096)
+
+
+def runs_of(man: Manifest, need: list[int]) -> list[tuple[int, int]]:
+    """(offset, nbytes) of the data-region ranges that carry the arrays ``need`` (indices into
+    ``man.arrays``, ascending) of an incremental replica, neighbours merged: both ends compute
+    them from the same manifest and list, so every send meets a receive of its size."""
+    runs: list[list[int]] = []
+    for i in need:
+        e = man.arrays[i]
+        if not e.nbytes:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == e.offset:
+            runs[-1][1] += e.nbytes
+        elif runs and (runs[-1][0] + runs[-1][1] + 4095) // 4096 * 4096 == e.offset:
+            runs[-1][1] = e.offset + e.nbytes - runs[-1][0]  # across the padding before a block
+        else:
+            runs.append([e.offset, e.nbytes])
+    return [(a, b) for a, b in runs]
+
+
+def parse_need(raw: str, n: int) -> list[int] | None:
+    """A receiver's answer to an incremental replica's header (untrusted): the ascending indices
+    of the arrays its slot lacks, or None when it takes none (it failed before its plan).
+    CorruptCheckpointError for anything else."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise CorruptCheckpointError("a replica's answer is not JSON") from None
+    if isinstance(doc, dict) and doc.get("skip") is True:
+        return None
+    need = doc.get("need") if isinstance(doc, dict) else None
+    if not isinstance(need, list) or not all(type(i) is int and 0 <= i < n for i in need) or \
+            any(a >= b for a, b in zip(need, need[1:])):
+        raise CorruptCheckpointError("a replica's answer lists no valid ascending array indices")
+    return need
 
 
 def arrays_of(man: Manifest, buf: np.ndarray, torch_views: bool = True) -> dict[str, Any]:
@@ -167,8 +203,12 @@ class Replicator:
     """The sender thread and one receiver thread per source rank (see the module docstring)."""
 
     def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any,
-                 keep_last: int = 0) -> None:
+                 keep_last: int = 0, incremental: bool = False) -> None:
         self.links, self.root, self.coord, self.keep_last = links, root, coord, keep_last
+        # incremental: a replica carries only the arrays the receiver's slot lacks, which the
+        # receiver names in its answer to the header (it knows its slot; the sender never guesses)
+        self.incremental = incremental
+        self.sends: deque[dict[str, Any]] = deque(maxlen=64)  # per step sent: bytes sent and kept per peer
         # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
         # skipped start would leave the sender's bytes unreceived and the pair out of step). One
         # pool chunk: replicas are received in place, into the slot (even where the own tier holds
@@ -178,7 +218,7 @@ class Replicator:
         self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
         # one KeyWaiter (a connection of its own) per waiting thread: receivers and the log follower
         self._waiters = {name: KeyWaiter.connect(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
-                         for name in ["log", *links.sources]}
+                         for name in ["log", "send", *links.sources]}
         self._cv = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._sending = False
@@ -318,12 +358,19 @@ class Replicator:
             view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
             doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
                    "manifest": raw.decode()}
+            if self.incremental:
+                doc["incremental"] = True
+            sent: dict[int, int] = {}
             for dst in self.links.peers:
                 if dst in self._dead:
                     continue
                 try:
                     self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
-                    send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                    if self.incremental:
+                        sent[dst] = self._send_needed(man, view, dst, seq)
+                    else:
+                        send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                        sent[dst] = end
                 except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
                     log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
                               "to it", man.step, dst, exc)
@@ -332,8 +379,32 @@ class Replicator:
                     with self._cv:
                         self._cv.notify_all()
             del view
+        total = sum(e.nbytes for e in man.arrays)
+        self.sends.append({"step": man.step, "sent": sent, "kept": {d: max(0, total - n) for d, n in sent.items()}})
         self.sent_step = info.step
         return True
+
+    def _send_needed(self, man: Manifest, view: np.ndarray, dst: int, seq: int) -> int:
+        """An incremental replica's data: waits (bounded) for ``dst``'s answer naming the arrays
+        its slot lacks, then sends those alone (runs_of). Returns the bytes sent."""
+        deadline = time.monotonic() + TIMEOUT_S
+        stop = _Until(deadline, self._recv_stop)
+        key = f"{self.links.rank}>{dst}/{seq}/need"
+        raw = self._waiters["send"].wait(key, stop)
+        if raw is None:
+            raise TimeoutError(f"rank {dst} did not answer the replica header within {TIMEOUT_S:.0f} s")
+        try:
+            self._waiters["send"].store.delete_key(key)
+        except Exception:  # noqa: BLE001 - only a little memory in the store
+            pass
+        need = parse_need(raw, len(man.arrays))
+        if need is None:
+            return 0  # the receiver failed before its plan and takes nothing: the pair stays in step
+        runs = runs_of(man, need)
+        if any(off + n > view.nbytes for off, n in runs):
+            raise CorruptCheckpointError("a replica's answer names bytes beyond the slot's data")
+        send_views(self.links.pg, dst, [view[off:off + n] for off, n in runs], self.links.rank, TIMEOUT_S)
+        return sum(n for _, n in runs)
 
     def _mapping(self, path: Path, fd: int) -> mmap.mmap:
         """A private, never written mapping of the store file ``path``, kept from one send to the
@@ -381,7 +452,7 @@ class Replicator:
                     self.report_failed(None)
                 return
             try:
-                self._receive(src, doc)
+                self._receive(src, doc, seq - 1)
             except CorruptCheckpointError as exc:  # every byte arrived: the link is still in step
                 log.error("pccheck: replica from rank %d discarded: %s", src, exc)
                 self.report_failed(doc["step"] if type(doc.get("step")) is int else None)
@@ -391,7 +462,7 @@ class Replicator:
                 self.report_failed(None)
                 return
 
-    def _receive(self, src: int, doc: dict) -> None:
+    def _receive(self, src: int, doc: dict, seq: int) -> None:
         man, end = _parse_header(doc)
         buf = self._bufs.get(src)
         if buf is None or buf.nbytes < end:
@@ -399,6 +470,9 @@ class Replicator:
             buf = self._bufs[src] = np.empty(end, dtype=np.uint8)
         view = buf[:end]
         arrays = arrays_of(man, view)
+        if doc.get("incremental") is True:
+            self._receive_needed(src, seq, man, arrays, view)
+            return
         orch = self._store(src, arrays)
         wire: WireCopyEngine = orch.copy_engine
         layout = plan(arrays)
@@ -419,6 +493,46 @@ class Replicator:
         finally:
             wire.expect(None)
 
+    def _receive_needed(self, src: int, seq: int, man: Manifest, arrays: dict[str, Any], view: np.ndarray) -> None:
+        """An incremental replica: once the replica store's plan knows which arrays the slot it
+        writes lacks (its records: the sender's fingerprint *and* crc32c under the same keys),
+        names them in the answer to the header, receives those alone into ``view`` at their
+        offsets and copies them into the slot; the others stay in place, and the commit checks
+        every array's crc32c, the kept ones' as the slot records them, against the manifest's."""
+        key = f"{src}>{self.links.rank}/{seq}/need"
+        answered = False
+
+        def receive(cells: Any) -> None:
+            nonlocal answered
+            need = list(cells.changed)
+            self._kv.set(key, json.dumps({"need": need}))
+            answered = True
+            runs = runs_of(man, need)
+            recv_views(self.links.pg, src, [view[off:off + n] for off, n in runs], src, TIMEOUT_S)
+
+        n = len(man.arrays)
+        cells = man.cells
+        given = Given(cells.keys if cells is not None else None, cells.fps if cells is not None else (None,) * n,
+                      man.crcs)
+        try:
+            orch = self._store(src, arrays)
+            if orch.copy_engine is not None:
+                orch.copy_engine.expect(None)  # copied from ``view``, not received inside the job
+            if tuple(e.offset for e in plan(arrays, 4096).entries) != tuple(e.offset for e in man.arrays):
+                raise CorruptCheckpointError("replica manifest's offsets are not its arrays' block-aligned layout")
+            orch.start(man.step, arrays, man.metadata, StartArgs(
+                tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)},
+                given=given, on_plan=receive))
+        except CorruptCheckpointError:
+            if not answered:
+                self._kv.set(key, json.dumps({"skip": True}))  # the sender sends nothing: still in step
+            raise
+        except Exception:
+            if not answered:
+                self._kv.set(key, json.dumps({"skip": True}))
+                raise CorruptCheckpointError(f"replica of step {man.step} not taken: its plan failed") from None
+            raise
+
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
 
@@ -432,7 +546,7 @@ class Replicator:
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
                                 copy_engine=WireCopyEngine(), on_error=_log_error, retention=KeepOlder(self.keep_last),
                                 world_size=self.links.world, rank=src, on_commit=committed, populate_store=True,
-                                on_finished=self.finished)
+                                on_finished=self.finished, in_slot=self.incremental)
             self._stores[src] = orch
         return orch
 
@@ -487,8 +601,11 @@ class Replicator:
     def newest(self) -> dict[str, Any]:
         """The newest step this rank sent to every live peer, the newest replicated everywhere,
         and per source rank the newest replica committed here."""
-        return {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
-                "replication_wait_s": self.throttled_s, "memory_stopped": self.stopped}
+        out = {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
+               "replication_wait_s": self.throttled_s, "memory_stopped": self.stopped}
+        if self.incremental:  # per step sent: array bytes sent to each peer, and left in its slot
+            out["replica_bytes"] = list(self.sends)
+        return out
 
     def close(self, deadline_s: float = TIMEOUT_S) -> None:
         """Sends what is pending, ends the sender, waits (bounded) for every source's end."""
@@ -505,6 +622,16 @@ class Replicator:
             t.join(5)
         for orch in self._stores.values():
             orch.close()
+
+
+class _Until:
+    """A stop for KeyWaiter.wait: set once ``deadline`` (monotonic) passed or ``stop`` is set."""
+
+    def __init__(self, deadline: float, stop: threading.Event) -> None:
+        self.deadline, self.stop = deadline, stop
+
+    def is_set(self) -> bool:
+        return self.stop.is_set() or time.monotonic() > self.deadline
 
 
 def _log_error(exc: PCCheckError) -> None:
