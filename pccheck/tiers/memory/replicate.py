@@ -121,9 +121,7 @@ def runs_of(man: Manifest, need: list[int]) -> list[tuple[int, int]]:
         if not e.nbytes:
             continue
         if runs and runs[-1][0] + runs[-1][1] == e.offset:
-            runs[-1][1] += e.nbytes
-        elif runs and (runs[-1][0] + runs[-1][1] + 4095) // 4096 * 4096 == e.offset:
-            runs[-1][1] = e.offset + e.nbytes - runs[-1][0]  # across the padding before a block
+            runs[-1][1] += e.nbytes  # no padding between them: one range, array bytes only
         else:
             runs.append([e.offset, e.nbytes])
     return [(a, b) for a, b in runs]
