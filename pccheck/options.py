@@ -238,8 +238,7 @@ class DiskOptions:
     incremental: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.incremental, bool):
-            raise ConfigError(f"disk.incremental must be True or False, got {self.incremental!r}")
+        _check_bool("disk.incremental", self.incremental)
         if isinstance(self.every, str) and self.every != AUTO:
             raise ConfigError(f'disk.every must be an integer >= 1 or "auto", got {self.every!r}')
         if self.every != AUTO:
@@ -297,11 +296,8 @@ class MemoryOptions:
         replicas: copies of each rank's memory checkpoint, its own included: m - 1 go to ranks on
             other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
             ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Needs at least m nodes.
-        incremental: copy into a memory slot, and send to a replica, only the arrays whose bytes
-            differ from what that slot already holds (docs/guide/incremental.md, "With the memory
-            tier"). None (default): as the Checkpointer's ``incremental=``; True or False: this
-            tier alone (True with a torch.distributed group, whose disk tier writes in full).
-            Host (CPU) state only.
+        incremental: copy into a slot, and send to a replica, only the arrays it lacks (host state;
+            docs/guide/incremental.md). None (default): as ``incremental=``; True/False: this tier alone.
     """
 
     every: int | None = None
@@ -325,8 +321,7 @@ class MemoryOptions:
         check_int("replicas", self.replicas, 1)
         if self.replicas > 1 and self.every is None:
             raise ConfigError("replicas copies memory checkpoints: set memory.every too")
-        if self.incremental is not None and not isinstance(self.incremental, bool):
-            raise ConfigError(f"memory.incremental must be None, True or False, got {self.incremental!r}")
+        _check_bool("memory.incremental", self.incremental, optional=True)
 
 
 @_with_aliases({"remote": "url", "remote_part_size": "part_size", "remote_concurrency": "concurrency",
@@ -518,12 +513,6 @@ class Options:
                 raise refuse_incremental("the remote tier (remote=...)")
             if self.snapshot.spread_steps != 1:
                 raise refuse_incremental("spread_steps != 1")
-
-    @property
-    def memory_incremental(self) -> bool:
-        """Whether the memory tier copies only changed arrays: ``memory.incremental``, else the
-        Checkpointer's ``incremental=``."""
-        return self.disk.incremental if self.memory.incremental is None else self.memory.incremental
 
     @property
     def history(self) -> HistoryOptions | None:

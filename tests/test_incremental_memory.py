@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,16 +129,23 @@ def test_kept_bytes_are_not_rewritten_and_stale_ones_are_never_loaded(tmp_path):
     assert all(torch.equal(restored[k], on_disk[k]) for k in on_disk)
 
 
-def test_memory_incremental_is_a_bool_or_none():
+def test_memory_incremental_is_a_bool_or_none(tmp_path):
+    """None follows incremental=; False keeps the memory tier full beside an incremental disk."""
     assert pccheck.MemoryOptions(every=1).incremental is None
-    assert pccheck.Options(disk=pccheck.DiskOptions(incremental=True)).memory_incremental is True
-    assert pccheck.Options(memory=pccheck.MemoryOptions(every=1, incremental=True)).memory_incremental is True
-    assert not pccheck.Options(disk=pccheck.DiskOptions(incremental=True),
-                               memory=pccheck.MemoryOptions(every=1, incremental=False)).memory_incremental
     with pytest.raises(pccheck.ConfigError, match="memory.incremental"):
         pccheck.MemoryOptions(every=1, incremental=1)
+    model, opt = _model()
+    with pccheck.Checkpointer(model, opt, tmp_path / "disk", interval=1, incremental=True,
+                              memory=pccheck.MemoryOptions(every=1, dir=tmp_path / "mem", incremental=False)) as ck:
+        for step in range(1, 4):
+            _train(model, opt, step)
+            ck.maybe_checkpoint(step)
+        ck.wait()
+        assert "memory_bytes" not in ck.stats().tiers  # full memory checkpoints
+        assert ck.stats().checkpoints[-1].bytes_referenced > 0  # an incremental disk beside it
 
 
+@pytest.mark.slow  # the two-node test below covers a SIGKILL and a resume from own memory by default
 def test_single_process_sigkill_resumes_from_memory_bit_for_bit(tmp_path):
     """One process, frozen base, a frozen weight changed through ``.data`` at step 4, SIGKILL
     after step 6: the resume loads from memory exactly the state the run had at that step."""

@@ -45,14 +45,14 @@ from ...orchestrator.args import StartArgs
 from ...orchestrator.options import EngineOptions
 from ...orchestrator.orchestrator import CommitInfo, Orchestrator
 from ...orchestrator.retention import KeepOlder
-from ...orchestrator.slot_records import Given
 from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
-from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, recv_views, send_bytes, send_views
+from .delta import receive_needed, send_needed
+from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, send_bytes
 
-__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker", "runs_of", "parse_need"]
+__all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
 
 log = logging.getLogger("pccheck")
 
@@ -109,39 +109,6 @@ def data_end(man: Manifest) -> int:
     """Bytes of a slot's data region that hold arrays (rounded up to a block, within data_len)."""
     end = max((e.offset + e.nbytes for e in man.arrays), default=0)
     return min(man.data_len, (end + 4095) // 4096 * 4096)
-
-
-def runs_of(man: Manifest, need: list[int]) -> list[tuple[int, int]]:
-    """(offset, nbytes) of the data-region ranges that carry the arrays ``need`` (indices into
-    ``man.arrays``, ascending) of an incremental replica, neighbours merged: both ends compute
-    them from the same manifest and list, so every send meets a receive of its size."""
-    runs: list[list[int]] = []
-    for i in need:
-        e = man.arrays[i]
-        if not e.nbytes:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == e.offset:
-            runs[-1][1] += e.nbytes  # no padding between them: one range, array bytes only
-        else:
-            runs.append([e.offset, e.nbytes])
-    return [(a, b) for a, b in runs]
-
-
-def parse_need(raw: str, n: int) -> list[int] | None:
-    """A receiver's answer to an incremental replica's header (untrusted): the ascending indices
-    of the arrays its slot lacks, or None when it takes none (it failed before its plan).
-    CorruptCheckpointError for anything else."""
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        raise CorruptCheckpointError("a replica's answer is not JSON") from None
-    if isinstance(doc, dict) and doc.get("skip") is True:
-        return None
-    need = doc.get("need") if isinstance(doc, dict) else None
-    if not isinstance(need, list) or not all(type(i) is int and 0 <= i < n for i in need) or \
-            any(a >= b for a, b in zip(need, need[1:])):
-        raise CorruptCheckpointError("a replica's answer lists no valid ascending array indices")
-    return need
 
 
 def arrays_of(man: Manifest, buf: np.ndarray, torch_views: bool = True) -> dict[str, Any]:
@@ -365,7 +332,8 @@ class Replicator:
                 try:
                     self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
                     if self.incremental:
-                        sent[dst] = self._send_needed(man, view, dst, seq)
+                        sent[dst] = send_needed(self.links.pg, self.links.rank, dst, seq, man, view,
+                                                self._waiters["send"], self._recv_stop, TIMEOUT_S)
                     else:
                         send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
                         sent[dst] = end
@@ -381,28 +349,6 @@ class Replicator:
         self.sends.append({"step": man.step, "sent": sent, "kept": {d: max(0, total - n) for d, n in sent.items()}})
         self.sent_step = info.step
         return True
-
-    def _send_needed(self, man: Manifest, view: np.ndarray, dst: int, seq: int) -> int:
-        """An incremental replica's data: waits (bounded) for ``dst``'s answer naming the arrays
-        its slot lacks, then sends those alone (runs_of). Returns the bytes sent."""
-        deadline = time.monotonic() + TIMEOUT_S
-        stop = _Until(deadline, self._recv_stop)
-        key = f"{self.links.rank}>{dst}/{seq}/need"
-        raw = self._waiters["send"].wait(key, stop)
-        if raw is None:
-            raise TimeoutError(f"rank {dst} did not answer the replica header within {TIMEOUT_S:.0f} s")
-        try:
-            self._waiters["send"].store.delete_key(key)
-        except Exception:  # noqa: BLE001 - only a little memory in the store
-            pass
-        need = parse_need(raw, len(man.arrays))
-        if need is None:
-            return 0  # the receiver failed before its plan and takes nothing: the pair stays in step
-        runs = runs_of(man, need)
-        if any(off + n > view.nbytes for off, n in runs):
-            raise CorruptCheckpointError("a replica's answer names bytes beyond the slot's data")
-        send_views(self.links.pg, dst, [view[off:off + n] for off, n in runs], self.links.rank, TIMEOUT_S)
-        return sum(n for _, n in runs)
 
     def _mapping(self, path: Path, fd: int) -> mmap.mmap:
         """A private, never written mapping of the store file ``path``, kept from one send to the
@@ -469,7 +415,8 @@ class Replicator:
         view = buf[:end]
         arrays = arrays_of(man, view)
         if doc.get("incremental") is True:
-            self._receive_needed(src, seq, man, arrays, view)
+            receive_needed(self._kv, self.links.pg, self.links.rank, src, seq, man, arrays, view,
+                           self._store(src, arrays), TIMEOUT_S)
             return
         orch = self._store(src, arrays)
         wire: WireCopyEngine = orch.copy_engine
@@ -490,46 +437,6 @@ class Replicator:
                 tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)}))
         finally:
             wire.expect(None)
-
-    def _receive_needed(self, src: int, seq: int, man: Manifest, arrays: dict[str, Any], view: np.ndarray) -> None:
-        """An incremental replica: once the replica store's plan knows which arrays the slot it
-        writes lacks (its records: the sender's fingerprint *and* crc32c under the same keys),
-        names them in the answer to the header, receives those alone into ``view`` at their
-        offsets and copies them into the slot; the others stay in place, and the commit checks
-        every array's crc32c, the kept ones' as the slot records them, against the manifest's."""
-        key = f"{src}>{self.links.rank}/{seq}/need"
-        answered = False
-
-        def receive(cells: Any) -> None:
-            nonlocal answered
-            need = list(cells.changed)
-            self._kv.set(key, json.dumps({"need": need}))
-            answered = True
-            runs = runs_of(man, need)
-            recv_views(self.links.pg, src, [view[off:off + n] for off, n in runs], src, TIMEOUT_S)
-
-        n = len(man.arrays)
-        cells = man.cells
-        given = Given(cells.keys if cells is not None else None, cells.fps if cells is not None else (None,) * n,
-                      man.crcs)
-        try:
-            orch = self._store(src, arrays)
-            if orch.copy_engine is not None:
-                orch.copy_engine.expect(None)  # copied from ``view``, not received inside the job
-            if tuple(e.offset for e in plan(arrays, 4096).entries) != tuple(e.offset for e in man.arrays):
-                raise CorruptCheckpointError("replica manifest's offsets are not its arrays' block-aligned layout")
-            orch.start(man.step, arrays, man.metadata, StartArgs(
-                tree=man.tree, epoch=man.epoch, expect_crcs={e.name: c for e, c in zip(man.arrays, man.crcs)},
-                given=given, on_plan=receive))
-        except CorruptCheckpointError:
-            if not answered:
-                self._kv.set(key, json.dumps({"skip": True}))  # the sender sends nothing: still in step
-            raise
-        except Exception:
-            if not answered:
-                self._kv.set(key, json.dumps({"skip": True}))
-                raise CorruptCheckpointError(f"replica of step {man.step} not taken: its plan failed") from None
-            raise
 
     def _store(self, src: int, arrays: dict[str, Any]) -> Orchestrator:
         from .paths import replica_dir
@@ -620,16 +527,6 @@ class Replicator:
             t.join(5)
         for orch in self._stores.values():
             orch.close()
-
-
-class _Until:
-    """A stop for KeyWaiter.wait: set once ``deadline`` (monotonic) passed or ``stop`` is set."""
-
-    def __init__(self, deadline: float, stop: threading.Event) -> None:
-        self.deadline, self.stop = deadline, stop
-
-    def is_set(self) -> bool:
-        return self.stop.is_set() or time.monotonic() > self.deadline
 
 
 def _log_error(exc: PCCheckError) -> None:

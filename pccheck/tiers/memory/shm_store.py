@@ -388,7 +388,7 @@ def build_memory_tier(ctx: TierContext, engine: EngineOptions, layout: Layout, s
     if opts.snapshot.spread_steps != 1:
         raise ConfigError("the memory tier does not take spread checkpoints yet: use spread_steps=1")
     root = Path(t.dir) if t.dir is not None else default_memory_dir(ctx.path)
-    incremental = opts.memory_incremental
+    incremental = opts.disk.incremental if t.incremental is None else t.incremental  # MemoryOptions says
     on_device = select_copy_engine(snap.arrays).name != "cpu"
     if incremental and on_device:
         devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
