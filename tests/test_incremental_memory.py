@@ -229,3 +229,42 @@ def test_two_nodes_incremental_matches_an_uninterrupted_run_after_every_rank_is_
     changed = [r["sent"]["1"] for r in tiers["replica_bytes"]][2:]
     assert changed and all(c <= 1.25 * 3 * HEAD_BYTES + SLACK for c in changed if c < FROZEN_BYTES)
     assert np.median(changed) <= 1.25 * 3 * HEAD_BYTES + SLACK
+
+
+@pytest.mark.parametrize("raw, why", [
+    ("not json", "not JSON"),
+    ('{"need": [2, 1]}', "ascending"),
+    ('{"need": [0, 0]}', "ascending"),
+    ('{"need": [9]}', "ascending"),
+    ('{"need": [-1]}', "ascending"),
+    ('{"need": ["0"]}', "ascending"),
+    ('{"need": [true]}', "ascending"),
+    ('{"need": 3}', "ascending"),
+    ("[0, 1]", "ascending"),
+])
+def test_a_replicas_answer_is_untrusted(raw, why):
+    """The sender checks the receiver's answer before it sends a byte: JSON, indices of the
+    manifest's arrays, strictly ascending; ``{"skip": true}`` means nothing is sent."""
+    from pccheck.errors import CorruptCheckpointError
+    from pccheck.tiers.memory.delta import parse_need
+
+    with pytest.raises(CorruptCheckpointError, match=why):
+        parse_need(raw, 3)
+    assert parse_need('{"skip": true}', 3) is None
+    assert parse_need('{"need": [0, 2]}', 3) == [0, 2] and parse_need('{"need": []}', 3) == []
+
+
+def test_runs_merge_only_arrays_without_padding_between_them():
+    """Both ends cut the same ranges from the manifest: neighbours with no padding between them
+    share one range; padding and zero-size arrays are never sent."""
+    from pccheck.persist.layout import plan
+    from pccheck.tiers.memory.delta import runs_of
+
+    arrays = {"a": np.zeros(1024, np.float32), "b": np.zeros(10, np.uint8), "c": np.zeros(0, np.float32),
+              "d": np.zeros(4096, np.uint8), "e": np.zeros(8, np.uint8)}
+    man = type("M", (), {"arrays": plan(arrays, 4096).entries})()
+    offs = {e.name: e.offset for e in man.arrays}
+    assert runs_of(man, [0, 1]) == [(0, 4096 + 10)]          # a fills its blocks: b follows it directly
+    assert runs_of(man, [1, 2, 3]) == [(offs["b"], 10), (offs["d"], 4096)]
+    assert runs_of(man, [3, 4]) == [(offs["d"], 4096 + 8)]
+    assert runs_of(man, []) == []
