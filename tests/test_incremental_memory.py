@@ -268,3 +268,42 @@ def test_runs_merge_only_arrays_without_padding_between_them():
     assert runs_of(man, [1, 2, 3]) == [(offs["b"], 10), (offs["d"], 4096)]
     assert runs_of(man, [3, 4]) == [(offs["d"], 4096 + 8)]
     assert runs_of(man, []) == []
+
+
+def test_slot_records_trust_only_finished_writes_and_the_senders_crc():
+    """What a slot is known to hold: nothing before a write into it finished and committed (an
+    abandoned one leaves its arrays to be copied again), each slot on its own, and for a replica
+    the sender's fingerprint *and* crc32c under the same keys."""
+    from pccheck.orchestrator.slot_records import Given, SlotRecords
+    from pccheck.persist.layout import plan
+
+    arrays = {"frozen": np.arange(4096, dtype=np.float32), "head": np.ones(16, np.float32)}
+    layout = plan(arrays, 4096)
+    rec = SlotRecords()
+    try:
+        def ckpt(counter, slot, outcome="committed", given=None):
+            p = rec.plan(layout, counter, slot, 2, lambda s: s * layout.data_len, given=given)
+            written = [given.crcs[i] if given else 1000 + i for i in p.changed]  # the writers' crc32c
+            rec.end(p, outcome, p.crcs(written))
+            return p.changed
+
+        assert ckpt(1, 0) == (0, 1) and ckpt(2, 1) == (0, 1)  # each slot once
+        arrays["head"] += 1
+        assert ckpt(3, 0) == (1,)
+        assert ckpt(4, 1, "abandoned") == (1,)
+        assert ckpt(5, 1) == (1,)  # the abandoned write may have been cut short: copied again
+        arrays["frozen"][5] = -1.0  # a change nothing announces
+        assert ckpt(6, 0) == (0,)  # slot 0 holds the head of checkpoint 3 already
+        rec.reset(None)  # a reopened store: nothing known
+        assert ckpt(7, 1) == (0, 1)
+
+        p = rec.plan(layout, 8, 0, 2, lambda s: 0)
+        rec.end(p, "committed", p.crcs([]))
+        fps, keys = p.fps, rec.keys
+        g = Given(keys, fps, (7, 8))
+        assert ckpt(9, 0, given=g) == (0, 1)
+        assert ckpt(10, 0, given=g) == ()  # the slot holds both, as the sender says
+        assert ckpt(11, 0, given=Given(keys, fps, (7, 9))) == (1,)  # same fingerprint, other crc32c
+        assert ckpt(12, 0, given=Given((keys[1], keys[0]), fps, (7, 9))) == (0, 1)  # other keys
+    finally:
+        rec.close()
