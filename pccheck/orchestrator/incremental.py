@@ -47,7 +47,8 @@ _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
 INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
-                         "torch.distributed group (DDP, FSDP2/DTensor), with state in host (CPU) memory")
+                         "torch.distributed group (DDP, FSDP2/DTensor), and the memory tier with its replicas, "
+                         "with state in host (CPU) memory")
 
 
 def refuse_incremental(what: str) -> ConfigError:
