@@ -11,8 +11,8 @@ Prints "PID p", "START step tier" and "LOSS step value" lines, flushed. --fsdp: 
 FSDP2 (``fully_shard`` on a CPU mesh of both ranks) with a buffer, instead of DDP; --final then
 saves its full tensors (gathered). --frozen: a frozen base (two Linear layers, about 1 MiB,
 requires_grad=False) before a small trained head; --touch-frozen STEP changes one frozen weight
-through ``.data`` after that step's update (every rank alike). --incremental: the memory tier
-copies and sends only changed arrays (``MemoryOptions(incremental=True)``); at the end each rank
+through ``.data`` after that step's update (every rank alike). --incremental: ``incremental=True``
+(the disk tier writes, the memory tier copies and sends, only changed arrays); at the end each rank
 prints "WIRE <json>", the bytes pccheck's wire sent and received (wire.wire_bytes).
 --digest: prints "DIGEST step sha256" of the model's and optimizer's state after each step's
 checkpoint call, and "RESTORED step sha256" of the state a resume loaded.
@@ -144,10 +144,9 @@ def main(argv: list[str]) -> None:
     if start == 0:
         torch.manual_seed(1000 + rank)  # each rank's dropout stream; on resume it comes from the checkpoint
     ddp = model if single or fsdp else torch.nn.parallel.DistributedDataParallel(model)
-    memory = pccheck.MemoryOptions(every=1, dir=mem, replicas=1 if single else replicas, keep_last=keep_last,
-                                   incremental=True if "--incremental" in argv else None)
+    memory = pccheck.MemoryOptions(every=1, dir=mem, replicas=1 if single else replicas, keep_last=keep_last)
     ck = pccheck.Checkpointer(model, optim, path=disk, interval=disk_interval, max_concurrent=2,
-                              chunk_size=64 << 10, memory=memory)
+                              chunk_size=64 << 10, memory=memory, incremental="--incremental" in argv)
     print(f"START {start} {tier}", flush=True)
     digest = "--digest" in argv
     if digest and start:
