@@ -460,7 +460,6 @@ def test_lazy_load_reads_through_references(tmp_path):
 
 @pytest.mark.parametrize("kw, what", [
     (dict(memory=pccheck.MemoryOptions(every=1)), "memory tier"),
-    (dict(remote="s3://bucket/prefix"), "remote tier"),
     (dict(spread_steps=2), "spread_steps"),
 ])
 def test_unsupported_combinations_raise_config_error(tmp_path, kw, what):

@@ -253,6 +253,22 @@ class Orchestrator:
         """The write mode in use: "odirect", "mmap" or "pmem" ("closed" when not open)."""
         return self.store.mode
 
+    @property
+    def incremental(self) -> bool:
+        """Whether checkpoints reference unchanged arrays (incremental=True, FORMAT.md §14)."""
+        return self._cells is not None
+
+    def hold_cells(self, counter: int) -> bool:
+        """incremental: pins the cells of committed checkpoint ``counter`` until
+        :meth:`release_cells` (the remote tier reads them); False if it cannot (no longer the
+        newest commit). True when not incremental (its slot holds every byte)."""
+        return True if self._cells is None else self._cells.hold(counter)
+
+    def release_cells(self, counter: int) -> None:
+        """Ends :meth:`hold_cells` for ``counter``."""
+        if self._cells is not None:
+            self._cells.release(counter)
+
     def take_held(self, generation: int) -> list[int]:
         """Replaced slots of ``generation`` held for the retention policy since the last call
         (hold_replaced); none once another generation is open."""
