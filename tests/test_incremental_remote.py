@@ -257,15 +257,21 @@ def test_old_readers_refuse_a_referencing_step_manifest(s3_url, tmp_path):
     with pytest.raises(pccheck.CorruptCheckpointError, match="unknown format"):
         layout._load(raw, layout.FORMAT, "m")  # the version-1 reader's check
     doc = json.loads(raw)
-    for bad in ([[0, 1 << 40]] * 3, [[5, 0]] * 3, [[0, 0]] * 2):  # beyond the object, no such object, too few
-        doc["ranks"][0]["where"] = bad
-        m = layout.decode_manifest(json.dumps(doc).encode(), 1, 2) if bad[0][0] != 5 else None
-        if m is None:
-            with pytest.raises(pccheck.CorruptCheckpointError, match="location"):
-                layout.decode_manifest(json.dumps(doc).encode(), 1, 2)
-            continue
-        with pytest.raises(pccheck.CorruptCheckpointError):
-            local_manifest(m.ranks[0], 2)
+
+    def part_with(where):
+        doc["ranks"][0]["where"] = where
+        return layout.decode_manifest(json.dumps(doc).encode(), 1, 2).ranks[0]
+
+    assert local_manifest(part_with(doc["ranks"][0]["where"]), 2).step == 2
+    with pytest.raises(pccheck.CorruptCheckpointError, match="bad array location"):
+        part_with([[5, 0]] * 3)  # no such object
+    with pytest.raises(pccheck.CorruptCheckpointError, match="beyond the end"):
+        local_manifest(part_with([[0, 1 << 40]] * 3), 2)  # past the object's size
+    with pytest.raises(pccheck.CorruptCheckpointError, match="3 arrays"):
+        local_manifest(part_with([[0, 0]] * 2), 2)  # a location missing
+    doc["ranks"][0]["objects"] = [{"key": doc["ranks"][0]["data"], "size": 1}]
+    with pytest.raises(pccheck.CorruptCheckpointError, match="named twice"):
+        part_with([[0, 0]] * 3)
 
 
 def test_groups_and_sets_with_incremental_remote_are_refused(tmp_path):

@@ -13,7 +13,7 @@ checkpoint's manifest (format 3, FORMAT.md §14), and for each array
 Invariants: a step references only objects its base names, so retention, which never deletes
 the newest committed step nor what a kept step names, keeps every referenced byte (retention.py);
 the object is completed only when the crc32c of every array read matches the local manifest (the
-uploader holds the checkpoint's cells from reuse meanwhile, ``Orchestrator.hold_cells``).
+uploader holds the checkpoint's cells from reuse meanwhile, ``Incremental.hold`` through ``Orchestrator.cells``).
 """
 
 from __future__ import annotations

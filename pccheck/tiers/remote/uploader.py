@@ -20,7 +20,7 @@ Invariants:
   still needs them); its store generation is not retired while it is held. One queued upload at
   most: a newer commit supersedes the queued one, whose slot is then given back.
 * incremental=True (the disk's checkpoints reference unchanged arrays in other slots' cells):
-  the cells of a queued or running upload are pinned too (``Orchestrator.hold_cells``, taken in
+  the cells of a queued or running upload are pinned too (``Incremental.hold``, taken in
   ``on_commit`` while the checkpoint is still the disk's base), and only the arrays that differ
   from the last step this uploader committed are uploaded; the rest are referenced
   (increment.py, FORMAT.md §12.8).
@@ -166,7 +166,7 @@ class RemoteUploader:
     def start(self, disk: Any, epoch: int | None) -> None:
         """Uploads from the slots of ``disk`` (the orchestrator whose commits it is given)."""
         self._orch = disk
-        self._incremental = bool(getattr(disk, "incremental", False))
+        self._incremental = getattr(disk, "cells", None) is not None
 
     def prepare(self, layout: Any, metadata: Any, tree: Any) -> None:
         """Nothing to size: the part buffers are made (and faulted in) by the upload thread."""
@@ -219,7 +219,7 @@ class RemoteUploader:
         """incremental: keeps the cells of commit ``counter`` from reuse until its upload ends
         (lock held). Not possible once a newer commit replaced it: the upload then checks every
         array's crc32c as it reads, and abandons the step if a cell was rewritten."""
-        if self._incremental and self._orch is not None and self._orch.hold_cells(counter):
+        if self._incremental and self._orch is not None and self._orch.cells.hold(counter):
             self._cell_holds.add(counter)
 
     def _settle(self) -> None:
@@ -230,7 +230,7 @@ class RemoteUploader:
         need = {r.counter for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
         for c in sorted(self._cell_holds - need):
             self._cell_holds.discard(c)
-            orch.release_cells(c)
+            orch.cells.release(c)
         gen = orch.generation
         if gen != self._held_gen:  # a new generation: slot numbers start over
             self._held, self._held_gen = set(), gen
