@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -285,3 +286,62 @@ def test_groups_and_sets_with_incremental_remote_are_refused(tmp_path):
 
     with pytest.raises(pccheck.ConfigError, match="torch.distributed group or a pccheck.dcp set"):
         build_remote_tier(Ctx(), True)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_cells_of_an_upload_in_progress_are_never_rewritten(s3_url, tmp_path, monkeypatch, hold):
+    """Step 2's upload is stalled after its first part while ten more local checkpoints commit,
+    each changing a random subset of the arrays (so later ones write into cells older
+    checkpoints left). Its cells stay pinned: the upload reads the bytes its manifest names and
+    commits. Without the pin (``hold=False``, the rule switched off) a cell is rewritten under it
+    and the upload is abandoned, never committed torn."""
+    from pccheck.orchestrator.incremental import Incremental
+    from pccheck.tiers.remote import objstore
+
+    if not hold:
+        monkeypatch.setattr(Incremental, "hold", lambda self, counter: False)
+    gate, started = threading.Event(), threading.Event()
+    orig = objstore.ObjectStore.upload_part
+
+    def stalled(self, rel, upload_id, number, data, **kw):
+        if "/s2-" in rel and number == 1:
+            started.set()
+            gate.wait(60)
+        return orig(self, rel, upload_id, number, data, **kw)
+
+    monkeypatch.setattr(objstore.ObjectStore, "upload_part", stalled)
+    rng = np.random.default_rng(5)
+    state = {"big": np.zeros(5 * MiB, np.float32), **{f"x{i}": np.zeros(MiB // 4, np.float32) for i in range(4)}}
+    want2 = None
+    ck = pccheck.Checkpointer(state, tmp_path / "ck", incremental=True, max_concurrent=1, remote_part_size=8 * MiB,
+                              remote_concurrency=1, remote=s3_url)
+    try:
+        for s in range(1, 13):
+            for k in state:
+                if s <= 2 or (k != "big" and rng.random() < 0.5):
+                    state[k][:] = s
+            ck.checkpoint(s)
+            ck.wait()
+            if s == 1:
+                assert ck.wait(remote=True, timeout=60)
+            if s == 2:
+                want2 = {k: v.copy() for k, v in state.items()}
+                assert started.wait(60)
+        gate.set()
+        assert ck.wait(remote=True, timeout=60)
+        p = ck.stats().remote
+    finally:
+        gate.set()
+        ck.close()
+    store = ObjectStore(s3_url)
+    steps = [s for _, s in committed(store)]
+    if not hold:
+        assert p["remote_abandoned"] == 1 and 2 not in steps
+        return
+    assert p["remote_abandoned"] == 0 and steps == [12, 2, 1]
+    r = pccheck.load_latest(s3_url)
+    assert r.step == 12 and all(np.array_equal(r.state[k], state[k]) for k in state)
+    from pccheck.tiers.remote.load import _load_step
+
+    r2 = _load_step(store, 1, 2)
+    assert all(np.array_equal(r2.state[k], want2[k]) for k in want2)
