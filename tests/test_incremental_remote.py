@@ -195,6 +195,8 @@ def test_retention_keeps_referenced_objects_and_deletes_the_rest(s3_url, tmp_pat
     _assert_step(pccheck.load_latest(s3_url), 6)
     # verify and ls read through the references
     run = CliRunner().invoke
+    out = run(app, ["ls", s3_url, "--json"])
+    assert out.exit_code == 0 and [s["step"] for s in json.loads(out.output)["steps"]] == [6, 5]
     out = run(app, ["verify", s3_url, "--json"])
     assert out.exit_code == 0, out.output
     assert [s["step"] for s in json.loads(out.output)["steps"]] == [6, 5]
@@ -247,6 +249,22 @@ def test_sigkill_during_an_incremental_upload_leaves_the_newest_committed_step(s
         assert ck._remote.generation == 2
     r = pccheck.load_latest(s3_url)
     assert r.step == 4 and r.generation == 2 and np.all(r.state["adapter"] == 4)
+
+
+def test_a_step_with_nothing_changed_uploads_an_empty_object(s3_url, tmp_path):
+    store = _steps(s3_url, tmp_path, range(1, 3))  # the same state checkpointed again as step 3
+    state = {"frozen": np.arange(3 * MiB // 4, dtype=np.float32), "mid": np.full(50_000, 2, np.float32),
+             "adapter": np.full(3000, 2, np.float32)}
+    with pccheck.Checkpointer(state, tmp_path / "ck", incremental=True, remote=s3_url, **KW) as ck:
+        ck.checkpoint(3)
+        assert ck.wait(remote=True, timeout=60)
+        ck.checkpoint(4)  # nothing changed since step 3
+        assert ck.wait(remote=True, timeout=60)
+        assert ck.stats().remote["remote_last_bytes"] == 0
+    p4 = _step_manifest(store, 4, generation=2).ranks[0]
+    assert p4.size == 0 and all(o != 0 for o, _ in p4.where)
+    r = pccheck.load_latest(s3_url)
+    assert r.step == 4 and np.all(r.state["adapter"] == 2) and np.all(r.state["mid"] == 2)
 
 
 def test_old_readers_refuse_a_referencing_step_manifest(s3_url, tmp_path):
