@@ -267,6 +267,37 @@ def test_a_step_with_nothing_changed_uploads_an_empty_object(s3_url, tmp_path):
     assert r.step == 4 and np.all(r.state["adapter"] == 2) and np.all(r.state["mid"] == 2)
 
 
+def test_two_incremental_jobs_racing_on_one_prefix_one_wins_and_loads_whole(s3_url, tmp_path):
+    """Started together (the same generation), two incremental jobs race for each step: the
+    create-only step manifest lets one win; the loser stops with RemoteConflictError. The
+    winner's later steps reference only its own objects, and the newest loads whole."""
+    states = {k: {"frozen": np.full(MiB, v, np.float32), "adapter": np.zeros(2000, np.float32)}
+              for k, v in (("a", 1.0), ("b", 2.0))}
+    errors: dict[str, list] = {"a": [], "b": []}
+    cks = {k: pccheck.Checkpointer(states[k], tmp_path / k, incremental=True, remote=s3_url,
+                                   on_error=errors[k].append, **KW) for k in states}
+    assert cks["a"]._remote.generation == cks["b"]._remote.generation
+    try:
+        for s in (1, 2, 3):
+            for k, ck in cks.items():
+                states[k]["adapter"][:] = s
+                ck.checkpoint(s)
+            for ck in cks.values():
+                ck.wait(remote=True, timeout=60)
+    finally:
+        for ck in cks.values():
+            ck.close()
+    lost = [k for k, v in errors.items() if v]
+    assert len(lost) == 1 and isinstance(errors[lost[0]][0], pccheck.RemoteConflictError), errors
+    won = "a" if lost == ["b"] else "b"
+    store = ObjectStore(s3_url)
+    assert [s for _, s in committed(store)] == [3, 2, 1]
+    mine = {_step_manifest(store, s).ranks[0].data for s in (1, 2, 3)}
+    assert all(set(_step_manifest(store, s).ranks[0].keys()) <= mine for s in (2, 3))
+    r = pccheck.load_latest(s3_url)
+    assert r.step == 3 and np.all(r.state["adapter"] == 3) and np.array_equal(r.state["frozen"], states[won]["frozen"])
+
+
 def test_old_readers_refuse_a_referencing_step_manifest(s3_url, tmp_path):
     """Version 2: a reader that knows only version 1 refuses it ("unknown format") rather than
     reading arrays at their local offsets in an object that does not hold them there."""
