@@ -200,6 +200,12 @@ def test_retention_keeps_referenced_objects_and_deletes_the_rest(s3_url, tmp_pat
     out = run(app, ["verify", s3_url, "--json"])
     assert out.exit_code == 0, out.output
     assert [s["step"] for s in json.loads(out.output)["steps"]] == [5, 4]
+    dest = tmp_path / "x.safetensors"
+    assert run(app, ["export", s3_url, "--out", str(dest)]).exit_code == 0
+    from safetensors.numpy import load_file
+
+    got = load_file(dest)
+    assert np.all(got["mid"] == 2) and np.all(got["adapter"] == 5)
     out = run(app, ["inspect", s3_url, "--step", "5", "--json"])
     assert out.exit_code == 0 and [a["name"] for a in json.loads(out.output)["arrays"]] == ["frozen", "mid", "adapter"]
 
