@@ -89,9 +89,9 @@ class Orchestrator:
         # straight into the slot's mapping and the writers only checksum it, one memcpy of the
         # state instead of two (native engine.h, "In place").
         self._in_place = populate_store
-        # incremental=True: unchanged arrays referenced, changed ones written into free cells, arrays
-        # block-aligned (incremental.py, FORMAT.md §14); public: the remote tier pins its upload's cells.
-        self.cells: Incremental | None = Incremental() if incremental else None
+        # incremental=True (incremental.py, FORMAT.md §14); ``cells``: the same, for the remote tier's pins
+        self._cells: Incremental | None = Incremental() if incremental else None
+        self.cells = self._cells
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
@@ -104,8 +104,8 @@ class Orchestrator:
                                    validate_latest=incremental)
         except BaseException:
             copy_engine.close()
-            if self.cells is not None:
-                self.cells.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
+            if self._cells is not None:
+                self._cells.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
             raise
         self._pool = started_pool(self.max_concurrent, "pccheck-commit")
         # pool=False: the chunk pool waits for prepare() or the first start(), once the state's
@@ -167,9 +167,9 @@ class Orchestrator:
     def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
                    epoch: int | None = None) -> int:
         """Slot capacity this layout needs: data, then the manifest with slack."""
-        layout = aligned(layout, self.cells is not None)
+        layout = aligned(layout, self._cells is not None)
         man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch,
-                                   incremental=self.cells is not None) + MANIFEST_SLACK
+                                   incremental=self._cells is not None) + MANIFEST_SLACK
         return layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
 
     # -- the store -------------------------------------------------------------------------------
@@ -184,8 +184,8 @@ class Orchestrator:
     def _reset_cells(self) -> None:
         """Incremental: a generation was opened; its committed checkpoint (validated by the
         store's open) becomes the base that later checkpoints reference and never overwrite."""
-        if self.cells is not None:
-            self.cells.reset_from(self.store.file, self.store.native.check_word)
+        if self._cells is not None:
+            self._cells.reset_from(self.store.file, self.store.native.check_word)
 
     def _fit_store(self, slot_bytes: int, layout: Layout | None = None) -> None:
         """Opens the store, or moves to a new generation when the state outgrew the slots (or,
@@ -193,10 +193,10 @@ class Orchestrator:
         if self.store.native is None:
             self.open_store(slot_bytes)
         fits = self.store.fits(self.num_slots, slot_bytes)
-        if fits and (self.cells is None or layout is None or self.cells.accepts(layout)):
+        if fits and (self._cells is None or layout is None or self._cells.accepts(layout)):
             return
         self._drain()  # every slot of the old generation must be settled first
-        if fits and self.cells.accepts(layout):  # the flights of the other layout have ended
+        if fits and self._cells.accepts(layout):  # the flights of the other layout have ended
             return
         with self._store_lock:
             self.store.new_generation(self.num_slots, slot_bytes)
@@ -221,7 +221,7 @@ class Orchestrator:
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
         t0 = time.perf_counter()
-        layout = aligned(layout, self.cells is not None)
+        layout = aligned(layout, self._cells is not None)
         self._fit_store(self.slot_bytes(layout, metadata, tree, epoch), layout)
         self._fit_pool(layout.data_len)
         return time.perf_counter() - t0
@@ -276,10 +276,10 @@ class Orchestrator:
         # Incremental with soft copy-on-write: the fingerprint pass, the plan and the copy run on
         # the commit thread, and ensure_copied (the optimizer step's pre-hook) waits for them; the
         # eager prefix (buffers: the next forward changes them) is cloned here first.
-        defer = self.cells is not None and n_eager is not None and hold is None
+        defer = self._cells is not None and n_eager is not None and hold is None
         if defer and n_eager:
             arrays = own_prefix(arrays, n_eager)
-        layout = plan(arrays, BLOCK) if self.cells is not None else plan(arrays)
+        layout = plan(arrays, BLOCK) if self._cells is not None else plan(arrays)
         if not self._permit():
             return False
         stall = time.perf_counter() - t0
@@ -301,7 +301,7 @@ class Orchestrator:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
         if defer:
-            self.cells.started(counter, layout)  # its layout counts before its plan pins cells
+            self._cells.started(counter, layout)  # its layout counts before its plan pins cells
             fl.planned = threading.Event()
             fl.prepare = time.perf_counter() - t0 - stall
             self._launch(fl, copying=True)
@@ -323,7 +323,7 @@ class Orchestrator:
             abandon(job, errno.EIO)
             job.wait()
             if cells is not None:
-                self.cells.end(cells, "abandoned")
+                self._cells.end(cells, "abandoned")
             native.release_slot(slot)
             self._inflight.release()
             raise
@@ -340,9 +340,9 @@ class Orchestrator:
         the plan (the changed arrays alone, each to a free cell). Raises with nothing pinned."""
         cells = None
         try:
-            if self.cells is not None:
+            if self._cells is not None:
                 h = self.store.header
-                cells = self.cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
+                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
                                          lambda s: h["slots_offset"] + s * h["slot_capacity"])
             stream = fl.layout if cells is None else cells.stream
             src = self.copy_engine.sources(fl.arrays, stream)
@@ -351,7 +351,7 @@ class Orchestrator:
                                     extents=cells.extents if cells is not None else [])
         except BaseException:
             if cells is not None:
-                self.cells.end(cells, "abandoned")
+                self._cells.end(cells, "abandoned")
             raise
         fl.job, fl.src, fl.cells = job, src, cells
 
@@ -517,10 +517,10 @@ class Orchestrator:
             won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
         except OSError as exc:
             if cp is not None:  # the word may name it now: its cells stay pinned
-                self.cells.end(cp, "failed-commit")
+                self._cells.end(cp, "failed-commit")
             raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
         if cp is not None:
-            self.cells.end(cp, "committed" if won else "superseded", crcs)
+            self._cells.end(cp, "committed" if won else "superseded", crcs)
         return won
 
     def _committed(self, fl: Flight) -> None:
@@ -544,9 +544,9 @@ class Orchestrator:
         fl.live_done.set()
         fl.copied.set()
         if cp is not None:  # a no-op unless it ended before its commit (its cells are free again)
-            self.cells.end(cp, "abandoned")
-        elif self.cells is not None:  # ended before its plan
-            self.cells.forget(fl.counter)
+            self._cells.end(cp, "abandoned")
+        elif self._cells is not None:  # ended before its plan
+            self._cells.forget(fl.counter)
         written = sum(e.nbytes for e in fl.layout.entries) if cp is None else cp.bytes_written
         st = CheckpointStats(
             fl.step, fl.counter, fl.layout.data_len, fl.stall, fl.blocked_copy, fl.cow_wait,
@@ -588,8 +588,8 @@ class Orchestrator:
             self.copy_engine.close()
             if self.engine is not None:
                 self.engine.close()  # unmaps the chunk pool
-            if self.cells is not None:
-                self.cells.close()
+            if self._cells is not None:
+                self._cells.close()
         finally:
             with self._store_lock:  # retire_if_allowed (a coordinator's thread) sees _closed first
                 self.store.close()  # releases the store lock
