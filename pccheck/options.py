@@ -217,8 +217,9 @@ class DiskOptions:
         incremental: write only the arrays whose bytes differ from the newest committed
             checkpoint's and reference the rest (docs/guide/incremental.md; FORMAT.md §14).
             False (default): every checkpoint writes every array. Supported for now: one
-            process's disk tier with host (CPU) state; with the memory or remote tier, spread
-            steps, a torch.distributed group, DTensor state or device state it raises ConfigError.
+            process's disk tier with host (CPU) state, and its remote tier (which then uploads
+            only the changed arrays, FORMAT.md §12.8); with the memory tier, spread steps, a
+            torch.distributed group, DTensor state or device state it raises ConfigError.
             Also a Checkpointer keyword of its own (``incremental=True``).
 
     ``keep_last`` != 0 copies every disk checkpoint into ``history/``: a second full write of the
@@ -509,8 +510,6 @@ class Options:
             given = {"keep_every": history.keep_every, "max_history": history.max_history}
             object.__setattr__(self, "disk", replace(self.disk, **_disk_history_fields(self.disk, given)))
         if self.disk.incremental:
-            if self.remote.url is not None:
-                raise refuse_incremental("the remote tier (remote=...)")
             if self.snapshot.spread_steps != 1:
                 raise refuse_incremental("spread_steps != 1")
 

@@ -459,7 +459,6 @@ def test_lazy_load_reads_through_references(tmp_path):
 
 
 @pytest.mark.parametrize("kw, what", [
-    (dict(remote="s3://bucket/prefix"), "remote tier"),
     (dict(spread_steps=2), "spread_steps"),
 ])
 def test_unsupported_combinations_raise_config_error(tmp_path, kw, what):

@@ -86,10 +86,10 @@ class Orchestrator:
         # A populated tmpfs store (the memory tier's) is filled in place: the CPU engine copies straight
         # into the slot's mapping, the writers only checksum it: one memcpy, not two (engine.h, "In place").
         self._in_place = populate_store
-        # incremental=True: unchanged arrays are referenced, changed ones written into free cells
-        # (incremental.py); in_slot=True (the memory tier): each slot stays whole, a checkpoint copies
-        # only the arrays its slot lacks (slot_records.py). Arrays are then block-aligned (FORMAT.md §14).
+        # incremental.py (``cells``: the remote tier pins them), or for the memory tier (in_slot) whole
+        # slots that copy only the arrays they lack (slot_records.py). Block-aligned (FORMAT.md §14).
         self._cells: Any = SlotRecords() if in_slot else Incremental() if incremental else None
+        self.cells = self._cells
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
