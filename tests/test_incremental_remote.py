@@ -400,3 +400,35 @@ def test_cells_of_an_upload_in_progress_are_never_rewritten(s3_url, tmp_path, mo
 
     r2 = _load_step(store, 1, 2)
     assert all(np.array_equal(r2.state[k], want2[k]) for k in want2)
+
+
+def test_all_three_tiers_incremental_in_one_process(s3_url, tmp_path):
+    """incremental=True with the memory tier, the disk tier and the remote tier together: each tier
+    writes only what changed (its own counters), and after the machine is lost the remote's newest
+    step loads bit for bit."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 256).requires_grad_(False)
+    model = torch.nn.Sequential(base, torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model[1].parameters())
+    frozen = sum(p.numel() * 4 for p in base.parameters())
+    with pccheck.Checkpointer(model, opt, path=tmp_path / "ck", interval=1, incremental=True, remote=s3_url,
+                              memory=pccheck.MemoryOptions(every=1, dir=tmp_path / "mem")) as ck:
+        for s in range(1, 6):
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.maybe_checkpoint(s)
+            ck.wait()
+        assert ck.wait(remote=True, timeout=60)
+        st = ck.stats()
+        assert st.checkpoints[-1].bytes_referenced >= frozen > st.checkpoints[-1].bytes_written
+        assert st.tiers["memory_bytes"][-1]["kept"] >= frozen > st.tiers["memory_bytes"][-1]["copied"]
+        assert st.remote["remote_last_referenced"] >= frozen > st.remote["remote_last_bytes"]
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    shutil.rmtree(tmp_path / "ck")
+    shutil.rmtree(tmp_path / "mem")
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    r = pccheck.load_latest(s3_url, model=fresh)
+    assert r.step == 5
+    assert all(torch.equal(want[k], v) for k, v in fresh.state_dict().items())
