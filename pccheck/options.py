@@ -217,8 +217,9 @@ class DiskOptions:
         incremental: write only the arrays whose bytes differ from the newest committed
             checkpoint's and reference the rest (docs/guide/incremental.md; FORMAT.md §14).
             False (default): every checkpoint writes every array. Supported for now: one
-            process's disk tier with host (CPU) state; with the memory or remote tier, spread
-            steps, a torch.distributed group, DTensor state or device state it raises ConfigError.
+            process's disk tier with host (CPU) state, and its remote tier (which then uploads
+            only the changed arrays, FORMAT.md §12.8); with the memory tier, spread steps, a
+            torch.distributed group, DTensor state or device state it raises ConfigError.
             Also a Checkpointer keyword of its own (``incremental=True``).
 
     ``keep_last`` != 0 copies every disk checkpoint into ``history/``: a second full write of the
@@ -238,8 +239,7 @@ class DiskOptions:
     incremental: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.incremental, bool):
-            raise ConfigError(f"disk.incremental must be True or False, got {self.incremental!r}")
+        _check_bool("disk.incremental", self.incremental)
         if isinstance(self.every, str) and self.every != AUTO:
             raise ConfigError(f'disk.every must be an integer >= 1 or "auto", got {self.every!r}')
         if self.every != AUTO:
@@ -297,6 +297,8 @@ class MemoryOptions:
         replicas: copies of each rank's memory checkpoint, its own included: m - 1 go to ranks on
             other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
             ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Needs at least m nodes.
+        incremental: copy into a slot, and send to a replica, only the arrays it lacks (host state;
+            docs/guide/incremental.md). None (default): as ``incremental=``; True/False: this tier alone.
     """
 
     every: int | None = None
@@ -304,6 +306,7 @@ class MemoryOptions:
     keep_every: int | None = None
     dir: Any = None
     replicas: int = 1
+    incremental: bool | None = None
 
     def __post_init__(self) -> None:
         if self.every is not None:
@@ -319,6 +322,7 @@ class MemoryOptions:
         check_int("replicas", self.replicas, 1)
         if self.replicas > 1 and self.every is None:
             raise ConfigError("replicas copies memory checkpoints: set memory.every too")
+        _check_bool("memory.incremental", self.incremental, optional=True)
 
 
 @_with_aliases({"remote": "url", "remote_part_size": "part_size", "remote_concurrency": "concurrency",
@@ -506,10 +510,6 @@ class Options:
             given = {"keep_every": history.keep_every, "max_history": history.max_history}
             object.__setattr__(self, "disk", replace(self.disk, **_disk_history_fields(self.disk, given)))
         if self.disk.incremental:
-            if self.memory.every is not None:
-                raise refuse_incremental("the memory tier (memory=MemoryOptions(every=...))")
-            if self.remote.url is not None:
-                raise refuse_incremental("the remote tier (remote=...)")
             if self.snapshot.spread_steps != 1:
                 raise refuse_incremental("spread_steps != 1")
 

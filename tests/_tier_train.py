@@ -2,13 +2,20 @@
 
 Usage: torchrun ... _tier_train.py BASE STEPS [--resume] [--final] [--sleep S] [--disk-interval K]
                                       [--keep-last K] [--replicas M] [--die-mid-send NODE:STEP] [--die-mid-serve NODE] [--fsdp]
+                                      [--frozen] [--touch-frozen STEP] [--incremental]
 Node n (torchrun's GROUP_RANK) keeps its disk store under BASE/node-n/disk and its memory tier
 under BASE/node-n/mem (``MemoryOptions(every=1, keep_last=K, replicas=M)``, K from --keep-last,
 default 0, M from --replicas, default 2). With
 --single (python, no torchrun): one process, BASE/node-0, no replicas.
 Prints "PID p", "START step tier" and "LOSS step value" lines, flushed. --fsdp: the model is
 FSDP2 (``fully_shard`` on a CPU mesh of both ranks) with a buffer, instead of DDP; --final then
-saves its full tensors (gathered).
+saves its full tensors (gathered). --frozen: a frozen base (two Linear layers, about 1 MiB,
+requires_grad=False) before a small trained head; --touch-frozen STEP changes one frozen weight
+through ``.data`` after that step's update (every rank alike). --incremental: ``incremental=True``
+(the disk tier writes, the memory tier copies and sends, only changed arrays); at the end each rank
+prints "WIRE <json>", the bytes pccheck's wire sent and received (wire.wire_bytes).
+--digest: prints "DIGEST step sha256" of the model's and optimizer's state after each step's
+checkpoint call, and "RESTORED step sha256" of the state a resume loaded.
 
 Faults (either flag makes both nodes send in 4 KiB wire chunks, so a transfer has many chunks):
 --die-mid-send NODE:STEP: the rank of NODE SIGKILLs itself after sending the first wire chunk
@@ -68,6 +75,18 @@ def _faults(argv: list[str], node: int) -> None:
         nearest.send_bytes = _serve
 
 
+def _digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
+    """sha256 over every tensor of the model's and the optimizer's state, in order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for v in [*model.state_dict().values(), *(t for s in optim.state_dict()["state"].values() for t in s.values())]:
+        if isinstance(v, torch.Tensor):
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def main(argv: list[str]) -> None:
     import pccheck
 
@@ -86,8 +105,15 @@ def main(argv: list[str]) -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = 0 if single else dist.get_rank()
     torch.manual_seed(7)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(128, 16))
+    if "--frozen" in argv:  # a frozen base (about 1 MiB) and a trained head (about 33 KiB)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(512, 16))
+        for layer in (model[0], model[2]):
+            layer.requires_grad_(False)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                    torch.nn.Linear(128, 16))
+    touch = int(argv[argv.index("--touch-frozen") + 1]) if "--touch-frozen" in argv else None
     fsdp = "--fsdp" in argv
     if fsdp:  # DTensor parameters (Shard(0)); the buffer and AdamW's steps are plain tensors: rank 0 stores them
         from torch.distributed.device_mesh import init_device_mesh
@@ -98,7 +124,7 @@ def main(argv: list[str]) -> None:
         fully_shard(model[0], mesh=mesh)
         fully_shard(model[3], mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     if "--die-mid-send" in argv or "--die-mid-serve" in argv:
         _faults(argv, node)
     start, tier = 0, "none"
@@ -120,8 +146,11 @@ def main(argv: list[str]) -> None:
     ddp = model if single or fsdp else torch.nn.parallel.DistributedDataParallel(model)
     memory = pccheck.MemoryOptions(every=1, dir=mem, replicas=1 if single else replicas, keep_last=keep_last)
     ck = pccheck.Checkpointer(model, optim, path=disk, interval=disk_interval, max_concurrent=2,
-                              chunk_size=64 << 10, memory=memory)
+                              chunk_size=64 << 10, memory=memory, incremental="--incremental" in argv)
     print(f"START {start} {tier}", flush=True)
+    digest = "--digest" in argv
+    if digest and start:
+        print(f"RESTORED {start} {_digest(model, optim)}", flush=True)
     for step in range(start + 1, steps + 1):
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(32, 16, generator=g)
@@ -131,11 +160,23 @@ def main(argv: list[str]) -> None:
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
+        if step == touch:
+            with torch.no_grad():
+                model[2].weight.data[3, 5] += 0.25  # a frozen weight changed outside the optimizer
         ck.maybe_checkpoint(step)
+        if digest:
+            print(f"DIGEST {step} {_digest(model, optim)}", flush=True)
         print(f"LOSS {step} {loss.item()!r}", flush=True)
         time.sleep(pause)
     ck.close()
     print(f"TIERS {ck.stats().tiers}", flush=True)
+    if "--incremental" in argv:
+        import json
+
+        from pccheck.tiers.memory import wire
+
+        print(f"WIRE {json.dumps(wire.wire_bytes())}", flush=True)
+        print(f"TIERJSON {json.dumps(ck.stats().tiers)}", flush=True)
     if "--final" in argv:
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         torch.save(full, f"{base}/final-{rank}.pt")

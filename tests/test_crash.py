@@ -98,7 +98,7 @@ def test_sigkill_torture_pmem():
     assert recovered >= 20
 
 
-@pytest.mark.parametrize("storage", ["odirect", "mmap"])
+@pytest.mark.parametrize("storage", ["odirect", pytest.param("mmap", marks=pytest.mark.slow)])
 def test_sigkill_torture_incremental(tmp_path, storage):
     """incremental=True: checkpoints reference the cells of earlier ones (arrays that change
     every 4 steps or never); a kill at any moment still leaves the newest committed one whole,

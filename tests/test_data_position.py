@@ -113,6 +113,13 @@ def _stateful_trial(tmp: Path, ref: dict[int, str], kill_after: int) -> None:
     assert _batches(tmp / "log") == ref, f"killed after {max(killed)}, resumed at {step}"
 
 
+def test_stateful_dataloader_resumes_batch_for_batch(stateful_reference, tmp_path):
+    rng = random.Random(11)
+    for trial in range(2):
+        _stateful_trial(tmp_path / f"t{trial}", stateful_reference, rng.randint(2, STEPS - 3))
+
+
+@pytest.mark.slow  # five kill trials in a row: about a minute on 2 shared vCPUs
 def test_stateful_dataloader_resumes_batch_for_batch_5_of_5(stateful_reference, tmp_path):
     rng = random.Random(11)
     for trial in range(5):
@@ -177,7 +184,7 @@ def _draws(out: str) -> dict:
     return json.loads(next(l for l in out.splitlines() if l.startswith("DRAWS"))[len("DRAWS "):])
 
 
-@pytest.mark.parametrize("kind", ["plain", "fsdp"])
+@pytest.mark.parametrize("kind", ["plain", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_each_rank_gets_its_own_rng_states_back(tmp_path, kind):
     """Rank r seeds 100 + r and checkpoints; the next draws of each stream are recorded. A new
     job seeds every rank alike and loads: each rank's next draws are its own saved run's."""

@@ -237,7 +237,7 @@ def _wait_committed(directory: Path, step: int, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("keep_last", [1, 0])
+@pytest.mark.parametrize("keep_last", [pytest.param(1, marks=pytest.mark.slow), 0])  # keep_last=1: 30-40 s more
 def test_node_loss_with_the_newest_replica_damaged(tmp_path, reference, keep_last):
     """Rank 1 dies while sending its replica of step 6 (node 0 holds its replica of 5, and of 4
     with keep_last=1), rank 0 commits its own 6; then every process is killed, node 1 lost (its

@@ -31,6 +31,13 @@ class StartArgs:
     ``expect_crcs`` (array name -> crc32c): the bytes are known to have those checksums (a
     replica received from a peer); the crc32c the writers compute anyway must match every one,
     else the checkpoint fails before its commit (CorruptCheckpointError): no pass of its own.
+    With an incremental plan, an array left in place is checked by the crc32c its slot records.
+
+    ``given`` (an ``in_slot`` store: :class:`~pccheck.orchestrator.slot_records.Given`): the
+    arrays' fingerprints and crc32c as their sender computed them, compared with what the slot
+    holds instead of fingerprinting the arrays here (a replica). ``on_plan(plan)`` runs once the
+    plan (:class:`~pccheck.orchestrator.incremental.CellPlan`) is known, before any byte is
+    copied; what it raises fails the checkpoint before anything is written.
     """
 
     tree: Any = None
@@ -42,3 +49,5 @@ class StartArgs:
     cow_wait: float = 0.0
     extra_stats: Mapping[str, Any] | None = None
     expect_crcs: Mapping[str, int] | None = None
+    given: Any = None
+    on_plan: Callable[[Any], None] | None = None

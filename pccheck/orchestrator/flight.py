@@ -54,6 +54,8 @@ class Flight:
     expect: Mapping[str, int] | None = None  # StartArgs.expect_crcs, checked before the commit
     cells: CellPlan | None = None  # an incremental checkpoint: what it writes, where, what it references
     slot: int = -1  # the slot its meta record and manifest go to
+    given: Any = None  # StartArgs.given: a replica's fingerprints (slot_records.Given)
+    on_plan: Callable[[CellPlan], None] | None = None  # StartArgs.on_plan
     # set once job, src and cells exist (at once, unless an incremental plan runs on the commit
     # thread: ensure_copied waits for it, since its fingerprint pass reads live memory)
     planned: threading.Event = field(default_factory=lambda: _set(threading.Event()))

@@ -16,7 +16,9 @@ written only while free, and the set of pinned cells (the base's, plus every fli
 plan until it ends) is updated under one lock. With N in flight and N + 1 slots, at most N cells
 of a position are pinned by others (the base and N - 1 flights), so one is always free. A flight
 that won its commit becomes the base; one whose commit failed keeps its cells pinned (the word on
-disk may name it) until a later commit succeeds.
+disk may name it) until a later commit succeeds. A committed checkpoint the remote tier uploads
+is *held* (:meth:`Incremental.hold`): its cells stay pinned until the upload ends, so the upload
+reads the bytes its manifest names (the uploader's retention adds the slot this takes).
 
 Invariant (one layout per generation): every checkpoint of a generation has the same entries, so
 cells never overlap a manifest (all manifests lie at the same ``data_len``) nor each other; a new
@@ -46,8 +48,9 @@ BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
-INCREMENTAL_SUPPORTED = ("the disk tier of one process (history copies included), with host (CPU) arrays or "
-                         "PyTorch state on the CPU")
+INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
+                         "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process, and the "
+                         "memory tier with its replicas, with state in host (CPU) memory")
 
 
 def refuse_incremental(what: str) -> ConfigError:
@@ -116,6 +119,7 @@ class Incremental:
         self._base: _Pins | None = None
         self._flights: dict[int, _Pins] = {}   # counter -> a checkpoint in flight
         self._zombies: dict[int, _Pins] = {}   # counter -> a commit that failed: the word may name it
+        self._held: dict[int, _Pins] = {}      # counter -> a committed checkpoint an upload reads
         # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
         # commit thread): it counts for the one-layout rule before it pins anything
         self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
@@ -130,7 +134,9 @@ class Incremental:
         with self._lock:
             if self._flights or self._pending:
                 raise RuntimeError("reset with checkpoints in flight")  # the orchestrator drains first
-            self._zombies, self._pending = {}, {}
+            # held checkpoints of the generation before are in its own file, which no write of
+            # this generation touches (the uploader keeps that file from retiring meanwhile)
+            self._zombies, self._pending, self._held = {}, {}, {}
             self._base = None
             if committed is None:
                 return
@@ -155,7 +161,8 @@ class Incremental:
     def accepts(self, layout: Layout) -> bool:
         """Whether ``layout`` may be written to the open generation (one layout per generation)."""
         with self._lock:
-            known = [p.entries for p in (self._base, *self._flights.values(), *self._zombies.values()) if p]
+            known = [p.entries for p in (self._base, *self._flights.values(), *self._zombies.values(),
+                                         *self._held.values()) if p]
             known += list(self._pending.values())
         return all(e == layout.entries for e in known)
 
@@ -180,7 +187,8 @@ class Incremental:
         with self._lock:
             self._pending.pop(counter, None)
             base = self._base
-            others = [p.cells for p in (base, *self._flights.values(), *self._zombies.values()) if p]
+            others = [p.cells for p in (base, *self._flights.values(), *self._zombies.values(),
+                                        *self._held.values()) if p]
             if base is not None and base.entries != layout.entries:
                 raise RuntimeError("a layout other than the generation's")  # the orchestrator never plans one
             cells, changed, ref_crcs = [], [], []
@@ -220,6 +228,22 @@ class Incremental:
                 self._zombies = {c: z for c, z in self._zombies.items() if c > plan.counter}
             elif outcome == "failed-commit":
                 self._zombies[plan.counter] = pins
+
+
+    def hold(self, counter: int) -> bool:
+        """Pins the cells of committed checkpoint ``counter`` until :meth:`release` (an upload
+        reads them). False if it is no longer the base (a newer commit replaced it: its cells
+        may be rewritten, and a reader of them checks every crc32c)."""
+        with self._lock:
+            if self._base is None or self._base.counter != counter:
+                return False
+            self._held[counter] = self._base
+            return True
+
+    def release(self, counter: int) -> None:
+        """Ends a :meth:`hold` (a no-op if there is none)."""
+        with self._lock:
+            self._held.pop(counter, None)
 
 
 def aligned(layout: Layout, incremental: bool) -> Layout:

@@ -37,6 +37,7 @@ from .args import StartArgs
 from .copy_engine import CopyEngine, abandon
 from .flight import CommitInfo, Flight
 from .incremental import Incremental, aligned, eager_end, own_prefix
+from .slot_records import SlotRecords
 from .options import EngineOptions, chunk_geometry
 from .reserve import Reserve, resolve_reserve, ship_chunks, stage_chunks
 from .threads import started_pool
@@ -48,8 +49,7 @@ __all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "StartArgs", "chunk_
 log = logging.getLogger("pccheck")
 
 BLOCK: int = _native.BLOCK
-# Room kept in each slot beyond the manifest's current size, so metadata can grow a little
-# without a new store generation.
+# Room kept in each slot beyond the manifest's size, so metadata can grow without a new generation.
 MANIFEST_SLACK = 64 << 10
 
 
@@ -67,7 +67,7 @@ class Orchestrator:
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  on_finished: Callable[[CheckpointStats], None] | None = None,
                  device_reserve: int | str | None = None, pool: bool = True, populate_store: bool = False,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, in_slot: bool = False) -> None:
         if not engine.resolved:
             raise ConfigError(f"the orchestrator needs resolved engine options, got {engine}")
         self.engine_options = engine
@@ -79,38 +79,34 @@ class Orchestrator:
             raise ConfigError(f"max_concurrent={self.max_concurrent} needs {self.num_slots} slots here; "
                               f"at most 255 fit: lower max_concurrent")
         self.copy_engine = copy_engine
-        self._on_error = on_error
-        self._on_commit = on_commit
+        self._on_error, self._on_commit = on_error, on_commit
         self._on_finished = on_finished  # sees every checkpoint's stats once (the online tuner)
         self._chunk_size, self._dram_budget = int(engine.chunk_size), engine.dram_budget
-        self._writer_threads = int(engine.writer_threads)
-        self._reserve_request = device_reserve
-        # A populated tmpfs store (the memory tier's) is filled in place: the CPU engine copies
-        # straight into the slot's mapping and the writers only checksum it, one memcpy of the
-        # state instead of two (native engine.h, "In place").
+        self._writer_threads, self._reserve_request = int(engine.writer_threads), device_reserve
+        # A populated tmpfs store (the memory tier's) is filled in place: the CPU engine copies straight
+        # into the slot's mapping, the writers only checksum it: one memcpy, not two (engine.h, "In place").
         self._in_place = populate_store
-        # incremental=True: unchanged arrays are referenced, changed ones written into free cells
-        # (incremental.py); the layout's arrays are then block-aligned (FORMAT.md §14).
-        self._cells: Incremental | None = Incremental() if incremental else None
+        # incremental.py (``cells``: the remote tier pins them), or for the memory tier (in_slot) whole
+        # slots that copy only the arrays they lack (slot_records.py). Block-aligned (FORMAT.md §14).
+        self._cells: Any = SlotRecords() if in_slot else Incremental() if incremental else None
+        self.cells = self._cells
         self.reserve: Reserve | None = None
         # Guards opening, growing and retiring the store's generations (start, commit threads and
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         try:
-            # incremental: the continued-from checkpoint is validated at open, before anything
-            # references it (its cells then hold the bytes every later reference relies on)
+            # incremental: the continued-from checkpoint is validated at open, before anything relies on its bytes
             self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced,
                                    populate=populate_store,  # tmpfs (memory tier): slots faulted in at open
-                                   validate_latest=incremental)
+                                   validate_latest=self._cells is not None)
         except BaseException:
             copy_engine.close()
             if self._cells is not None:
                 self._cells.close()  # e.g. StoreLockedError: nothing else was made, its threads go too
             raise
         self._pool = started_pool(self.max_concurrent, "pccheck-commit")
-        # pool=False: the chunk pool waits for prepare() or the first start(), once the state's
-        # size is final (the front-end's choice: Adam's state appears at its first step, and a
-        # lazy restore should not share the memory bus with a prefaulter).
+        # pool=False: the chunk pool waits for prepare() or the first start(), once the state's size is
+        # final (Adam's state appears at its first step; a lazy restore should not share the memory bus).
         self.engine: Any = None
         self._pool_state_bytes = 0
         try:
@@ -296,7 +292,7 @@ class Orchestrator:
             raise
         fl = Flight(None, None, native, layout, step, counter, metadata, tree, epoch, args.validate, t0, stall,
                     cow_wait=args.cow_wait, hold=hold, extra_stats=args.extra_stats or {}, arrays=arrays,
-                    expect=args.expect_crcs, slot=slot)
+                    expect=args.expect_crcs, slot=slot, given=args.given, on_plan=args.on_plan)
         if args.copied is not None:
             fl.copied = args.copied
         fl.slot_wait = slot_wait
@@ -342,8 +338,11 @@ class Orchestrator:
         try:
             if self._cells is not None:
                 h = self.store.header
-                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
-                                         lambda s: h["slots_offset"] + s * h["slot_capacity"])
+                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],  # given: a replica's
+                                         lambda s: h["slots_offset"] + s * h["slot_capacity"],
+                                         **({} if fl.given is None else {"given": fl.given}))
+                if fl.on_plan is not None:
+                    fl.on_plan(cells)  # e.g. a replica asks its sender for the arrays its slot lacks
             stream = fl.layout if cells is None else cells.stream
             src = self.copy_engine.sources(fl.arrays, stream)
             job = self.engine.begin(fl.native, fl.slot, src.native, stream.data_len, zero_meta=True,
@@ -506,11 +505,12 @@ class Orchestrator:
             native.release_slot(job.slot)
             code = -job.error
             raise storage_error_from_oserror(OSError(code, os.strerror(code)), f"writing checkpoint of step {step}")
-        if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), job.crcs)) != dict(fl.expect):
-            native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
-            raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
         cp = fl.cells
         crcs = job.crcs if cp is None else cp.crcs(job.crcs)
+        # every array's crc: the writers' for the written ones, the slot's record for those left in place
+        if fl.expect is not None and dict(zip((e.name for e in fl.layout.entries), crcs)) != dict(fl.expect):
+            native.release_slot(job.slot)  # never committed: the bytes written are not the ones expected
+            raise CorruptCheckpointError(f"checkpoint of step {step}: bytes that do not match the crc32c expected")
         manifest = build_manifest(fl.layout, step, fl.counter, crcs, fl.metadata, tree=fl.tree,
                                   epoch=fl.epoch, cells=None if cp is None else cp.manifest_cells())
         try:

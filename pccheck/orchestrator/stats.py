@@ -114,7 +114,9 @@ class StatsReport:
     last_durable_time: float | None  # time.time() of that commit, in this process
     # The remote tier (remote="s3://..."): remote_step (newest step committed remotely by this
     # job), remote_lag_s (age of the oldest local commit not remote yet; 0 when caught up), and
-    # the upload counters (pccheck/tiers/remote/uploader.py, RemoteProgress). None without one.
+    # the upload counters (pccheck/tiers/remote/uploader.py, RemoteProgress; incremental=True:
+    # remote_last_bytes and remote_last_referenced, the last remote step's uploaded and
+    # referenced bytes, and remote_bytes_referenced in all). None without one.
     remote: dict[str, Any] | None = None
 
     @property

@@ -14,6 +14,8 @@ Files and roles:
 - ``replicate.py``: ``ReplicaLinks`` (who sends to whom), ``Replicator`` (background sender and
   receivers; replicas committed into ``replica-<src>/`` stores of 2 + keep_last slots; the
   throttle).
+- ``delta.py``: incremental replicas (``MemoryOptions(incremental=True)``): the receiver names the
+  arrays its slot lacks, the sender sends those alone.
 - ``nearest.py``: ``load_nearest``: the newest step every rank can obtain, each rank's part from
   its nearest tier (own memory → a peer's replica → own disk → its part on the remote tier),
   every byte checked, voted.

@@ -49,6 +49,7 @@ from ...persist.layout import Manifest, parse_manifest, plan
 from ...persist.reader import crc32c
 from ...persist.recovery import read_manifest, read_store, slot_base
 from .placement import node_of_this_process, replica_ranks
+from .delta import receive_needed, send_needed
 from .wire import KeyWaiter, WireCopyEngine, gather_json, private_store, recv_bytes, send_bytes
 
 __all__ = ["ReplicaLinks", "Replicator", "TIMEOUT_S", "data_end", "arrays_of", "ArrayChecker"]
@@ -167,8 +168,12 @@ class Replicator:
     """The sender thread and one receiver thread per source rank (see the module docstring)."""
 
     def __init__(self, links: ReplicaLinks, root: Path, engine: EngineOptions, epoch: int, coord: Any,
-                 keep_last: int = 0) -> None:
+                 keep_last: int = 0, incremental: bool = False) -> None:
         self.links, self.root, self.coord, self.keep_last = links, root, coord, keep_last
+        # incremental: a replica carries only the arrays the receiver's slot lacks, which the
+        # receiver names in its answer to the header (it knows its slot; the sender never guesses)
+        self.incremental = incremental
+        self.sends: deque[dict[str, Any]] = deque(maxlen=64)  # per step sent: bytes sent and kept per peer
         # "block": a replica store never skips a start (WireCopyEngine receives inside it: a
         # skipped start would leave the sender's bytes unreceived and the pair out of step). One
         # pool chunk: replicas are received in place, into the slot (even where the own tier holds
@@ -178,7 +183,7 @@ class Replicator:
         self._kv = private_store(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
         # one KeyWaiter (a connection of its own) per waiting thread: receivers and the log follower
         self._waiters = {name: KeyWaiter.connect(links.group.store, f"rep/e{epoch}/", TIMEOUT_S)
-                         for name in ["log", *links.sources]}
+                         for name in ["log", "send", *links.sources]}
         self._cv = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._sending = False
@@ -318,12 +323,20 @@ class Replicator:
             view = np.frombuffer(mm, dtype=np.uint8, count=end, offset=slot_base(image, info.slot))
             doc = {"step": man.step, "epoch": man.epoch or 0, "counter": man.counter, "data": end,
                    "manifest": raw.decode()}
+            if self.incremental:
+                doc["incremental"] = True
+            sent: dict[int, int] = {}
             for dst in self.links.peers:
                 if dst in self._dead:
                     continue
                 try:
                     self._kv.set(f"{self.links.rank}>{dst}/{seq}", json.dumps(doc))
-                    send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                    if self.incremental:
+                        sent[dst] = send_needed(self.links.pg, self.links.rank, dst, seq, man, view,
+                                                self._waiters["send"], self._recv_stop, TIMEOUT_S)
+                    else:
+                        send_bytes(self.links.pg, dst, view, self.links.rank, TIMEOUT_S)
+                        sent[dst] = end
                 except Exception as exc:  # noqa: BLE001 - a dead peer: stop sending to it
                     log.error("pccheck: replica of step %d to rank %d failed (%s); no more replicas go "
                               "to it", man.step, dst, exc)
@@ -332,6 +345,8 @@ class Replicator:
                     with self._cv:
                         self._cv.notify_all()
             del view
+        total = sum(e.nbytes for e in man.arrays)
+        self.sends.append({"step": man.step, "sent": sent, "kept": {d: max(0, total - n) for d, n in sent.items()}})
         self.sent_step = info.step
         return True
 
@@ -381,7 +396,7 @@ class Replicator:
                     self.report_failed(None)
                 return
             try:
-                self._receive(src, doc)
+                self._receive(src, doc, seq - 1)
             except CorruptCheckpointError as exc:  # every byte arrived: the link is still in step
                 log.error("pccheck: replica from rank %d discarded: %s", src, exc)
                 self.report_failed(doc["step"] if type(doc.get("step")) is int else None)
@@ -391,7 +406,7 @@ class Replicator:
                 self.report_failed(None)
                 return
 
-    def _receive(self, src: int, doc: dict) -> None:
+    def _receive(self, src: int, doc: dict, seq: int) -> None:
         man, end = _parse_header(doc)
         buf = self._bufs.get(src)
         if buf is None or buf.nbytes < end:
@@ -399,6 +414,10 @@ class Replicator:
             buf = self._bufs[src] = np.empty(end, dtype=np.uint8)
         view = buf[:end]
         arrays = arrays_of(man, view)
+        if doc.get("incremental") is True:
+            receive_needed(self._kv, self.links.pg, self.links.rank, src, seq, man, arrays, view,
+                           self._store(src, arrays), TIMEOUT_S)
+            return
         orch = self._store(src, arrays)
         wire: WireCopyEngine = orch.copy_engine
         layout = plan(arrays)
@@ -432,7 +451,7 @@ class Replicator:
             orch = Orchestrator(replica_dir(self.root, src), plan(arrays), self._engine,
                                 copy_engine=WireCopyEngine(), on_error=_log_error, retention=KeepOlder(self.keep_last),
                                 world_size=self.links.world, rank=src, on_commit=committed, populate_store=True,
-                                on_finished=self.finished)
+                                on_finished=self.finished, in_slot=self.incremental)
             self._stores[src] = orch
         return orch
 
@@ -487,8 +506,11 @@ class Replicator:
     def newest(self) -> dict[str, Any]:
         """The newest step this rank sent to every live peer, the newest replicated everywhere,
         and per source rank the newest replica committed here."""
-        return {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
-                "replication_wait_s": self.throttled_s, "memory_stopped": self.stopped}
+        out = {"sent": self.sent_step, "replicated": self.replicated, "peer_replicas": dict(sorted(self.held.items())),
+               "replication_wait_s": self.throttled_s, "memory_stopped": self.stopped}
+        if self.incremental:  # per step sent: array bytes sent to each peer, and left in its slot
+            out["replica_bytes"] = list(self.sends)
+        return out
 
     def close(self, deadline_s: float = TIMEOUT_S) -> None:
         """Sends what is pending, ends the sender, waits (bounded) for every source's end."""

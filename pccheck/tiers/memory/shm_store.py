@@ -201,12 +201,16 @@ class MemoryTier:
 
     def __init__(self, root: Path, interval: int, replicas: int, engine: EngineOptions, slot_bytes: int,
                  group: Group | None, on_error: Callable[[PCCheckError], None], layout: Layout,
-                 arrays: Mapping[str, Any], device_bytes: int = 0, keep_last: int = 0) -> None:
+                 arrays: Mapping[str, Any], device_bytes: int = 0, keep_last: int = 0,
+                 incremental: bool = False) -> None:
         from .replicate import ReplicaLinks  # collective when replicas > 1
 
         if interval < 1:
             raise ConfigError(f"memory.every must be a positive integer, got {interval}")
         self.root, self.interval, self.group, self.keep_last = root, interval, group, keep_last
+        # incremental: each slot stays whole; a checkpoint copies into it (and a replica receives)
+        # only the arrays it does not hold already (orchestrator/slot_records.py)
+        self.incremental = incremental
         self._layout, self._arrays = layout, arrays  # the first snapshot's: the store's layout, the copy engine
         self.dir = memory_rank_dir(root, group.rank if group is not None else None)
         self._on_error = on_error
@@ -223,6 +227,8 @@ class MemoryTier:
         if device_bytes:
             chunk = int(engine.chunk_size)
             budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
+        elif incremental:  # the changed arrays go through the pool (no in-place copy): a few chunks
+            budget = 4 * chunk
         # Writers: tmpfs is written by memcpy, so the CPU, not a device queue, sets the pace. At
         # memory.every=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
         # next iteration waited for them (bench/README.md, "On a GPU"): half the host's cores, at least the disk's.
@@ -267,12 +273,12 @@ class MemoryTier:
         self.orch = Orchestrator(self.dir, layout, self._engine, copy_engine=select_copy_engine(arrays),
                                  on_error=self._on_error, retention=retention, world_size=world_size, rank=rank,
                                  on_commit=self._on_commit, on_finished=self._finished, pool=False,
-                                 populate_store=True)
+                                 populate_store=True, in_slot=self.incremental)
         if self.coord is not None:
             self.coord.start(self.orch)
         if self.links.peers or self.links.sources:
             self.replicator = Replicator(self.links, self.root, self._engine, epoch or 0, self.coord,
-                                         keep_last=self.keep_last)
+                                         keep_last=self.keep_last, incremental=self.incremental)
 
     def prepare(self, layout: Layout, metadata: Mapping[str, Any], tree: Any) -> None:
         """Opens the memory store and makes its pool now, once the state's size is final (the
@@ -342,6 +348,10 @@ class MemoryTier:
         """Newest step per tier this rank knows: its own memory commit, the newest step every
         peer acknowledged, and per source rank the newest replica it holds."""
         out: dict[str, Any] = {"memory": self.orch.last_durable_step if self.orch is not None else None}
+        if self.incremental:  # per memory checkpoint: bytes copied into its slot and left in place
+            out["memory_bytes"] = [{"step": st.step, "copied": st.bytes_written, "kept": st.bytes_referenced,
+                                    "fingerprint_s": st.fingerprint_s, "outcome": st.outcome}
+                                   for st in list(self.recent)]
         if self.replicator is not None:
             out.update(self.replicator.newest())
         return out
@@ -367,6 +377,7 @@ def build_memory_tier(ctx: TierContext, engine: EngineOptions, layout: Layout, s
     """The memory tier of ``ctx`` (None when ``memory.every`` is not set). Collective in a
     group; raises ConfigError for a combination it does not support, NoSpaceError when the
     memory directory's file system is too small for ``memory_need`` bytes."""
+    from ...orchestrator.incremental import aligned, refuse_incremental
     from ...persist.layout import manifest_upper_bound
 
     t, opts = ctx.options.memory, ctx.options
@@ -377,11 +388,18 @@ def build_memory_tier(ctx: TierContext, engine: EngineOptions, layout: Layout, s
     if opts.snapshot.spread_steps != 1:
         raise ConfigError("the memory tier does not take spread checkpoints yet: use spread_steps=1")
     root = Path(t.dir) if t.dir is not None else default_memory_dir(ctx.path)
-    data = layout.data_len
+    incremental = opts.disk.incremental if t.incremental is None else t.incremental  # MemoryOptions says
+    on_device = select_copy_engine(snap.arrays).name != "cpu"
+    if incremental and on_device:
+        devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
+        raise refuse_incremental(f"memory checkpoints of state on {', '.join(devices)} (its fingerprint would run "
+                                 "on the device)")
+    sized = aligned(layout, incremental)  # incremental: block-aligned arrays, each copied on its own
+    data = sized.data_len
     if ctx.source.may_grow():  # Adam's state appears at its first step: two moments per parameter
         data *= 3
-    man = manifest_upper_bound(layout, ctx.metadata, tree=snap.tree, epoch=2**62) + (64 << 10)
+    man = manifest_upper_bound(sized, ctx.metadata, tree=snap.tree, epoch=2**62, incremental=incremental) + (64 << 10)
     slot = data + (man + BLOCK - 1) // BLOCK * BLOCK
-    on_device = select_copy_engine(snap.arrays).name != "cpu"
     return MemoryTier(root, t.every, t.replicas, engine, slot, ctx.group, ctx.on_error, layout,
-                      snap.arrays, device_bytes=data if on_device else 0, keep_last=t.keep_last)
+                      snap.arrays, device_bytes=data if on_device else 0, keep_last=t.keep_last,
+                      incremental=incremental)

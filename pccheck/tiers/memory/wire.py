@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import threading
 from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
@@ -20,13 +21,30 @@ from ...errors import PCCheckError, ReplicationError
 from ...group.keys import wait_key
 from ...orchestrator.copy_engine import CpuCopyEngine, Sources, abandon, acquire_chunk_for
 
-__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "private_store", "MAX_JSON",
-           "WIRE_CHUNK", "WINDOW", "KeyWaiter", "WireCopyEngine"]
+__all__ = ["ReplicationError", "gather_json", "send_bytes", "recv_bytes", "send_views", "recv_views", "wire_bytes",
+           "private_store", "MAX_JSON", "WIRE_CHUNK", "WINDOW", "KeyWaiter", "WireCopyEngine"]
 
 MAX_JSON = 64 << 20          # bytes of one rank's JSON in gather_json
 WIRE_CHUNK = 16 << 20        # bytes per gloo send/recv
 WINDOW = 4                   # chunks in flight per transfer (bench: 16 MiB x 1 ran ~1.5x one 256 MiB send)
 WAIT_SLICE = timedelta(milliseconds=500)  # KeyWaiter: one blocking wait; a thread sees its stop within it
+
+# Array bytes this process put on the wire and took off it, all links together (wire_bytes): what an
+# incremental replica saves is measured here, where the bytes travel, not by the planner's count.
+_counted = {"sent": 0, "received": 0}
+_count_lock = threading.Lock()
+
+
+def _count(kind: str, n: int) -> None:
+    with _count_lock:
+        _counted[kind] += int(n)
+
+
+def wire_bytes() -> dict[str, int]:
+    """Bytes this process sent and received with send_bytes / recv_bytes / send_views /
+    recv_views / WireCopyEngine since it started (replicas and restores served together)."""
+    with _count_lock:
+        return dict(_counted)
 
 
 def gather_json(pg: Any, world: int, obj: Any, timeout_s: float) -> list[Any]:
@@ -110,17 +128,26 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
 def send_bytes(pg: Any, dst: int, view: np.ndarray, tag: int, timeout_s: float) -> None:
     """Sends a uint8 array chunk by chunk (``WIRE_CHUNK``) to group rank ``dst``, ``WINDOW``
     chunks in flight (a wait per chunk would leave the link idle for a round trip each time)."""
+    send_views(pg, dst, [view], tag, timeout_s)
+
+
+def send_views(pg: Any, dst: int, views: list[np.ndarray], tag: int, timeout_s: float) -> None:
+    """send_bytes of several uint8 arrays, one after the other, ``WINDOW`` chunks in flight across
+    them (an incremental replica's changed arrays: no round trip per array). The receiver posts
+    :func:`recv_views` of arrays of the same sizes."""
     import torch
     import torch.distributed as dist
 
     pending: deque = deque()
-    for off in range(0, view.nbytes, WIRE_CHUNK):
-        t = torch.from_numpy(view[off:off + WIRE_CHUNK])
-        pending.append(dist.isend(t, group_dst=dst, group=pg, tag=tag))
-        if len(pending) >= WINDOW:
-            _wait(pending.popleft(), timeout_s, f"sending to rank {dst}")
+    for view in views:
+        for off in range(0, view.nbytes, WIRE_CHUNK):
+            t = torch.from_numpy(view[off:off + WIRE_CHUNK])
+            pending.append(dist.isend(t, group_dst=dst, group=pg, tag=tag))
+            if len(pending) >= WINDOW:
+                _wait(pending.popleft(), timeout_s, f"sending to rank {dst}")
     while pending:
         _wait(pending.popleft(), timeout_s, f"sending to rank {dst}")
+    _count("sent", sum(v.nbytes for v in views))
 
 
 def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
@@ -151,6 +178,25 @@ def recv_bytes(pg: Any, src: int, into: np.ndarray, tag: int, timeout_s: float,
             done()
     while pending:
         done()
+    _count("received", into.nbytes)
+
+
+def recv_views(pg: Any, src: int, views: list[np.ndarray], tag: int, timeout_s: float) -> None:
+    """Receives what :func:`send_views` sent into arrays of the same sizes, ``WINDOW`` chunks
+    posted at a time across them."""
+    import torch
+    import torch.distributed as dist
+
+    pending: deque = deque()
+    for view in views:
+        for off in range(0, view.nbytes, WIRE_CHUNK):
+            t = torch.from_numpy(view[off:off + WIRE_CHUNK])
+            pending.append(dist.irecv(t, group_src=src, group=pg, tag=tag))
+            if len(pending) >= WINDOW:
+                _wait(pending.popleft(), timeout_s, f"receiving from rank {src}")
+    while pending:
+        _wait(pending.popleft(), timeout_s, f"receiving from rank {src}")
+    _count("received", sum(v.nbytes for v in views))
 
 
 class WireCopyEngine(CpuCopyEngine):
@@ -189,6 +235,7 @@ class WireCopyEngine(CpuCopyEngine):
         self._link = None
         in_place = job.in_place
         pending: deque = deque()  # (works, k, pool chunk id or None in place), oldest first
+        got = 0
         try:
             while (k := job.claim()) >= 0:
                 n, base = job.chunk_len(k), k * self.native_engine.chunk_size
@@ -199,6 +246,7 @@ class WireCopyEngine(CpuCopyEngine):
                     addr = self.native_engine.chunk_address(cid)
                 mem = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
                 have = max(0, min(n, end - base))
+                got += have
                 mem[have:] = 0  # beyond the bytes sent: the slot's padding
                 pending.append(([_irecv(pg, peer, mem[o:min(have, o + WIRE_CHUNK)], tag)
                                  for o in range(0, have, WIRE_CHUNK)], k, cid))
@@ -206,6 +254,7 @@ class WireCopyEngine(CpuCopyEngine):
                     _landed(pending, job, peer, timeout_s)
             while pending:
                 _landed(pending, job, peer, timeout_s)
+            _count("received", got)
         except BaseException:
             # Invariant: memory a receive may still be posted into is never reused: a pool chunk
             # never goes back to the pool (a late write would land in another checkpoint's chunk),

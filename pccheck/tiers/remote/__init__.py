@@ -11,6 +11,9 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
                   the committed list and the next generation (§12.2-§12.4)
     upload.py     one rank's data object of one step, read from its committed local slot in
                   parts, per-part and per-array crc32c, parts sent in parallel (§12.1)
+    increment.py  incremental=True: only the arrays changed since the last step this writer
+                  committed, read from their local cells; the rest referenced in earlier steps'
+                  data objects (§12.8)
     uploader.py   RemoteUploader: the background thread, one queued upload (newest supersedes),
                   the held slots (UploadRetention), retries, progress for stats()
     retention.py  prune: keep-last / keep-every, manifest deleted before its data; orphans and

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ...errors import CorruptCheckpointError, PCCheckError, RemoteError
 from ...group.keys import wait_key
+from ...orchestrator.incremental import refuse_incremental
 from ...persist.recovery import read_store
 from .commit import next_generation
 from .parts import commit_parts, part_key, put_part
@@ -303,6 +304,10 @@ def build_remote_tier(ctx: Any, writes: bool, member: Any = None) -> RemoteUploa
     opts = ctx.options.remote
     if opts.url is None or not writes:
         return None
+    if ctx.options.disk.incremental and (member is not None or ctx.coord is not None):
+        # the parts of a group or a set are uploaded whole (sets.py, GroupUploader): they would
+        # miss the arrays an incremental checkpoint keeps in other slots' cells
+        raise refuse_incremental("the remote tier of a torch.distributed group or a pccheck.dcp set")
     if member is not None:
         return SetUploader(opts, on_error=ctx.on_error, rank=member.rank)
     if ctx.coord is not None:

@@ -4,7 +4,9 @@
 for each: fetches and checks the manifest, checks the local manifest it embeds (§5's rules, the
 same parser as a local load), fetches the data object by parallel ranged GETs, one per part,
 straight into one buffer, checks every part's crc32c and every array's crc32c, and returns the
-arrays. A missing or damaged object makes it fall back to the next older committed step, with a
+arrays. A step whose parts reference earlier steps' data objects (version 2, FORMAT.md §12.8)
+is read array by array, each from the object and offset its part names, every array's crc32c
+checked. A missing or damaged object makes it fall back to the next older committed step, with a
 warning naming what was wrong. Nothing read is unpickled; every size and offset is bounded by the
 manifest before a byte is allocated.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ from ...persist.layout import Manifest, parse_manifest
 from ...persist.reader import crc32c, crc32c_combine, fresh_buffer
 from ...persist.recovery import Restored
 from .commit import committed
-from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, decode_manifest, manifest_key, parts_of
+from .layout import (MAX_MANIFEST_BYTES, RankPart, StepManifest, array_sources, decode_manifest, manifest_key,
+                     parts_of)
 from .objstore import NotFound, ObjectStore
 
 __all__ = ["load_remote", "locate_remote", "RemoteLocated", "read_array", "local_manifest"]
@@ -45,6 +48,10 @@ def local_manifest(part: RankPart, step: int) -> Manifest:
         raise CorruptCheckpointError("the embedded local manifest is not a JSON object") from None
     if type(counter) is not int:
         raise CorruptCheckpointError("the embedded local manifest has no counter")
+    if part.where is not None:  # §12.8: the arrays lie where the part says, bounded there
+        man = parse_manifest(part.manifest, step=step, counter=counter, data_len_limit=1 << 62)
+        array_sources(part, man.arrays)
+        return man
     man = parse_manifest(part.manifest, step=step, counter=counter, data_len_limit=part.size)
     if man.data_len != part.size:
         raise CorruptCheckpointError(f"the data object holds {part.size} bytes, its manifest says {man.data_len}")
@@ -81,6 +88,40 @@ def _fetch(store: ObjectStore, part: RankPart, man: Manifest) -> np.ndarray:
     return buf
 
 
+def _fetch_arrays(store: ObjectStore, part: RankPart, man: Manifest) -> tuple[np.ndarray, list[int]]:
+    """A version-2 part's arrays (§12.8) into one buffer, each at a 64-byte aligned offset
+    (returned), by parallel ranged GETs of at most ``GET_PIECE`` bytes from the object its part
+    names; every array's crc32c combined from its pieces' and checked."""
+    sources = array_sources(part, man.arrays)
+    offsets, at = [], 0
+    for e in man.arrays:
+        offsets.append(at)
+        at += (e.nbytes + 63) // 64 * 64
+    buf = fresh_buffer(at)
+    view = memoryview(buf)
+    pieces = [(i, o, min(GET_PIECE, e.nbytes - o)) for i, e in enumerate(man.arrays) for o in range(0, e.nbytes, GET_PIECE)]
+
+    def get(k: int) -> int:
+        i, o, n = pieces[k]
+        key, off = sources[i]
+        dest = view[offsets[i] + o:offsets[i] + o + n]
+        try:
+            store.read_into(key, off + o, dest)
+        except NotFound as exc:
+            raise CorruptCheckpointError(f"data object {key} is missing or short ({exc})") from None
+        return crc32c(dest)
+
+    got = [0] * len(man.arrays)
+    if pieces:
+        with ThreadPoolExecutor(min(GET_THREADS, len(pieces))) as pool:
+            for (i, _, n), c in zip(pieces, pool.map(get, range(len(pieces)))):  # in order per array
+                got[i] = crc32c_combine(got[i], c, n)
+    for e, want, have, (key, _) in zip(man.arrays, man.crcs, got, sources):
+        if want != have:
+            raise CorruptCheckpointError(f"array {e.name!r} checksum mismatch in {key}")
+    return buf, offsets
+
+
 def _load_step(store: ObjectStore, generation: int, step: int, rank: int = 0, world_size: int = 1) -> Restored:
     try:
         raw, _ = store.get(manifest_key(generation, step), MAX_MANIFEST_BYTES)
@@ -92,12 +133,15 @@ def _load_step(store: ObjectStore, generation: int, step: int, rank: int = 0, wo
                                      "(only a sharded step, FSDP2 / DTensor, loads on another world size)")
     part = sm.ranks[rank if sm.world_size > 1 else 0]  # one writer (replicated="rank0"): every rank reads it
     man = local_manifest(part, step)
-    buf = _fetch(store, part, man)
+    if part.where is None:
+        buf, offsets = _fetch(store, part, man), [e.offset for e in man.arrays]
+    else:
+        buf, offsets = _fetch_arrays(store, part, man)
     state = {}
-    for e in man.arrays:
+    for e, at in zip(man.arrays, offsets):
         try:
             arr = np.frombuffer(buf, dtype=e.dtype, count=e.nbytes // e.dtype.itemsize if e.dtype.itemsize else 0,
-                                offset=e.offset).reshape(e.shape) if e.nbytes else np.empty(e.shape, dtype=e.dtype)
+                                offset=at).reshape(e.shape) if e.nbytes else np.empty(e.shape, dtype=e.dtype)
         except (ValueError, TypeError, OverflowError, MemoryError) as exc:
             raise CorruptCheckpointError(f"array {e.name!r} cannot be built: {exc}") from None
         state[e.name] = arr
@@ -196,7 +240,8 @@ def locate_remote(url: str, group: Any = None) -> RemoteLocated:
                 raise CorruptCheckpointError(f"it was written by {sm.world_size} ranks and {world} restore it lazily "
                                              "(a resharded load is eager: drop lazy=)")
             part = sm.ranks[rank if sm.world_size > 1 else 0]
-            found = RemoteLocated(local_manifest(part, step), _Where(url), 0, generation, _array_reader(store, part.data))
+            man = local_manifest(part, step)
+            found = RemoteLocated(man, _Where(url), 0, generation, _array_reader(store, part, man))
         except (NotFound, CorruptCheckpointError, RemoteError) as exc:
             problems.append(f"step {step} (generation {generation}): {exc}")
         if group is not None and not all(_vote(group, found is not None)):
@@ -207,11 +252,13 @@ def locate_remote(url: str, group: Any = None) -> RemoteLocated:
                             + (": " + "; ".join(problems) if problems else ""))
 
 
-def _array_reader(store: ObjectStore, key: str) -> Any:
+def _array_reader(store: ObjectStore, part: RankPart, man: Manifest) -> Any:
     pool = ThreadPoolExecutor(GET_THREADS, thread_name_prefix="pccheck-remote-get")
+    sources = dict(zip((e.name for e in man.arrays), array_sources(part, man.arrays)))
 
     def read(entry: Any, crc: int, into: np.ndarray | None) -> np.ndarray:
-        return read_array(store, key, entry, crc, into, pool)
+        key, offset = sources[entry.name]  # the part's own object, or the one it references (§12.8)
+        return read_array(store, key, replace(entry, offset=offset), crc, into, pool)
 
     return read
 

@@ -3,8 +3,15 @@ tier applies (pccheck.tiers.keep).
 
 :func:`prune` runs on the uploader's thread after a remote commit. It deletes a step by deleting
 its manifest first (the step is no longer committed: readers never pick it again), then the
-data objects only that manifest named. It never deletes the newest committed step nor the one the
-pointer names. Besides, it deletes data objects no committed manifest names and aborts multipart
+data objects it named that no kept step names (a step of an incremental writer names the data
+objects of earlier steps it reads its unchanged arrays from, §12.8). It never deletes the newest
+committed step nor the one the pointer names.
+
+Invariant (no kept step loses a byte): every kept manifest is read before any data object is
+deleted, and a pass that cannot read one deletes no data objects at all. A writer references only
+objects its base names (the newest step it committed), and the base is the newest committed step
+in any listing taken before the referencing step commits, so a pass whose listing predates that
+commit keeps the base and everything it names. Besides, it deletes data objects no committed manifest names and aborts multipart
 uploads, but only those of older generations (their jobs are gone or superseded: nobody can still
 be about to commit them); this job's own leftovers are the next job's to collect.
 """
@@ -54,22 +61,30 @@ def prune(store: ObjectStore, own_generation: int, keep_last: int | None, keep_e
     ptr, _ = read_pointer(store)
     pinned = {steps[0]} | ({ptr.order} if ptr is not None else set())
     keep = _keep(steps, keep_last, keep_every, pinned)
-    named: set[str] = set()
+    named: set[str] = set()  # every data object a kept step reads (its own and those it references)
+    doomed: list[tuple[int, int, list[str]]] = []
+    blind = False  # a kept step could not be read: what it references is unknown
     for g, s in steps:
         try:
             raw, _ = store.get(manifest_key(g, s), MAX_MANIFEST_BYTES)
-            data = [r.data for r in decode_manifest(raw, g, s).ranks]
+            data = [k for r in decode_manifest(raw, g, s).ranks for k in r.keys()]
         except (NotFound, CorruptCheckpointError) as exc:
             log.warning("pccheck: remote retention: skipping step %d (generation %d): %s", s, g, exc)
+            blind = blind or (g, s) in keep
             continue
         if (g, s) in keep:
             named.update(data)
-            continue
+        else:
+            doomed.append((g, s, data))
+    if blind:
+        log.warning("pccheck: remote retention: a kept step could not be read; no data object is deleted in this pass")
+    for g, s, data in doomed:
         store.delete(manifest_key(g, s))  # first: the step is no longer committed
         for key in data:
-            store.delete(key)
+            if not blind and key not in named:  # a kept step may still read it
+                store.delete(key)
         counts.steps += 1
-    for o in store.list(DATA):  # data no committed manifest names, of older generations only
+    for o in [] if blind else store.list(DATA):  # data no committed manifest names, of older generations only
         g = _generation_of(o.key)
         if g is not None and g < own_generation and o.key not in named:
             store.delete(o.key)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import CorruptCheckpointError, RemoteError
 from ...sharded.index import CheckpointSet, Member, TensorInfo
 from .commit import committed
-from .layout import MAX_MANIFEST_BYTES, StepManifest, decode_manifest, manifest_key
+from .layout import MAX_MANIFEST_BYTES, StepManifest, array_sources, decode_manifest, manifest_key
 from .load import GET_THREADS, local_manifest, read_array
 from .objstore import NotFound, ObjectStore
 
@@ -115,7 +115,13 @@ class RemoteSet:
         if name not in entries:
             raise CorruptCheckpointError(f"step {self.step}: rank {rank}'s part has no array {name!r}")
         entry, crc = entries[name]
-        key = self._manifest.ranks[rank].data
+        part = self._manifest.ranks[rank]
+        if part.where is None:
+            key = part.data
+        else:  # the data object and offset the part names for it (FORMAT.md §12.8)
+            i = next(k for k, e in enumerate(self.members[rank].manifest.arrays) if e.name == name)
+            key, offset = array_sources(part, self.members[rank].manifest.arrays)[i]
+            entry = replace(entry, offset=offset)
         try:
             arr = read_array(self.store, key, entry, crc, into, self._get_pool())
         except RemoteError as exc:

@@ -19,6 +19,11 @@ Invariants:
   replaced slots are held, and given back by :meth:`RemoteUploader._settle` unless an upload
   still needs them); its store generation is not retired while it is held. One queued upload at
   most: a newer commit supersedes the queued one, whose slot is then given back.
+* incremental=True (the disk's checkpoints reference unchanged arrays in other slots' cells):
+  the cells of a queued or running upload are pinned too (``Incremental.hold``, taken in
+  ``on_commit`` while the checkpoint is still the disk's base), and only the arrays that differ
+  from the last step this uploader committed are uploaded; the rest are referenced
+  (increment.py, FORMAT.md §12.8).
 * A failed request (server down, timeouts) keeps the checkpoint queued and retries with backoff
   unless a newer one supersedes it; a lost race (RemoteConflictError) stops the uploads for good
   and is reported through ``on_error``; a damaged slot is abandoned with a warning.
@@ -42,6 +47,7 @@ from .commit import advance_pointer, commit_step, next_generation
 from .layout import StepManifest
 from .objstore import ObjectStore
 from .retention import prune
+from .increment import RemoteBase, upload_changed
 from .upload import BufferPool, Cancelled, SlotRef, upload_slot
 
 __all__ = ["RemoteUploader", "UploadRetention", "RemoteProgress"]
@@ -90,17 +96,22 @@ class RemoteProgress:
         self.behind_since: float | None = None  # time of the oldest local commit not remote yet
         self.uploads = self.superseded = self.abandoned = self.retries = 0
         self.bytes = 0
+        self.bytes_referenced = 0  # incremental: array bytes referenced in earlier steps' objects
+        self.last_bytes: int | None = None       # the last remote commit's uploaded data bytes
+        self.last_referenced: int | None = None  # and the array bytes it referenced
         self.upload_s = 0.0
         self.error: str | None = None
-        # (step, local commit time, remote commit time, bytes, upload seconds) of the last 1000
-        # remote commits, time.time() clocks (bench/resilience/remote.py reads it)
-        self.history: deque[tuple[int, float, float, int, float]] = deque(maxlen=1000)
+        # (step, local commit time, remote commit time, bytes uploaded, upload seconds, bytes
+        # referenced) of the last 1000 remote commits, time.time() clocks (bench/resilience/remote.py)
+        self.history: deque[tuple[int, float, float, int, float, int]] = deque(maxlen=1000)
 
     def as_dict(self) -> dict[str, Any]:
         return {"remote_step": self.step, "remote_lag_s": (time.time() - self.behind_since)
                 if self.behind_since is not None else 0.0, "remote_uploads": self.uploads,
                 "remote_superseded": self.superseded, "remote_abandoned": self.abandoned,
                 "remote_retries": self.retries, "remote_bytes": self.bytes,
+                "remote_bytes_referenced": self.bytes_referenced, "remote_last_bytes": self.last_bytes,
+                "remote_last_referenced": self.last_referenced,
                 "remote_gbps": self.bytes / self.upload_s / 1e9 if self.upload_s else None,
                 "remote_error": self.error}
 
@@ -134,6 +145,9 @@ class RemoteUploader:
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
         self._pool: BufferPool | None = None
+        self._incremental = False  # the disk writes incremental checkpoints (start())
+        self._base: RemoteBase | None = None  # incremental: the last step committed, its arrays' places
+        self._cell_holds: set[int] = set()  # incremental: counters whose cells the disk keeps for us
         self._senders = ThreadPoolExecutor(options.concurrency, thread_name_prefix="pccheck-remote-part",
                                            initializer=_background_priority)
         # retention runs beside the uploads, not before the next one starts; one pass at a time,
@@ -152,6 +166,7 @@ class RemoteUploader:
     def start(self, disk: Any, epoch: int | None) -> None:
         """Uploads from the slots of ``disk`` (the orchestrator whose commits it is given)."""
         self._orch = disk
+        self._incremental = getattr(disk, "cells", None) is not None
 
     def prepare(self, layout: Any, metadata: Any, tree: Any) -> None:
         """Nothing to size: the part buffers are made (and faulted in) by the upload thread."""
@@ -184,6 +199,7 @@ class RemoteUploader:
                     self.progress.superseded += 1
                     log.info("pccheck: remote upload of step %d superseded by step %d", self._pending[0].step, info.step)
                 self._pending = (SlotRef(info.store_file, info.slot, info.counter, info.step), time.time())
+                self._hold_cells(info.counter)
                 self._kick = True
                 if self.progress.behind_since is None:
                     self.progress.behind_since = self._pending[1]
@@ -199,11 +215,22 @@ class RemoteUploader:
         k = self.options.legacy_every
         return count % k == 0 if k is not None else step % self.options.every == 0
 
+    def _hold_cells(self, counter: int) -> None:
+        """incremental: keeps the cells of commit ``counter`` from reuse until its upload ends
+        (lock held). Not possible once a newer commit replaced it: the upload then checks every
+        array's crc32c as it reads, and abandons the step if a cell was rewritten."""
+        if self._incremental and self._orch is not None and self._orch.cells.hold(counter):
+            self._cell_holds.add(counter)
+
     def _settle(self) -> None:
-        """Gives back the held slots no upload needs (called with the lock held)."""
+        """Gives back the held slots and cells no upload needs (called with the lock held)."""
         orch = self._orch
         if orch is None:
             return
+        need = {r.counter for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
+        for c in sorted(self._cell_holds - need):
+            self._cell_holds.discard(c)
+            orch.cells.release(c)
         gen = orch.generation
         if gen != self._held_gen:  # a new generation: slot numbers start over
             self._held, self._held_gen = set(), gen
@@ -243,6 +270,7 @@ class RemoteUploader:
                 if (ref is not None and ref.step == step and step not in have and (p.step is None or p.step < step)
                         and not self._stopped and not self._closing):
                     self._pending, self._kick = (ref, time.time()), True
+                    self._hold_cells(ref.counter)
                     if p.behind_since is None:
                         p.behind_since = self._pending[1]
                     self._cv.notify_all()
@@ -340,16 +368,26 @@ class RemoteUploader:
     def _upload(self, ref: SlotRef, t_commit: float) -> None:
         opts = self.options
         t0 = time.perf_counter()
-        part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
-                           self._senders, lambda: self._closing)
+        referenced = 0
+        if self._incremental:
+            inc = upload_changed(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
+                                 self._senders, lambda: self._closing, self._base)
+            part, referenced = inc.part, inc.referenced
+        else:
+            part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
+                               self._senders, lambda: self._closing)
         commit_step(self.store, StepManifest(self.generation, ref.step, 1, time.time(), (part,)))
+        if self._incremental:
+            self._base = inc.base  # committed: the next step may reference what it names
         advance_pointer(self.store, self.generation, ref.step)
         with self._cv:
             p = self.progress
             p.step, p.time, p.uploads, p.error = ref.step, time.time(), p.uploads + 1, None
             p.bytes += part.size
+            p.bytes_referenced += referenced
+            p.last_bytes, p.last_referenced = part.size, referenced
             p.upload_s += time.perf_counter() - t0
-            p.history.append((ref.step, t_commit, p.time, part.size, time.perf_counter() - t0))
+            p.history.append((ref.step, t_commit, p.time, part.size, time.perf_counter() - t0, referenced))
         log.info("pccheck: step %d committed remotely (%s, generation %d)", ref.step, self.store.url, self.generation)
         if opts.keep_last is not None or opts.keep_every is not None:
             self._schedule_prune()
