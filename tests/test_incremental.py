@@ -136,6 +136,40 @@ def test_only_changed_arrays_are_written_and_loads_are_bit_exact(tmp_path):
     assert all(e.offset % BLOCK == 0 for e in man.arrays)
 
 
+def test_an_array_that_keeps_changing_is_written_unfingerprinted_until_its_probe(tmp_path):
+    """Full-parameter training: an array that changed at its last fingerprinted checkpoint is
+    written without a fingerprint (no cost, always safe) except at its probe; once it stops
+    changing it is referenced again within PROBE_EVERY + 1 checkpoints. Every load is bit-exact."""
+    from pccheck.orchestrator.incremental import PROBE_EVERY
+
+    d = tmp_path / "ck"
+    state = {"w": np.zeros(50_000), "frozen": np.arange(30_000, dtype=np.float64)}
+    stop = 3 * PROBE_EVERY
+    fingerprinted, written = {}, {}
+    with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=1, **KW) as ck:
+        for step in range(1, stop + PROBE_EVERY + 3):
+            if step <= stop:
+                state["w"][...] = step
+            ck.checkpoint(step)
+            ck.wait()
+            _, _, man = manifest_of_latest(d)
+            names = [e.name for e in man.arrays]
+            fingerprinted[step] = man.cells.fps[names.index("w")] is not None
+            assert man.cells.fps[names.index("frozen")] is not None  # an unchanging array: every time
+            written[step] = ck.stats().checkpoints[-1].bytes_written
+            if step % 7 == 0:
+                r = pccheck.load_latest(d)
+                assert r.step == step and np.all(r.state["w"] == min(step, stop))
+                assert np.array_equal(r.state["frozen"], np.arange(30_000, dtype=np.float64))
+    changing = range(3, stop + 1)
+    assert sum(fingerprinted[s] for s in changing) <= 2 * (len(changing) // PROBE_EVERY + 1)
+    assert written[stop] == state["w"].nbytes  # written while changing, the frozen one referenced
+    quiet = [s for s in range(stop + 1, stop + PROBE_EVERY + 3) if written[s] == 0]
+    assert quiet and quiet[0] <= stop + PROBE_EVERY + 1, written
+    assert all(written[s] == 0 for s in range(quiet[0], stop + PROBE_EVERY + 3))
+    assert np.all(pccheck.load_latest(d).state["w"] == stop)
+
+
 def test_a_mapping_that_does_not_change_writes_nothing(tmp_path):
     state = {"a": np.arange(100_000, dtype=np.float64)}
     with pccheck.Checkpointer(state, tmp_path / "ck", incremental=True, **KW) as ck:

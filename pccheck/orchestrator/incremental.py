@@ -5,7 +5,10 @@ every slot: each array position has ``num_slots`` *cells*, one per slot (FORMAT.
 checkpoint's manifest names, per array, the cell holding its bytes. A checkpoint
 
 - fingerprints every array (native ``fingerprint``: two 61-bit polynomial hashes, the bound in
-  docs/ARCHITECTURE.md "Incremental checkpoints");
+  docs/ARCHITECTURE.md "Incremental checkpoints"), except an array whose fingerprints showed a
+  change at the last two checkpoints that took one: that one is written without a fingerprint
+  (writing is always safe; only a reference needs equal fingerprints), and fingerprinted again at
+  its probe, one checkpoint in ``PROBE_EVERY``, to see whether it stopped changing;
 - *references* the cell of the newest committed checkpoint (the *base*) for each array whose
   fingerprint and geometry equal the base's;
 - writes every other array into a *free* cell: one that neither the base nor any checkpoint in
@@ -47,6 +50,14 @@ __all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "own_prefix", "new
 BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
+# An array whose fingerprint changed at its last two fingerprinted checkpoints is written
+# unfingerprinted until its probe (counter + index = 0 mod PROBE_EVERY: the arrays' probes are
+# spread over the checkpoints). When every array changes at every step, fingerprints are taken at 2
+# checkpoints in PROBE_EVERY (the probe, which has no fingerprint to compare with, and the next); an
+# array that changed once is fingerprinted at the next checkpoint (and referenced if it did not
+# change again); one that stops changing is referenced again within PROBE_EVERY + 1 checkpoints.
+PROBE_EVERY = 16
+_SKIP_AFTER = 2
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
 INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
                          "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process, and the "
@@ -92,7 +103,7 @@ class CellPlan:
     stream: Layout                    # the changed arrays, block-aligned, as the job's stream
     extents: list[tuple[int, int, int]]  # (stream offset, length, file offset), tiling the stream
     cells: tuple[int, ...]            # per array: the slot holding its bytes
-    fps: tuple[tuple[int, int], ...]
+    fps: tuple[tuple[int, int] | None, ...]  # None: written unfingerprinted
     ref_crcs: tuple[int | None, ...]  # per array: the base's crc32c if referenced, else None
     keys: tuple[int, int]
     fingerprint_s: float
@@ -123,6 +134,9 @@ class Incremental:
         # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
         # commit thread): it counts for the one-layout rule before it pins anything
         self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
+        # per array: how many of its last fingerprints in a row differed from the base's
+        # (_SKIP_AFTER or more: written unfingerprinted until its probe)
+        self._changes: dict[int, int] = {}
         self._pool = started_pool(_FP_THREADS, "pccheck-fingerprint")  # threads.py says why started now
 
     def close(self) -> None:
@@ -138,6 +152,7 @@ class Incremental:
             # this generation touches (the uploader keeps that file from retiring meanwhile)
             self._zombies, self._pending, self._held = {}, {}, {}
             self._base = None
+            self._changes = {}
             if committed is None:
                 return
             n = len(committed.arrays)
@@ -182,7 +197,11 @@ class Incremental:
         file offset of slot s."""
         t0 = time.perf_counter()
         infos = layout.infos
-        fps = list(self._pool.map(lambda info: _fingerprint(info, self.keys), infos))
+        with self._lock:
+            skip = [self._changes.get(i, 0) >= _SKIP_AFTER and (counter + i) % PROBE_EVERY != 0
+                    for i in range(len(infos))]
+        fps: list[tuple[int, int] | None] = list(self._pool.map(
+            lambda i: None if skip[i] else _fingerprint(infos[i], self.keys), range(len(infos))))
         fingerprint_s = time.perf_counter() - t0
         with self._lock:
             self._pending.pop(counter, None)
@@ -193,7 +212,13 @@ class Incremental:
                 raise RuntimeError("a layout other than the generation's")  # the orchestrator never plans one
             cells, changed, ref_crcs = [], [], []
             for i, e in enumerate(layout.entries):
-                if base is not None and base.fps[i] == fps[i]:
+                if fps[i] is not None:  # evidence only against a base fingerprint; the probe's is the next one's
+                    n = self._changes.get(i, 0)
+                    if base is None or base.fps[i] is None:
+                        self._changes[i] = min(n, _SKIP_AFTER - 1)
+                    else:
+                        self._changes[i] = n + 1 if base.fps[i] != fps[i] else 0
+                if base is not None and fps[i] is not None and base.fps[i] == fps[i]:
                     cells.append(base.cells[i])  # unchanged: equal geometry and fingerprint
                     ref_crcs.append(base.crcs[i])
                     continue
