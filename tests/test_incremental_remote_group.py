@@ -83,7 +83,8 @@ def test_parts_reference_their_own_ranks_objects_and_retention_keeps_them(saved,
     assert set(o.key for o in store.list("data/")) == named  # nothing else is left
 
 
-@pytest.mark.parametrize("world", [2, 1])  # 1: a resharded load through the sharded remote reader
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 1])  # 1: resharded (sharded reader);
+# 2 ranks load through the references in the damaged-object test below too
 def test_loads_from_s3_on_the_same_and_another_world(saved, tmp_path, world):
     tmp, url, env = saved
     outs = _job("fsdp", "load", url, tmp_path / "got", world=world, env=env)
