@@ -49,7 +49,8 @@ _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
 INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
-                         "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process, and the "
+                         "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process or of a "
+                         "group, and the "
                          "memory tier with its replicas, with state in host (CPU) memory")
 
 
