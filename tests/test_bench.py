@@ -320,6 +320,35 @@ def test_lazy_bench_small(tmp_path, shape):
     assert set(doc["targets"]) == {"first_block_vs_eager", "first_forward_vs_param_read"}
 
 
+def test_incremental_bench_small(tmp_path):
+    """``python -m bench.incremental`` on a 16 MiB base: every row measured in one run, the load pair
+    bit-exact, every target judged from the measured values (ok agrees with value and limit), the
+    plot written; the incremental row writes about the changed bytes, the full row the whole state."""
+    from bench.training import incremental
+
+    out = tmp_path / "latest.json"  # a latest*.json result gets the commit it was measured at
+    assert incremental.main(["--base", "16MiB", "--steps", "2", "--full-steps", "1", "--repeats", "1",
+                             "--quiet-wait", "0", "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    s = doc["summary"]
+    assert doc["command"].startswith("python -m bench.incremental") and doc["commit"] is not None
+    assert set(incremental.ROWS + incremental.FULL_ROWS) <= set(s) and doc["bit_exact"] is True
+    inc, full = s["pccheck_incremental"], s["pccheck_full"]
+    assert inc["library_bytes_written"]["median"] < doc["changed_bytes"] + (64 << 10)  # + padding per array
+    assert inc["bytes_referenced"]["median"] >= 16 << 20
+    assert full["library_bytes_written"]["median"] >= doc["state_bytes"]
+    assert full["io_write_bytes"]["median"] >= doc["state_bytes"] > 10 * inc["io_write_bytes"]["median"]
+    for name in incremental.ROWS[1:]:
+        assert s[name]["durable_s"]["median"] > 0 and "time_lost_s" in s[name], name
+    names = {t["name"] for t in doc["targets"]}
+    assert names == {"io_bytes_per_checkpoint", "library_bytes_per_checkpoint", "time_lost_vs_adapters",
+                     "full_params_slowdown", "load_vs_full", "load_bit_exact"}
+    for t in doc["targets"]:
+        if t["name"] not in ("load_bit_exact", "time_lost_vs_adapters"):
+            assert t["ok"] == (0 <= t["value"] <= t["limit"]), t
+    assert (tmp_path / "latest.png").stat().st_size > 0
+
+
 def test_gockpt_summary_judges_the_training_thread_waits_against_the_models():
     from bench.modes.gockpt import summarize
 

@@ -6,8 +6,9 @@
   step after a SIGKILL, per system.
 - ``soak.py``: memory, file descriptors and threads over a long run.
 - ``integrations.py``: Lightning and Hugging Face Trainer runs that checkpoint through pccheck.
-- ``incremental.py``: a LoRA-like model checkpointed at interval 1 with ``incremental=True`` and
-  without: bytes written and time per checkpoint.
+- ``incremental.py``: a LoRA-like model checkpointed at interval 1: pccheck incremental and full,
+  DCP ``async_save``, an adapter-only ``torch.save`` and pccheck on the adapters alone (bytes
+  written, time lost, time to durable), a full-parameter pair and the cold load of both stores.
 - ``ab.py``: the same benches (persist, the emulated loop) against the library before and after a
   change, interleaved round by round: the no-regression check of a refactor.
 
