@@ -21,10 +21,15 @@ CHILD = str(Path(__file__).with_name("_incr_group_child.py"))
 STEPS = 4
 
 
-def _job(kind: str, mode: str, ck: Path, ref: Path, world: int) -> list[str]:
-    init = ck.parent / f"init-{random.random()}"
+def _job(kind: str, mode: str, ck: Path | str, ref: Path, world: int, remote: str | None = None,
+         env: dict[str, str] | None = None) -> list[str]:
+    """Runs ``world`` ranks of _incr_group_child.py (``ck``: a directory, or an s3:// URL to load
+    from; ``remote``: an s3:// URL "save" uploads to too) and returns their stdouts."""
+    init = ref.parent / f"init-{random.random()}"
+    extra = [remote] if remote is not None else []
     procs = [subprocess.Popen([sys.executable, CHILD, kind, mode, str(ck), str(r), str(world), str(init), str(ref),
-                               str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               str(STEPS), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
              for r in range(world)]
     outs = []
     for p in procs:

@@ -330,17 +330,17 @@ def test_old_readers_refuse_a_referencing_step_manifest(s3_url, tmp_path):
         part_with([[0, 0]] * 3)
 
 
-def test_groups_and_sets_with_incremental_remote_are_refused(tmp_path):
+def test_sets_with_incremental_remote_are_refused(tmp_path):
     from pccheck.tiers.remote.group import build_remote_tier
 
     class Ctx:
         options = pccheck.Options(disk=pccheck.DiskOptions(incremental=True), remote="s3://bucket/prefix")
-        coord = object()
+        coord = None
         group = None
         on_error = None
 
-    with pytest.raises(pccheck.ConfigError, match="torch.distributed group or a pccheck.dcp set"):
-        build_remote_tier(Ctx(), True)
+    with pytest.raises(pccheck.ConfigError, match="the remote tier of a pccheck.dcp set"):
+        build_remote_tier(Ctx(), True, member=object())
 
 
 @pytest.mark.parametrize("hold", [True, False])

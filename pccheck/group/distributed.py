@@ -252,8 +252,11 @@ class GroupCoordinator(Retention):
 
     def _settle_locked(self) -> None:
         """Frees held slots that can no longer be the global latest (older than it), except the
-        ones the remote tier still uploads from."""
+        ones the remote tier still uploads from. The remote tier gives back the cells of those
+        commits first (incremental: a slot is reused only once no held commit pins its cells)."""
         if self.orch is not None:
+            if self.remote is not None:
+                self.remote.settle_cells(self.global_step)
             self._slots.settle(self.orch, self.global_step, self.remote.pinned if self.remote is not None else None)
 
     # -- the remote tier's side (pccheck/tiers/remote/group.py) ----------------------------------

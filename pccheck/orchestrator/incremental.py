@@ -60,7 +60,8 @@ PROBE_EVERY = 16
 _SKIP_AFTER = 2
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
 INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
-                         "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process, and the "
+                         "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process or of a "
+                         "group, and the "
                          "memory tier with its replicas, with state in host (CPU) memory")
 
 

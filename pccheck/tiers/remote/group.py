@@ -21,8 +21,23 @@ Protocol (FORMAT.md §12.2 with world_size W > 1):
    slot, PUTs its part ``parts/g<G>/s<S>/rank-<r>.json`` create-only, and adds 1 to ``done/<S>``
    (or to ``fail/<S>``).
 3. Rank 0 waits for W parts (or a failure), reads them, writes the step manifest (create-only:
-   the commit), then moves the pointer. One announced step is in progress at a time; selected
-   global steps published meanwhile are superseded by the newest one.
+   the commit), then moves the pointer, and sets ``committed``. One announced step is in progress
+   at a time; selected global steps published meanwhile are superseded by the newest one.
+
+incremental=True (FORMAT.md §12.8): each rank uploads only the arrays that differ from its own
+part of its *base*, the newest step the group committed, and its part references the rest
+(increment.py, the single-process code). Invariant (a part references only committed data): a
+rank's upload of S makes a *candidate* base, adopted when the next announcement is taken only if
+``committed`` names S. Rank 0 sets ``committed`` before it announces anything newer, so a rank
+never references a step the group abandoned (a rank's part missing, or a commit lost), and its
+base is always the newest step the group committed, which retention keeps with all it names.
+Each local commit's cells are pinned (``Incremental.hold``, in :meth:`GroupUploader.on_commit`,
+while it is still the disk's base) for as long as the coordinator keeps its slot: released in
+:meth:`GroupUploader.settle_cells`, which the coordinator calls before it gives slots back, on the
+same rule (older than the global step, and not announced-and-not-uploaded). So a held commit
+pins cells only while it occupies a slot, the store's one-free-cell count holds, and an announced
+step's upload reads the bytes its manifest names (the crc32c check stays: a commit the hold came
+too late for is abandoned if a cell was rewritten, never uploaded torn).
 """
 
 from __future__ import annotations
@@ -38,7 +53,8 @@ from ...group.keys import wait_key
 from ...orchestrator.incremental import refuse_incremental
 from ...persist.recovery import read_store
 from .commit import next_generation
-from .parts import commit_parts, part_key, put_part
+from .increment import RemoteBase
+from .parts import commit_parts, part_key, put_changed_part, put_part
 from .sets import SetUploader
 from .upload import SlotRef
 from .uploader import RemoteUploader, _background_priority
@@ -67,6 +83,9 @@ class GroupUploader(RemoteUploader):
         self._done_steps: set[int] = set()
         self._announced: set[int] = set()  # rank 0: steps announced so far
         self._seen = 0                    # announcements this rank has taken
+        self._candidate: RemoteBase | None = None  # incremental: this rank's last part, not known committed
+        self._cells_lock = threading.Lock()  # guards _held_cells (taken under the coordinator's lock)
+        self._held_cells: dict[int, int] = {}  # incremental: counter -> step of local commits whose cells we pin
         super().__init__(options, on_error=on_error, rank=group.rank)
 
     def _take_generation(self) -> int:
@@ -150,7 +169,26 @@ class GroupUploader(RemoteUploader):
         return step not in self._done_steps and self._kv.check([self._ns + f"a/{step}"])
 
     def on_commit(self, info: Any) -> None:
-        """Local commits queue nothing here: the announcements say what to upload."""
+        """Local commits queue nothing here: the announcements say what to upload. incremental:
+        pins the commit's cells (it is still the disk's base here), since rank 0 may announce its
+        step once it is the newest global step; :meth:`settle_cells` gives them back."""
+        if self._incremental and self._orch is not None and self._orch.cells.hold(info.counter):
+            with self._cells_lock:
+                self._held_cells[info.counter] = info.step
+
+    def settle_cells(self, keep: int | None) -> None:
+        """The coordinator, under its lock, before it gives held slots back: releases the cells of
+        the local commits whose slots it gives back now (step older than ``keep``, the global step,
+        and not pinned), so no commit pins cells once its slot can be reused."""
+        if self._orch is None or keep is None:
+            return
+        with self._cells_lock:
+            held = list(self._held_cells.items())
+        for counter, step in held:
+            if step < keep and not self.pinned(step):
+                with self._cells_lock:
+                    self._held_cells.pop(counter, None)
+                self._orch.cells.release(counter)
 
     def _settle(self) -> None:
         """The coordinator owns the held slots in a group (its _settle_locked asks pinned)."""
@@ -236,15 +274,25 @@ class GroupUploader(RemoteUploader):
         if ref is None:
             log.warning("pccheck: rank %d holds no slot of step %d; its remote upload is abandoned", self.rank, step)
             return False
+        self._adopt_base()
         backoff = 0.5
         while not self._closing:
             try:
                 t0 = time.perf_counter()
-                part = put_part(self.store, ref, self.generation, self.rank, self.options.part_size,
-                                self._take_pool(), self._senders, lambda: self._closing)
+                referenced = 0
+                if self._incremental:
+                    inc = put_changed_part(self.store, ref, self.generation, self.rank, self.options.part_size,
+                                           self._take_pool(), self._senders, lambda: self._closing, self._base)
+                    part, referenced, self._candidate = inc.part, inc.referenced, inc.base
+                else:
+                    part = put_part(self.store, ref, self.generation, self.rank, self.options.part_size,
+                                    self._take_pool(), self._senders, lambda: self._closing)
                 with self._cv:
-                    self.progress.bytes += part.size
-                    self.progress.upload_s += time.perf_counter() - t0
+                    p = self.progress
+                    p.bytes += part.size
+                    p.bytes_referenced += referenced
+                    p.last_bytes, p.last_referenced = part.size, referenced
+                    p.upload_s += time.perf_counter() - t0
                 return True
             except CorruptCheckpointError as exc:
                 log.warning("pccheck: rank %d: not uploading step %d: %s", self.rank, step, exc)
@@ -260,6 +308,15 @@ class GroupUploader(RemoteUploader):
                 log.exception("pccheck: rank %d: the upload of step %d failed", self.rank, step)
                 return False
         return False
+
+    def _adopt_base(self) -> None:
+        """incremental: this rank's last part becomes its base if the group committed its step
+        (rank 0 set ``committed`` before announcing the step this rank is about to upload); else
+        the base stays the older committed step it was."""
+        cand, self._candidate = self._candidate, None
+        key = self._ns + "committed"
+        if cand is not None and self._kv.check([key]) and int(self._kv.get(key).decode()) == cand.step:
+            self._base = cand
 
     def _commit_group(self, step: int, mine_ok: bool) -> None:
         """Rank 0: waits for every rank's part, then writes the step manifest and the pointer."""
@@ -280,6 +337,8 @@ class GroupUploader(RemoteUploader):
                     p.step, p.time, p.uploads, p.error = step, time.time(), p.uploads + 1, None
                     p.behind_since = None
                 log.info("pccheck: step %d committed remotely by %d ranks (generation %d)", step, w, self.generation)
+                if self.options.keep_last is not None or self.options.keep_every is not None:
+                    self._schedule_prune()  # every rank's part is read: what any kept step names stays
             else:
                 self.progress.abandoned += 1
                 log.warning("pccheck: the remote upload of step %d is abandoned (a rank could not upload its part)",
@@ -304,10 +363,10 @@ def build_remote_tier(ctx: Any, writes: bool, member: Any = None) -> RemoteUploa
     opts = ctx.options.remote
     if opts.url is None or not writes:
         return None
-    if ctx.options.disk.incremental and (member is not None or ctx.coord is not None):
-        # the parts of a group or a set are uploaded whole (sets.py, GroupUploader): they would
-        # miss the arrays an incremental checkpoint keeps in other slots' cells
-        raise refuse_incremental("the remote tier of a torch.distributed group or a pccheck.dcp set")
+    if ctx.options.disk.incremental and member is not None:
+        # a set's parts are uploaded whole (sets.py): they would miss the arrays an incremental
+        # checkpoint keeps in other slots' cells
+        raise refuse_incremental("the remote tier of a pccheck.dcp set")
     if member is not None:
         return SetUploader(opts, on_error=ctx.on_error, rank=member.rank)
     if ctx.coord is not None:

@@ -181,7 +181,8 @@ def rank_part_from_json(raw: bytes, where: str) -> RankPart:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise CorruptCheckpointError(f"{where} is not UTF-8 JSON") from None
-    return _rank_part(doc, where)
+    # an incremental rank's part (§12.8) carries 'objects' and 'where'; then both are checked
+    return _rank_part(doc, where, refs=isinstance(doc, dict) and ("where" in doc or "objects" in doc))
 
 
 def decode_manifest(raw: bytes, generation: int, step: int) -> StepManifest:

@@ -19,9 +19,10 @@ from ...errors import RemoteError
 from .commit import advance_pointer, commit_step
 from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, rank_part_from_json
 from .objstore import NotFound, ObjectStore
+from .increment import IncrementalUpload, RemoteBase, upload_changed
 from .upload import BufferPool, SlotRef, upload_slot
 
-__all__ = ["part_key", "put_part", "read_part", "commit_parts"]
+__all__ = ["part_key", "put_part", "put_changed_part", "read_part", "commit_parts"]
 
 
 def part_key(generation: int, step: int, rank: int) -> str:
@@ -37,6 +38,17 @@ def put_part(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_
     part = upload_slot(store, ref, generation, rank, part_size, pool, senders, cancelled)
     store.put_new(part_key(generation, ref.step, rank), json.dumps(part.as_json()).encode("utf-8"))
     return part
+
+
+def put_changed_part(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int,
+                     pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
+                     base: RemoteBase | None) -> IncrementalUpload:
+    """:func:`put_part` for an incremental writer (§12.8): uploads only the arrays of ``ref``
+    that differ from ``base`` (this rank's part of the newest step the group committed), then
+    PUTs the part, which references the rest, create-only. The same errors as :func:`put_part`."""
+    inc = upload_changed(store, ref, generation, rank, part_size, pool, senders, cancelled, base)
+    store.put_new(part_key(generation, ref.step, rank), json.dumps(inc.part.as_json()).encode("utf-8"))
+    return inc
 
 
 def read_part(store: ObjectStore, generation: int, step: int, rank: int) -> RankPart:
