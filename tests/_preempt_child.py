@@ -72,7 +72,8 @@ def main() -> None:
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--keep-going", action="store_true")
     a = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(relativeCreated)d %(message)s")
+    logging.getLogger("pccheck").setLevel(os.environ.get("PCCHECK_TEST_LOG", "WARNING"))  # DEBUG: every step
 
     import pccheck
 

@@ -76,11 +76,14 @@ class _Flush:
         if not gate.begin(deadline):
             log.warning("pccheck: flush: maybe_checkpoint still running at the deadline")
         self.floor = gate.last_returned
+        self.say(f"held the training thread; floor {self.floor}")
         self.rates = measure(stack.finished(), getattr(stack.tier("remote"), "progress", None))
         self.nbytes = stack.state_bytes(0)
         self.disk_need = verdict(self.nbytes, self.rates.disk_bps, deadline).need_s or 0.0
         self.agree_floor()
+        self.say(f"floor agreed: {self.floor}")
         step, beside = self.newest_held()
+        self.say(f"step {step}; beside the disk: {beside}")
         if step is None or (self.floor is not None and step < self.floor):  # 5. the next step boundary
             b = gate.ask_boundary(self.floor, deadline - self.disk_need, self.serve)
             if b is not None:
@@ -90,6 +93,7 @@ class _Flush:
         if step is None:
             return self.done(None)
         if self.to_disk(step):
+            self.say(f"disk holds step {step}")
             self.after_disk(step)
         result = self.done(step)
         log.warning("pccheck: flush of step %s (%s, %s): %s in %.2f s", step, self.source, self.notice.cause,
@@ -104,6 +108,9 @@ class _Flush:
         source = self.source if step is not None else "none"
         return FlushResult(step, self.floor if stack.disk is not None else self.gate.last_returned, source,
                            self.notice.cause, tiers, self.notice.wall, time.monotonic() - self.notice.t0)
+
+    def say(self, what: str) -> None:
+        log.debug("pccheck: flush: %s (%.3f s after the notice)", what, time.monotonic() - self.notice.t0)
 
     def mark(self, name: str, step: int | None, target: int | None, note: str = "") -> None:
         ok = step is not None and target is not None and step >= target

@@ -252,6 +252,13 @@ class RemoteUploader:
                 self._pending is None and self._running is None), left)
             return self.progress.step
 
+    def _superseded_by_flush(self, ref: SlotRef) -> bool:
+        """Whether a flush wants a newer step than ``ref``'s, the upload in progress: it is given
+        up (the remote keeps its newest commit, as after any cut-short upload) so that the
+        flush's step starts at once instead of after it. The flush asks for its step only when
+        the planner says its upload fits in the time left (flush.py, step 7)."""
+        return any(s > ref.step for s in self._forced)
+
     def close(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether
         everything queued was committed remotely. Idempotent."""
@@ -341,7 +348,7 @@ class RemoteUploader:
         opts = self.options
         t0 = time.perf_counter()
         part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
-                           self._senders, lambda: self._closing)
+                           self._senders, lambda: self._closing or self._superseded_by_flush(ref))
         commit_step(self.store, StepManifest(self.generation, ref.step, 1, time.time(), (part,)))
         advance_pointer(self.store, self.generation, ref.step)
         with self._cv:
