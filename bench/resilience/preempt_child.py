@@ -57,7 +57,10 @@ def _pccheck(state: dict, where: str, mem: str, url: str, grace: float):
     box: list = []
 
     def previous(signum, frame) -> None:  # the user's handler, run by pccheck after its flush
-        print("RESULT " + json.dumps({"flush": box[0].stats().flush}), flush=True)
+        flush = box[0].stats().flush
+        # the remote uploads: (step, local commit time, remote commit time, bytes, upload seconds)
+        ups = [list(h) for h in box[0]._remote.progress.history]
+        print("RESULT " + json.dumps({"flush": flush, "uploads": ups}), flush=True)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, previous)

@@ -130,6 +130,7 @@ class RemoteUploader:
         self._commits = 0  # legacy_every (pccheck 0.1.0's remote_every): the local commits told of so far
         self._newest_ref: SlotRef | None = None  # the durable latest local commit (flush() uploads it)
         self._forced: set[int] = set()  # steps a flush uploads whatever `every` says
+        self._supersede_below: int | None = None  # a flush gave up the uploads of older steps
         self._stopped = False   # a lost race: nothing more is uploaded
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
@@ -238,6 +239,11 @@ class RemoteUploader:
         with self._cv:
             if step is not None:
                 self._forced.add(step)
+                run = self._running
+                if run is not None and run.step < step and self._upload_fits(deadline):
+                    # an older step's upload in progress would delay the flush's by a whole
+                    # upload: it is given up at its next part, and the flush's starts at once
+                    self._supersede_below = step
                 ref, p = self._newest_ref, self.progress
                 have = {r.step for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
                 if (ref is not None and ref.step == step and step not in have and (p.step is None or p.step < step)
@@ -253,11 +259,18 @@ class RemoteUploader:
             return self.progress.step
 
     def _superseded_by_flush(self, ref: SlotRef) -> bool:
-        """Whether a flush wants a newer step than ``ref``'s, the upload in progress: it is given
-        up (the remote keeps its newest commit, as after any cut-short upload) so that the
-        flush's step starts at once instead of after it. The flush asks for its step only when
-        the planner says its upload fits in the time left (flush.py, step 7)."""
-        return any(s > ref.step for s in self._forced)
+        """Whether a flush gave up ``ref``'s upload, the one in progress, for its newer step
+        (the remote keeps its newest commit, as after any cut-short upload)."""
+        return self._supersede_below is not None and ref.step < self._supersede_below
+
+    def _upload_fits(self, deadline: float) -> bool:
+        """Whether one more upload is expected to end before ``deadline``: the mean time of the
+        uploads so far, times the flush planner's margin (preemption/planner.py, 1.25); False
+        with none measured yet (giving up the upload in progress would then be a gamble)."""
+        p = self.progress
+        if p.uploads <= 0 or p.upload_s <= 0:
+            return False
+        return time.monotonic() + p.upload_s / p.uploads * 1.25 < deadline
 
     def close(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether
