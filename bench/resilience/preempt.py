@@ -1,11 +1,12 @@
 """Preemption: SIGTERM at a random point of a step, SIGKILL at the grace period, the machine lost.
 
-    python -m bench.preempt [--sizes 256MiB,1GiB] [--trials 1] [--grace 30] [--iter-time 0.05] [--raw-repeat 3]
+    python -m bench.preempt [--sizes 256MiB,1GiB] [--trials 1] [--grace 30] [--iter-time 0.05] [--after 2] [--raw-repeat 3]
                             [--raw-sizes 256MiB]
 
 Per state size and per system, a training process (bench/resilience/preempt_child.py, the GPU
 emulated by a sleep) runs until a SIGTERM lands at a random step after the disk checkpoint of
-step 50 (steps 52-58) and a random point inside that step; a SIGKILL follows at ``--grace``
+step ``--after`` x 50 (default 2: steps 102-108, after a first upload was measured and while
+the second may be in flight, as in a long run) and at a random point inside that step; a SIGKILL follows at ``--grace``
 seconds if it is still alive; then its local and tmpfs directories are deleted.
 
 * ``pccheck``: memory tier every step, disk every 50 steps, the remote tier on a fresh SeaweedFS
@@ -48,7 +49,7 @@ from typing import Any
 from bench.harness.common import bar_chart, format_size, host_info, parse_size_list, result_path
 
 EVERY = 50           # the disk's (and DCP's) checkpoint interval; preempt_child.EVERY
-FIRST, LAST = 52, 58  # the SIGTERM lands in one of these steps
+WINDOW = (2, 8)      # the SIGTERM lands this many steps after the --after-th disk checkpoint
 RAW_TARGET = 1.2     # signal -> remote commit, over the raw client's upload of the same bytes
 
 
@@ -67,7 +68,7 @@ def trial(system: str, size: int, a: argparse.Namespace, work: Path, url: str, r
                for s, d in ((proc.stdout, lines), (proc.stderr, err))]
     for t in readers:
         t.start()
-    at = rng.randint(FIRST, LAST)
+    at = a.after * EVERY + rng.randint(*WINDOW)
     try:
         t0 = time.monotonic()
         while f"STEP {at - 1}" not in lines:
@@ -131,11 +132,12 @@ def _pccheck_outcome(flush: dict | None, url: str, last: int) -> dict[str, Any]:
 
 
 def _dcp_outcome(res: dict | None, last: int) -> dict[str, Any]:
-    if res is None:  # the handler's save did not end before the SIGKILL: the periodic step stands
-        return {"to_disk_s": None, "to_remote_s": None, "resumed_step": EVERY, "steps_lost": last - EVERY,
+    if res is None:  # the handler's save did not end before the SIGKILL: the newest periodic step stands
+        return {"to_disk_s": None, "to_remote_s": None, "resumed_step": last // EVERY * EVERY,
+                "steps_lost": last - last // EVERY * EVERY,
                 "resumed_from": "local disk (DCP async_save to the local disk)"}
     step = res["periodic"] if res["torn"] else res["step"]
-    step = EVERY if step is None else step
+    step = last // EVERY * EVERY if step is None else step
     return {"saved_step": res["step"], "torn": res["torn"], "blocked_in_handler_s": res["staged_s"],
             "to_disk_s": res["durable_s"], "to_remote_s": None, "resumed_step": step,
             "resumed_from": "local disk (DCP async_save to the local disk)", "steps_lost": max(0, last - step)}
@@ -249,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-sizes", type=parse_size_list, default=parse_size_list("256MiB"),
                     help="the sizes the raw client uploads (the 1.2x target is for 256 MiB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--after", type=int, default=2, help="the SIGTERM comes 2-8 steps after this many disk "
+                                                         "checkpoints (every 50 steps)")
     ap.add_argument("--out", default=str(result_path("preempt")))
     a = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -256,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     res["targets"] = targets(res)
     res.update({"command": "python -m bench.preempt " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "gpu": "EMULATED (sleep iter_time per step)", "grace_s": a.grace, "iter_time": a.iter_time,
-                "every": EVERY, "wall_s": time.monotonic() - t0, "host": host_info(tempfile.gettempdir())})
+                "every": EVERY, "after": a.after, "wall_s": time.monotonic() - t0, "host": host_info(tempfile.gettempdir())})
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
