@@ -174,12 +174,20 @@ class _Flush:
 
     def after_disk(self, step: int) -> None:
         """7. The tiers after the disk that fit take the disk's commit of ``step``."""
-        stack, go = self.stack, []
+        stack, go, skipped = self.stack, [], {}
         for t in stack.tiers:
             if t.after_disk:
                 v = verdict(self.nbytes, self.rates.remote_bps if t.name == "remote" else None, self.deadline)
-                (go.append(t.name) if v.attempt else self.mark(t.name, None, None, v.note))
+                if v.attempt:
+                    go.append(t.name)
+                else:
+                    skipped[t.name] = v.note
+                    self.mark(t.name, None, None, v.note)
         for name, s in stack.flush_after(self.deadline, step, go).items():
             err = getattr(getattr(stack.tier(name), "progress", None), "error", None)
             self.mark(name, s, step, "" if s is not None and s >= step else
                       "not committed by the deadline" + (f": {err}" if err else ""))
+        # a tier whose flush does not fit finishes the older upload it has in progress, if it
+        # can before the deadline: the machine may go, but a newer step than before is remote
+        for name, s in stack.drain_after(self.deadline, list(skipped)).items():
+            self.mark(name, s, step, skipped[name] + ("" if s is None else f"; it holds step {s}"))

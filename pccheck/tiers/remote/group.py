@@ -149,6 +149,11 @@ class GroupUploader(RemoteUploader):
                 return self.progress.step
             time.sleep(0.05)
 
+    def drain(self, deadline: float) -> int | None:
+        """In a group an older step commits only with every rank's part: nothing is waited for
+        here (the newest step committed remotely that this rank knows of)."""
+        return self.progress.step
+
     def pinned(self, step: int) -> bool:
         """Whether this rank must keep the slot of ``step``: announced, its part not uploaded."""
         return step not in self._done_steps and self._kv.check([self._ns + f"a/{step}"])

@@ -258,6 +258,16 @@ class RemoteUploader:
                 self._pending is None and self._running is None), left)
             return self.progress.step
 
+    def drain(self, deadline: float) -> int | None:
+        """A flush whose own step does not fit here: the upload in progress (an older step's)
+        and the one queued are waited for until ``deadline`` (time.monotonic()), since they may
+        still land before the machine goes. Returns the newest step committed remotely."""
+        with self._cv:
+            left = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+            self._cv.wait_for(lambda: self._stopped or self._closing or (
+                self._pending is None and self._running is None), left)
+            return self.progress.step
+
     def _superseded_by_flush(self, ref: SlotRef) -> bool:
         """Whether a flush gave up ``ref``'s upload, the one in progress, for its newer step
         (the remote keeps its newest commit, as after any cut-short upload)."""
