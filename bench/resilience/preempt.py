@@ -206,7 +206,7 @@ def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
 
 
 def targets(res: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets: 0 steps lost from s3:// (every pccheck trial, each resumed state
+    """The targets: 0 steps lost from s3:// (every pccheck trial, each resumed state
     checked), and signal -> remote commit <= 1.2x the raw upload for 256 MiB."""
     pc = [t for t in res["trials"] if t["system"] == "pccheck"]
     ratio = res["summary"].get(format_size(256 << 20), {}).get("remote_vs_raw_upload")
