@@ -9,7 +9,8 @@ Grouped by job, one folder each (each folder's ``__init__.py`` lists its files):
   incremental.
 - ``paper/``: the paper's figures: fig8, fig11, fig12, goodput (Figure 9), tuner.
 - ``modes/``: pccheck's modes: gockpt (spread), lazy, sharded, distributed, transparent.
-- ``resilience/``: surviving a lost machine: scale (the goodput model of a large job per tier set).
+- ``resilience/``: surviving a lost machine: scale (the goodput model of a large job per tier set), preempt
+  (the flush on a preemption notice).
 - ``gpu/``: the GPU benches (``python -m bench.gpu``, gpu_claims; gpu_train, gpu_profile).
 - ``analysis/``: scripts behind design choices (not benches; run as files).
 
@@ -22,7 +23,7 @@ micro/        persist, recovery, call_cost, copy_threads, memory_tier
 training/     overhead, restart, soak, integrations, ab, incremental
 paper/        fig8, fig11, fig12, goodput, tuner
 modes/        gockpt, lazy, sharded, distributed, transparent, export
-resilience/   remote, remote_clients, tiers, tiers_loss, tiers_plot, scale
+resilience/   remote, remote_clients, tiers, tiers_loss, tiers_plot, scale, preempt
 gpu/          gpu, gpu_claims
 ============  =====================================================================
 

@@ -354,3 +354,31 @@ def test_a_rank_that_cannot_flush_in_time_leaves_no_mixed_step(tmp_path, mem_dir
     flushed = next(f["step"] for f, d in zip(flushes, disk) if d["reached"])
     older = int(got[0].split()[2])
     assert got == [f"LOADED 0 {older}", f"LOADED 1 {older}"] and older < flushed and older % 4 == 0, (got, flushes)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_flush_supersedes_an_older_upload_in_progress_when_its_own_fits(tmp_path, s3_url, measured):
+    # 64 MiB in 8 MiB parts, one at a time. With an upload measured before (step 1), the upload
+    # of step 2 still running when the flush asks for step 3 is given up, and step 3's starts at
+    # once. With none measured, nothing says step 3's fits: step 2's upload is left to finish.
+    from pccheck.tiers.remote.commit import committed
+    from pccheck.tiers.remote.objstore import ObjectStore
+
+    w = np.zeros(16 << 20, np.float32)
+    ck = pccheck.Checkpointer({"w": w}, tmp_path / "ck", disk=pccheck.DiskOptions(every=1),
+                              remote=pccheck.RemoteOptions(url=s3_url, every=1, part_size=8 << 20, concurrency=1))
+    try:
+        steps = (1, 2, 3) if measured else (2, 3)
+        for step in steps:
+            w[:] = step
+            ck.maybe_checkpoint(step)
+            ck.wait(remote=step == 1)
+        if ck.stats().remote_step != (1 if measured else None):
+            pytest.skip("step 2's upload ended before the flush: nothing left to supersede")
+        r = ck.flush(timeout=120)
+        assert r.complete and r.tier("remote").step == 3, r
+    finally:
+        ck.close()
+    assert sorted(s for _, s in committed(ObjectStore(s3_url))) == ([1, 3] if measured else [2, 3])
+    got = pccheck.load_latest(s3_url)
+    assert got.step == 3 and np.all(got.state["w"] == 3)

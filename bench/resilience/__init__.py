@@ -12,6 +12,10 @@
 - ``tiers_plot.py``: the figure of a ``tiers.py`` result (``python -m bench.tiers_plot FILE.json``).
 - ``tiers_loss.py``: steps lost by the memory tier after a process crash or a node loss (kill trials,
   each restore verified bit for bit; also run by ``tiers.py``, ``--loss-trials``).
+- ``preempt.py`` (+ ``preempt_child.py``, the training process it signals): SIGTERM at a random
+  point of a step, SIGKILL at the grace period, the machine lost: the time from the signal to
+  durable on disk and committed on the remote, the steps lost against DCP ``async_save`` from the
+  user's own SIGTERM handler, and the flush's remote commit against the raw client's upload.
 
 Invariants: the model is a pure function of its inputs file; ``--refresh`` takes the measured
 efficiencies only from result files of this repository, named in the inputs.

@@ -10,12 +10,15 @@ when the connection is shared with pccheck's other threads) until the deadline.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
 from ..group.keys import POLL_S
 
 __all__ = ["Exchange"]
+
+log = logging.getLogger("pccheck")
 
 
 class Exchange:
@@ -33,6 +36,14 @@ class Exchange:
     def all(self, name: str, value: Any, deadline: float) -> dict[int, Any] | None:
         """Every rank's ``value`` by rank, without the ranks gone; None once ``deadline`` passed
         here (this rank is gone from then on)."""
+        try:
+            return self._all(name, value, deadline)
+        except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
+            # the store lives in the node-0 agent (torchrun), which ends once rank 0 has: go on alone
+            log.warning("pccheck: flush: the job's key-value store stopped answering (%s); flushing alone", exc)
+            return None
+
+    def _all(self, name: str, value: Any, deadline: float) -> dict[int, Any] | None:
         store, g = self.group.store, self.group
         store.set(f"{self.prefix}{name}/{g.rank}", json.dumps(value))
         out: dict[int, Any] = {}

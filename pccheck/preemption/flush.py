@@ -76,11 +76,14 @@ class _Flush:
         if not gate.begin(deadline):
             log.warning("pccheck: flush: maybe_checkpoint still running at the deadline")
         self.floor = gate.last_returned
+        self.say(f"held the training thread; floor {self.floor}")
         self.rates = measure(stack.finished(), getattr(stack.tier("remote"), "progress", None))
         self.nbytes = stack.state_bytes(0)
         self.disk_need = verdict(self.nbytes, self.rates.disk_bps, deadline).need_s or 0.0
         self.agree_floor()
+        self.say(f"floor agreed: {self.floor}")
         step, beside = self.newest_held()
+        self.say(f"step {step}; beside the disk: {beside}")
         if step is None or (self.floor is not None and step < self.floor):  # 5. the next step boundary
             b = gate.ask_boundary(self.floor, deadline - self.disk_need, self.serve)
             if b is not None:
@@ -90,6 +93,7 @@ class _Flush:
         if step is None:
             return self.done(None)
         if self.to_disk(step):
+            self.say(f"disk holds step {step}")
             self.after_disk(step)
         result = self.done(step)
         log.warning("pccheck: flush of step %s (%s, %s): %s in %.2f s", step, self.source, self.notice.cause,
@@ -104,6 +108,9 @@ class _Flush:
         source = self.source if step is not None else "none"
         return FlushResult(step, self.floor if stack.disk is not None else self.gate.last_returned, source,
                            self.notice.cause, tiers, self.notice.wall, time.monotonic() - self.notice.t0)
+
+    def say(self, what: str) -> None:
+        log.debug("pccheck: flush: %s (%.3f s after the notice)", what, time.monotonic() - self.notice.t0)
 
     def mark(self, name: str, step: int | None, target: int | None, note: str = "") -> None:
         ok = step is not None and target is not None and step >= target
@@ -167,12 +174,20 @@ class _Flush:
 
     def after_disk(self, step: int) -> None:
         """7. The tiers after the disk that fit take the disk's commit of ``step``."""
-        stack, go = self.stack, []
+        stack, go, skipped = self.stack, [], {}
         for t in stack.tiers:
             if t.after_disk:
                 v = verdict(self.nbytes, self.rates.remote_bps if t.name == "remote" else None, self.deadline)
-                (go.append(t.name) if v.attempt else self.mark(t.name, None, None, v.note))
+                if v.attempt:
+                    go.append(t.name)
+                else:
+                    skipped[t.name] = v.note
+                    self.mark(t.name, None, None, v.note)
         for name, s in stack.flush_after(self.deadline, step, go).items():
             err = getattr(getattr(stack.tier(name), "progress", None), "error", None)
             self.mark(name, s, step, "" if s is not None and s >= step else
                       "not committed by the deadline" + (f": {err}" if err else ""))
+        # a tier whose flush does not fit finishes the older upload it has in progress, if it
+        # can before the deadline: the machine may go, but a newer step than before is remote
+        for name, s in stack.drain_after(self.deadline, list(skipped)).items():
+            self.mark(name, s, step, skipped[name] + ("" if s is None else f"; it holds step {s}"))

@@ -333,6 +333,12 @@ class TierStack:
         newest step of each."""
         return {t.name: t.flush(deadline, step) for t in self.tiers if t.after_disk and t.name in names}
 
+    def drain_after(self, deadline: float, names: Sequence[str]) -> dict[str, int | None]:
+        """The tiers after the disk named in ``names``, whose flush did not fit, finish the
+        upload they have in progress, up to ``deadline``; the newest step of each."""
+        return {t.name: t.drain(deadline) for t in self.tiers
+                if t.after_disk and t.name in names and hasattr(t, "drain")}
+
     # -- the end -----------------------------------------------------------------------------------
 
     def close(self, remote_timeout: float | None = None) -> None:

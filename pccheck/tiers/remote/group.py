@@ -54,6 +54,8 @@ from ...orchestrator.incremental import refuse_incremental
 from ...persist.recovery import read_store
 from .commit import next_generation
 from .increment import RemoteBase
+from .layout import manifest_key
+from .objstore import NotFound
 from .parts import commit_parts, part_key, put_changed_part, put_part
 from .sets import SetUploader
 from .upload import SlotRef
@@ -153,9 +155,12 @@ class GroupUploader(RemoteUploader):
         self._forced.add(step)
         if self.group.rank == 0:
             self._coord.announce_newest()
+        store_gone = False
         while True:
             if self.group.rank != 0:
-                self._learn_committed()
+                store_gone = store_gone or not self._learn_committed_or_gone()
+                if store_gone:  # the job's key-value store ended with rank 0's node: ask the object store
+                    self._learn_committed_remotely(step)
             with self._cv:
                 p = self.progress
                 if self._stopped or self._closing or (p.step is not None and p.step >= step):
@@ -163,6 +168,11 @@ class GroupUploader(RemoteUploader):
             if time.monotonic() >= deadline:
                 return self.progress.step
             time.sleep(0.05)
+
+    def drain(self, deadline: float) -> int | None:
+        """In a group an older step commits only with every rank's part: nothing is waited for
+        here (the newest step committed remotely that this rank knows of)."""
+        return self.progress.step
 
     def pinned(self, step: int) -> bool:
         """Whether this rank must keep the slot of ``step``: announced, its part not uploaded."""
@@ -212,6 +222,29 @@ class GroupUploader(RemoteUploader):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+
+    def _learn_committed_or_gone(self) -> bool:
+        """:meth:`_learn_committed`; False when the key-value store no longer answers. Under
+        torchrun it lives in the node-0 agent, which exits once rank 0 has ended (after a flush,
+        as soon as rank 0 committed): a rank that polls a moment later must not fail then."""
+        try:
+            self._learn_committed()
+            return True
+        except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
+            log.info("pccheck: the job's key-value store stopped answering (%s); reading the commit from the "
+                     "object store", exc)
+            return False
+
+    def _learn_committed_remotely(self, step: int) -> None:
+        """A rank other than 0 without the key-value store: ``step`` is committed once its step
+        manifest exists in this generation (rank 0 writes it create-only: the commit, §12.2)."""
+        try:
+            self.store.get(manifest_key(self.generation, step), 1 << 20)
+        except (NotFound, RemoteError, OSError):  # not there (yet), or the server did not answer: not known
+            return
+        with self._cv:
+            if self.progress.step is None or step > self.progress.step:
+                self.progress.step, self.progress.time, self.progress.behind_since = step, time.time(), None
 
     def _learn_committed(self) -> None:
         """A rank other than 0: the newest step rank 0 committed remotely, for stats()."""

@@ -141,6 +141,7 @@ class RemoteUploader:
         self._commits = 0  # legacy_every (pccheck 0.1.0's remote_every): the local commits told of so far
         self._newest_ref: SlotRef | None = None  # the durable latest local commit (flush() uploads it)
         self._forced: set[int] = set()  # steps a flush uploads whatever `every` says
+        self._supersede_below: int | None = None  # a flush gave up the uploads of older steps
         self._stopped = False   # a lost race: nothing more is uploaded
         self._closing = False
         self._kick = False      # retry now instead of waiting out the backoff
@@ -265,6 +266,11 @@ class RemoteUploader:
         with self._cv:
             if step is not None:
                 self._forced.add(step)
+                run = self._running
+                if run is not None and run.step < step and self._upload_fits(deadline):
+                    # an older step's upload in progress would delay the flush's by a whole
+                    # upload: it is given up at its next part, and the flush's starts at once
+                    self._supersede_below = step
                 ref, p = self._newest_ref, self.progress
                 have = {r.step for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
                 if (ref is not None and ref.step == step and step not in have and (p.step is None or p.step < step)
@@ -279,6 +285,30 @@ class RemoteUploader:
                 self.progress.step is not None and self.progress.step >= step) or (
                 self._pending is None and self._running is None), left)
             return self.progress.step
+
+    def drain(self, deadline: float) -> int | None:
+        """A flush whose own step does not fit here: the upload in progress (an older step's)
+        and the one queued are waited for until ``deadline`` (time.monotonic()), since they may
+        still land before the machine goes. Returns the newest step committed remotely."""
+        with self._cv:
+            left = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+            self._cv.wait_for(lambda: self._stopped or self._closing or (
+                self._pending is None and self._running is None), left)
+            return self.progress.step
+
+    def _superseded_by_flush(self, ref: SlotRef) -> bool:
+        """Whether a flush gave up ``ref``'s upload, the one in progress, for its newer step
+        (the remote keeps its newest commit, as after any cut-short upload)."""
+        return self._supersede_below is not None and ref.step < self._supersede_below
+
+    def _upload_fits(self, deadline: float) -> bool:
+        """Whether one more upload is expected to end before ``deadline``: the mean time of the
+        uploads so far, times the flush planner's margin (preemption/planner.py, 1.25); False
+        with none measured yet (giving up the upload in progress would then be a gamble)."""
+        p = self.progress
+        if p.uploads <= 0 or p.upload_s <= 0:
+            return False
+        return time.monotonic() + p.upload_s / p.uploads * 1.25 < deadline
 
     def close(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether
@@ -369,13 +399,17 @@ class RemoteUploader:
         opts = self.options
         t0 = time.perf_counter()
         referenced = 0
+
+        def stop() -> bool:
+            return self._closing or self._superseded_by_flush(ref)
+
         if self._incremental:
             inc = upload_changed(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
-                                 self._senders, lambda: self._closing, self._base)
+                                 self._senders, stop, self._base)
             part, referenced = inc.part, inc.referenced
         else:
             part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
-                               self._senders, lambda: self._closing)
+                               self._senders, stop)
         commit_step(self.store, StepManifest(self.generation, ref.step, 1, time.time(), (part,)))
         if self._incremental:
             self._base = inc.base  # committed: the next step may reference what it names
