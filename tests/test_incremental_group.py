@@ -101,3 +101,24 @@ def test_ddp_ranks_resume_bit_exact(tmp_path):
     outs = _job("ddp", "load", tmp_path / "ck", tmp_path / "got", world=2)
     assert _loaded_step(outs) == {STEPS}
     assert _equal(tmp_path / "got", tmp_path / f"ref.{STEPS}")
+
+
+def test_the_group_step_keeps_its_cells_while_a_rank_runs_ahead(tmp_path):
+    """Rank 0 commits steps 4 and 5 (changing array b again) while rank 1 stops after step 3:
+    the group's step stays 3, so rank 0's step 3 must keep the cells it references (b's, written
+    at step 2) though rank 0's own newest checkpoint no longer does. SIGKILL, then the group
+    loads step 3 on both ranks, bit for bit."""
+    lag = str(Path(__file__).with_name("_incr_lag_child.py"))
+
+    def job(mode: str) -> list[tuple[int, str, str]]:
+        init = tmp_path / f"init-{mode}"
+        procs = [subprocess.Popen([sys.executable, lag, mode, str(tmp_path / "ck"), str(r), str(init)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+    ran = job("run")
+    assert [rc for rc, _, _ in ran] == [-9, -9], [e[-2000:] for _, _, e in ran]
+    assert "COMMITTED 5" in ran[0][1] and "COMMITTED 4" not in ran[1][1]
+    loaded = job("load")
+    assert [o for _, o, _ in loaded] == ["LOADED 3 True\n"] * 2, [e[-2000:] for _, _, e in loaded]

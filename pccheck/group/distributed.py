@@ -43,6 +43,7 @@ from typing import Any
 from .. import shutdown
 from .keys import wait_key
 from ..errors import CorruptCheckpointError, NoCheckpointError
+from ..orchestrator.incremental import Incremental
 from ..orchestrator.retention import HeldSlots, Retention
 from ..persist.files import GLOBAL, rank_dir, write_durably
 from ..persist.recovery import Restored, load_slot, read_manifest, read_store, scan, store_files
@@ -197,6 +198,10 @@ class GroupCoordinator(Retention):
         # slots of announced steps and, on rank 0, announces steps as they are published.
         self.remote: Any = None
         self._publish_lock = threading.Lock()  # rank 0: record + announce + publish, as one
+        # incremental=True: counter -> step of the local commits whose cells are held. A commit that
+        # can still become (or is) the global step may be loaded by the group, so the cells it
+        # references stay pinned as long as its slot is held (the same rule, _settle_locked).
+        self._held_cells: dict[int, int] = {}
 
     def prepare(self, directory: Path) -> None:
         """Agrees on this incarnation's epoch and the global step to keep, and finds the slots of
@@ -240,10 +245,15 @@ class GroupCoordinator(Retention):
 
     # -- local commits --------------------------------------------------------------------------
 
-    def on_commit(self, step: int, slot: int) -> None:
-        """After this rank's commit of ``step`` into ``slot`` became durable (commit thread)."""
+    def on_commit(self, step: int, slot: int, counter: int | None = None) -> None:
+        """After this rank's commit of ``step`` into ``slot`` (commit ``counter``) became durable
+        (commit thread)."""
         with self._lock:
             self._slots.record(self.orch, slot, step)
+            cells = getattr(self.orch, "cells", None)
+            # it is still the disk's base here (commit thread), so hold() pins exactly its cells
+            if counter is not None and isinstance(cells, Incremental) and cells.hold(counter):
+                self._held_cells[counter] = step
             self._settle_locked()
         st = self.group.store
         if st.add(f"e{self.epoch}/n/{step}", 1) == self.group.world_size:
@@ -252,12 +262,16 @@ class GroupCoordinator(Retention):
 
     def _settle_locked(self) -> None:
         """Frees held slots that can no longer be the global latest (older than it), except the
-        ones the remote tier still uploads from. The remote tier gives back the cells of those
-        commits first (incremental: a slot is reused only once no held commit pins its cells)."""
+        ones the remote tier still uploads from. The cells of those commits go back first
+        (incremental: a slot is reused only once no held commit pins its cells)."""
         if self.orch is not None:
-            if self.remote is not None:
-                self.remote.settle_cells(self.global_step)
-            self._slots.settle(self.orch, self.global_step, self.remote.pinned if self.remote is not None else None)
+            pinned = self.remote.pinned if self.remote is not None else None
+            if self.global_step is not None:
+                for counter, step in list(self._held_cells.items()):
+                    if step < self.global_step and not (pinned is not None and pinned(step)):
+                        del self._held_cells[counter]
+                        self.orch.cells.release(counter)
+            self._slots.settle(self.orch, self.global_step, pinned)
 
     # -- the remote tier's side (pccheck/tiers/remote/group.py) ----------------------------------
 

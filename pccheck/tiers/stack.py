@@ -210,7 +210,7 @@ class TierStack:
         if self.member is not None:
             self.member.on_commit(info)  # the set's retention records the slot first
         if self.coord is not None:
-            self.coord.on_commit(info.step, info.slot)
+            self.coord.on_commit(info.step, info.slot, info.counter)
         for tier in self.tiers:
             if tier.after_disk:
                 tier.on_commit(info)  # only enqueues: the copies run on the tiers' own threads

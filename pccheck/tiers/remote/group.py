@@ -31,10 +31,10 @@ rank's upload of S makes a *candidate* base, adopted when the next announcement 
 ``committed`` names S. Rank 0 sets ``committed`` before it announces anything newer, so a rank
 never references a step the group abandoned (a rank's part missing, or a commit lost), and its
 base is always the newest step the group committed, which retention keeps with all it names.
-Each local commit's cells are pinned (``Incremental.hold``, in :meth:`GroupUploader.on_commit`,
-while it is still the disk's base) for as long as the coordinator keeps its slot: released in
-:meth:`GroupUploader.settle_cells`, which the coordinator calls before it gives slots back, on the
-same rule (older than the global step, and not announced-and-not-uploaded). So a held commit
+Each local commit's cells are pinned (``Incremental.hold``, by the coordinator's ``on_commit``,
+while it is still the disk's base) for as long as the coordinator keeps its slot: released before
+it gives slots back, on the same rule (older than the global step, and not
+announced-and-not-uploaded). So a held commit
 pins cells only while it occupies a slot, the store's one-free-cell count holds, and an announced
 step's upload reads the bytes its manifest names (the crc32c check stays: a commit the hold came
 too late for is abandoned if a cell was rewritten, never uploaded torn).
@@ -43,7 +43,6 @@ too late for is abandoned if a cell was rewritten, never uploaded torn).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -86,8 +85,6 @@ class GroupUploader(RemoteUploader):
         self._announced: set[int] = set()  # rank 0: steps announced so far
         self._seen = 0                    # announcements this rank has taken
         self._candidate: RemoteBase | None = None  # incremental: this rank's last part, not known committed
-        self._cells_lock = threading.Lock()  # guards _held_cells (taken under the coordinator's lock)
-        self._held_cells: dict[int, int] = {}  # incremental: counter -> step of local commits whose cells we pin
         super().__init__(options, on_error=on_error, rank=group.rank)
 
     def _take_generation(self) -> int:
@@ -179,26 +176,8 @@ class GroupUploader(RemoteUploader):
         return step not in self._done_steps and self._kv.check([self._ns + f"a/{step}"])
 
     def on_commit(self, info: Any) -> None:
-        """Local commits queue nothing here: the announcements say what to upload. incremental:
-        pins the commit's cells (it is still the disk's base here), since rank 0 may announce its
-        step once it is the newest global step; :meth:`settle_cells` gives them back."""
-        if self._incremental and self._orch is not None and self._orch.cells.hold(info.counter):
-            with self._cells_lock:
-                self._held_cells[info.counter] = info.step
-
-    def settle_cells(self, keep: int | None) -> None:
-        """The coordinator, under its lock, before it gives held slots back: releases the cells of
-        the local commits whose slots it gives back now (step older than ``keep``, the global step,
-        and not pinned), so no commit pins cells once its slot can be reused."""
-        if self._orch is None or keep is None:
-            return
-        with self._cells_lock:
-            held = list(self._held_cells.items())
-        for counter, step in held:
-            if step < keep and not self.pinned(step):
-                with self._cells_lock:
-                    self._held_cells.pop(counter, None)
-                self._orch.cells.release(counter)
+        """Local commits queue nothing here: the announcements say what to upload (incremental:
+        the coordinator pins each commit's cells while it keeps its slot)."""
 
     def _settle(self) -> None:
         """The coordinator owns the held slots in a group (its _settle_locked asks pinned)."""
