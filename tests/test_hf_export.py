@@ -211,6 +211,69 @@ def test_a_damaged_chunk_falls_back_or_fails_with_step(fsdp_job, tmp_path):
     assert r.step == 2
 
 
+def _evict(path: Path) -> None:
+    """Drops every file under ``path`` from the page cache (written back first)."""
+    import os
+
+    os.sync()
+    for f in (p for p in path.rglob("*") if p.is_file()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_uncached_reads_bypass_the_page_cache_and_match_cached_ones(tmp_path):
+    import os
+
+    from pccheck.native import _native
+    from pccheck.persist.reader import aligned_span, cached_fraction, fresh_buffer, open_direct, read_uncached
+
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    _evict(tmp_path)
+    fd, direct = os.open(path, os.O_RDONLY), open_direct(path)
+    try:
+        if cached_fraction(fd, 0, data.nbytes) != 0.0:
+            pytest.skip("this filesystem keeps the file in memory (posix_fadvise DONTNEED does not evict it)")
+        off, n = 4096 * 3 + 17, (2 << 20) + 101  # neither aligned: the read covers the pages around them
+        buf = fresh_buffer(aligned_span(off, n))
+        got, crc = read_uncached(fd, direct, off, n, buf, piece=1 << 20)
+        assert np.array_equal(got, data[off:off + n]) and crc == _native.crc32c(data[off:off + n].tobytes())
+        assert cached_fraction(fd, 0, data.nbytes) == 0.0  # read with O_DIRECT: nothing was cached
+        os.pread(fd, data.nbytes, 0)  # now every page is cached: the read goes through the cache
+        assert cached_fraction(fd, 0, data.nbytes) == 1.0
+        again, crc2 = read_uncached(fd, direct, off, n, fresh_buffer(aligned_span(off, n)))
+        assert np.array_equal(again, got) and crc2 == crc
+        with pytest.raises(ValueError, match="buffer holds"):
+            read_uncached(fd, direct, off, n, fresh_buffer(n))
+        os.truncate(path, off + n - 5000)  # the file ends inside the array
+        _evict(tmp_path)
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            read_uncached(fd, direct, off, n, buf)
+    finally:
+        os.close(fd)
+        os.close(direct)
+
+
+def test_a_cold_fsdp2_checkpoint_exports_bit_for_bit_and_damage_is_caught(fsdp_job, tmp_path):
+    import shutil
+
+    ck, tmp = fsdp_job
+    path = tmp_path / "ck"
+    shutil.copytree(ck, path)
+    _evict(path)  # the chunks are read past the page cache
+    pccheck.export_hf(path, tmp_path / "m", config=tmp / "config.json")
+    got, want = _loaded(tmp_path / "m"), _reference(tmp)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
+    _damage(path, 0, 3)
+    _evict(path)
+    with pytest.raises(CorruptCheckpointError, match="step 3 cannot be exported.*checksum mismatch"):
+        pccheck.export_hf(path, tmp_path / "m2", step=3)
+
+
 def test_ddp_exports_rank_zero_under_the_wrapped_model_names(tmp_path):
     ck = _job("ddp", tmp_path)
     r = pccheck.export_hf(ck, tmp_path / "m", config=tmp_path / "config.json")

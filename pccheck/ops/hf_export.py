@@ -14,10 +14,11 @@ rank of the job that wrote it. Its model state dict is the ``"model"`` entry of 
   array;
 - a sharded one (FSDP2/DTensor, FORMAT.md §9) is consolidated from the chunks of every rank:
   when each chunk is a run of whole rows (``Shard(0)``, FSDP2's placement) its bytes are copied
-  straight to their place in the output file, one chunk in memory at a time (two: the next
-  chunk is read while the current one is written); any other layout is assembled tensor by
-  tensor. So the whole model is never in memory: peak memory is about twice the largest chunk
-  (or tensor).
+  straight to their place in the output file by a few workers at once (up to ``WORKERS``, one
+  buffer of the largest chunk each, two when chunks are large: see ``_workers``), so the ranks'
+  files are read together and the writes overlap the reads; any other layout is assembled tensor
+  by tensor. So the whole model is never in memory: peak memory is at most twice the largest
+  chunk (or tensor) or ``COPY_BUDGET``, whichever is more.
 
 Only the model is written (not the optimizer, the RNGs or the extra state), under the module's
 ``state_dict`` names; a prefix every name carries from a wrapper (``module.`` of DDP,
@@ -52,7 +53,8 @@ import os
 import re
 import resource
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -62,6 +64,7 @@ import numpy as np
 from ..arrays import TORCH_DTYPES
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..persist.files import fsync_dir, write_durably
+from ..persist.reader import fresh_buffer
 from ..sharded.geometry import Box, full_box, numel, overlap
 from .export import SafetensorsEntry, safetensors_header
 
@@ -78,6 +81,8 @@ _ST_NAME = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "B
             "complex64": "C64"}
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHARD_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+WORKERS = 4                # chunks copied at once, at most (one per rank's file of a 4-rank job)
+COPY_BUDGET = 128 << 20    # their buffers' bytes, beyond the two chunks every export may hold
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
@@ -315,21 +320,38 @@ def _write(cand: Any, tensors: list[_Tensor], out: Path, dtype: str, limit: int)
 
 class _Copier:
     """Copies tensors from a set into open output files: whole-row chunks straight to their
-    offset (the next chunk read in a thread while the current one is written), any other layout
-    assembled in memory first."""
+    offset by a few workers at once, any other layout assembled in memory first.
+
+    A worker takes the next chunk, reads it into a buffer of its own (checking its crc32c), and
+    writes it at its place in the output itself, so the reads of several chunks (the ranks' files
+    of one tensor) are in flight together and each chunk's write overlaps the others' reads;
+    no chunk waits for a slower one before it is written. Invariant: a buffer belongs to one
+    job from its read until its write has returned (the free queue hands it on only then)."""
 
     def __init__(self, cand: Any, dtype: str, tensors: Sequence[_Tensor]) -> None:
         self.cand, self.dtype = cand, dtype
-        biggest = max((self._chunk_bytes(c) for t in tensors if _by_rows(t) for c in t.chunks), default=0)
-        # Two buffers: one being read into while the other's bytes are written (see copy()).
-        self.buffers = [np.empty(biggest, dtype=np.uint8) for _ in range(2)]
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="pccheck-hf-read")
+        from ..sharded.index import CheckpointSet
+
+        # A set of local files has its chunks read into page-aligned buffers, past the page cache
+        # when it does not hold them (CheckpointSet.read_aligned); any other (remote, or one whose
+        # reads a subclass redefines) through its own read.
+        self.aligned = isinstance(cand, CheckpointSet) and type(cand).read is CheckpointSet.read
+        biggest = max((self._buffer_bytes(c) for t in tensors if _by_rows(t) for c in t.chunks), default=0)
+        self.workers = _workers(biggest, converting=any(t.out_dtype(dtype) != t.dtype for t in tensors))
+        # Buffers with transparent huge pages: their first touch costs a fraction of 4 KiB pages'.
+        self.free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for _ in range(self.workers):
+            self.free.put(fresh_buffer(biggest))
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pccheck-hf-copy")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
     def _chunk_bytes(self, c: Any) -> int:
         return int(self.cand.members[c.rank].entries[c.array][0].nbytes)
+
+    def _buffer_bytes(self, c: Any) -> int:
+        return int(self.cand.aligned_bytes(c.rank, c.array)) if self.aligned else self._chunk_bytes(c)
 
     def write_file(self, tmp: Path, shard: list[_Tensor], meta: dict[str, str]) -> int:
         header, order = safetensors_header(
@@ -341,66 +363,88 @@ class _Copier:
             _pwrite(fd, memoryview(header), 0)
             data = sum(e.nbytes for e in order)
             os.ftruncate(fd, len(header) + data)
-            jobs: list[Callable[[np.ndarray], tuple[np.ndarray, int]]] = []
             off = len(header)
-            for e in order:
-                jobs.extend(self._jobs(by_name[e.name], off))
-                off += e.nbytes
-            self._run(fd, jobs)
-            os.fsync(fd)  # the bytes are durable before the name points at them
+            pending: list[Future] = []
+            try:
+                for e in order:
+                    t = by_name[e.name]
+                    if _by_rows(t):
+                        pending.extend(self.pool.submit(self._copy_chunk, fd, t, c, at)
+                                       for c, at in self._row_chunks(t, off))
+                    else:  # a whole tensor in memory: the chunks in flight are written first
+                        _wait_all(pending)
+                        pending = []
+                        _write_array(fd, self._assembled(t), off)
+                    off += e.nbytes
+                _wait_all(pending)
+            except BaseException:
+                for f in pending:  # no worker may still write to fd once it is closed
+                    f.cancel()
+                wait(pending)
+                raise
+            os.fsync(fd)  # the bytes are durable before the name points at them (a no-op on tmpfs)
         finally:
             os.close(fd)
         return data
 
-    def _run(self, fd: int, jobs: list[Callable[[np.ndarray], tuple[np.ndarray, int]]]) -> None:
-        """Runs the jobs in order, job i+1 reading into the other buffer while job i's bytes are
-        written. Invariant: a buffer is handed to a job only after the write of the job that used
-        it before (i - 2) has returned."""
-        pending: Future | None = None
-        for i, job in enumerate(jobs):
-            nxt = self.pool.submit(job, self.buffers[i % 2])
-            if pending is not None:
-                arr, at = pending.result()
-                _pwrite(fd, memoryview(arr.reshape(-1).view(np.uint8)), at)
-            pending = nxt
-        if pending is not None:
-            arr, at = pending.result()
-            _pwrite(fd, memoryview(arr.reshape(-1).view(np.uint8)), at)
+    def _row_chunks(self, t: _Tensor, base: int) -> list[tuple[Any, int]]:
+        """(chunk, output offset) of each non-empty chunk of a whole-row tensor, in row order;
+        CorruptCheckpointError unless they cover its rows exactly once."""
+        rows = sorted(_unique(t), key=lambda c: c.box.offsets[0])
+        at = 0
+        for c in rows:
+            if c.box.offsets[0] != at:
+                break
+            at += c.box.sizes[0]
+        if at != t.shape[0]:
+            raise CorruptCheckpointError(f"tensor {t.name!r}: its saved chunks do not cover rows 0..{t.shape[0]} "
+                                         "exactly once")
+        row_out = t.out_bytes(self.dtype) // t.shape[0] if t.shape[0] else 0
+        return [(c, base + c.box.offsets[0] * row_out) for c in rows if numel(c.box)]
 
-    def _jobs(self, t: _Tensor, base: int) -> list[Callable[[np.ndarray], tuple[np.ndarray, int]]]:
+    def _copy_chunk(self, fd: int, t: _Tensor, c: Any, at: int) -> None:
+        """One worker's job: chunk ``c`` read and checked into a free buffer, then written at ``at``."""
+        buf = self.free.get()
+        try:
+            if self.aligned:
+                raw = self.cand.read_aligned(c.rank, c.array, buf)
+            else:
+                raw = self.cand.read(c.rank, c.array, into=buf[:self._chunk_bytes(c)])
+            _write_array(fd, _convert(raw.reshape(-1).view(np.uint8).view(TORCH_DTYPES[t.dtype]), t.dtype,
+                                      t.out_dtype(self.dtype)), at)
+        finally:
+            self.free.put(buf)
+
+    def _assembled(self, t: _Tensor) -> np.ndarray:
         chunks = _unique(t)
-        if _by_rows(t):
-            rows = sorted(chunks, key=lambda c: c.box.offsets[0])
-            at = 0
-            for c in rows:
-                if c.box.offsets[0] != at:
-                    break
-                at += c.box.sizes[0]
-            if at != t.shape[0]:
-                raise CorruptCheckpointError(f"tensor {t.name!r}: its saved chunks do not cover rows 0..{t.shape[0]} "
-                                             "exactly once")
-            row_out = t.out_bytes(self.dtype) // t.shape[0] if t.shape[0] else 0
-            return [self._row_job(t, c, base + c.box.offsets[0] * row_out) for c in rows if numel(c.box)]
         total = sum(numel(c.box) for c in chunks)
         crossing = any((ov := overlap(a.box, b.box)) is not None and numel(ov)
                        for i, a in enumerate(chunks) for b in chunks[i + 1:])
         if total != numel(full_box(t.shape)) or crossing:
             raise CorruptCheckpointError(f"tensor {t.name!r}: its saved chunks do not cover it exactly once")
-        return [lambda _buf: (self._assembled(t, chunks), base)]
-
-    def _row_job(self, t: _Tensor, c: Any, at: int) -> Callable[[np.ndarray], tuple[np.ndarray, int]]:
-        def job(buf: np.ndarray) -> tuple[np.ndarray, int]:
-            raw = self.cand.read(c.rank, c.array, into=buf[:self._chunk_bytes(c)])
-            return _convert(raw.reshape(-1).view(np.uint8).view(TORCH_DTYPES[t.dtype]), t.dtype,
-                            t.out_dtype(self.dtype)), at
-        return job
-
-    def _assembled(self, t: _Tensor, chunks: list[Any]) -> np.ndarray:
         whole = np.empty(t.shape, dtype=TORCH_DTYPES[t.dtype])
         for c in chunks:
             part = self.cand.read(c.rank, c.array).reshape(-1).view(np.uint8).view(whole.dtype)
             whole[c.box.slices()] = part.reshape(c.box.sizes)
         return _convert(whole, t.dtype, t.out_dtype(self.dtype))
+
+
+def _workers(biggest: int, converting: bool) -> int:
+    """Chunks copied at once: up to WORKERS while their buffers (and, when converting, the
+    converted copies: up to three times a chunk) stay within COPY_BUDGET, and never fewer than two
+    (one chunk read while another is written), which is what the peak-memory bound assumes."""
+    per = biggest * (4 if converting else 1)
+    return max(2, min(WORKERS, COPY_BUDGET // per if per else WORKERS))
+
+
+def _wait_all(futures: list[Future]) -> None:
+    """Returns once every future is done; the first failure (in submission order) is raised."""
+    for f in futures:
+        f.result()
+
+
+def _write_array(fd: int, arr: np.ndarray, at: int) -> None:
+    _pwrite(fd, memoryview(arr.reshape(-1).view(np.uint8)), at)
 
 
 def _unique(t: _Tensor) -> list[Any]:

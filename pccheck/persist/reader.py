@@ -36,7 +36,7 @@ from ..errors import CorruptCheckpointError
 from ..native import _native
 from .layout import ArrayEntry
 
-__all__ = ["read_region", "read_array", "read_entry", "crc32c", "crc32c_combine", "prefault", "fresh_buffer",
+__all__ = ["read_region", "read_array", "read_entry", "read_uncached", "aligned_span", "cached_fraction", "crc32c", "crc32c_combine", "prefault", "fresh_buffer",
            "populate", "Prefaulter", "open_direct"]
 
 PIECE = 32 << 20
@@ -168,6 +168,86 @@ def read_entry(fd: int, base: int, entry: ArrayEntry, crc: int, into: np.ndarray
     if got != crc:
         raise CorruptCheckpointError(f"array {entry.name!r} checksum mismatch")
     return buf.view(entry.dtype).reshape(entry.shape)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and buffer addresses
+
+
+def aligned_span(offset: int, nbytes: int) -> int:
+    """Bytes of the smallest ``DIRECT_ALIGN``-aligned file range holding ``nbytes`` at ``offset``:
+    what a buffer given to :func:`read_uncached` must hold."""
+    lo = offset - offset % DIRECT_ALIGN
+    return -(-(offset + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN - lo
+
+
+def read_uncached(fd: int, direct_fd: int, offset: int, nbytes: int, buf: np.ndarray,
+                  piece: int = 8 << 20) -> tuple[np.ndarray, int]:
+    """Reads ``nbytes`` at ``offset`` into ``buf`` (a page-aligned uint8 array of at least
+    :func:`aligned_span` bytes) and returns (a view of those bytes in ``buf``, their crc32c), each
+    piece checksummed while hot in cache. For a reader that reads bytes once and passes them on.
+
+    When the page cache holds every page of them (:func:`cached_fraction`), the bytes are read
+    through it (``fd``); else with O_DIRECT (``direct_fd``, from :func:`open_direct`) from the device straight
+    into ``buf``, which allocates no page cache and copies nothing out of it: on these machines a
+    cold buffered read costs about 0.4 CPU seconds a GiB, a direct one under 0.1. Both return the
+    same bytes (an O_DIRECT read writes dirty cached pages back first). CorruptCheckpointError if
+    the file ends early."""
+    lo = offset - offset % DIRECT_ALIGN
+    head, span = offset - lo, aligned_span(offset, nbytes)
+    if buf.nbytes < span:
+        raise ValueError(f"the buffer holds {buf.nbytes} bytes, the aligned read {span}")
+    # Through the cache only when it holds all of the range: a cold read would fill it for
+    # nothing, and a part (the readahead of the bytes before) is cheaper to read again than to copy.
+    if nbytes == 0 or cached_fraction(fd, lo, span) == 1.0:
+        return read_array(fd, offset, nbytes, piece, into=buf[head:head + nbytes])
+    view = memoryview(buf)
+    end = head + nbytes
+    crc, done = 0, 0  # done: bytes of buf filled, buf[0] being the file's byte lo
+    while done < end:
+        n = os.preadv(direct_fd, [view[done:min(span, done + piece)]], lo + done)
+        # Invariant: every read starts aligned; a short one (not a multiple) ends the file.
+        if n <= 0 or (n % DIRECT_ALIGN and done + n < end):
+            raise CorruptCheckpointError(f"short read at offset {lo + done + max(n, 0)}: the file is truncated")
+        a, b = max(done, head), min(done + n, end)
+        if a < b:
+            crc = _native.crc32c(view[a:b], crc)
+        done += n
+    return buf[head:end], crc
+
+
+_libc_mincore = None
+
+
+def cached_fraction(fd: int, offset: int, nbytes: int) -> float:
+    """The fraction of the pages of ``fd`` under ``[offset, offset + nbytes)`` (``offset`` a
+    multiple of the page size) that the page cache holds: ``mincore`` over a private mapping of
+    the range, which reads nothing. 0.0 where it cannot be told (no libc mincore, an empty file)."""
+    global _libc_mincore
+    import ctypes
+
+    if _libc_mincore is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _libc_mincore = fn
+        except (OSError, AttributeError):
+            _libc_mincore = False
+    pages = -(-nbytes // _PAGE)
+    if not _libc_mincore or pages == 0:
+        return 0.0
+    try:  # copy-on-write: a writable buffer (ctypes needs one) that is never written
+        mm = mmap.mmap(fd, pages * _PAGE, access=mmap.ACCESS_COPY, offset=offset)
+    except (OSError, ValueError):
+        return 0.0
+    try:
+        ref = ctypes.c_char.from_buffer(mm)
+        vec = ctypes.create_string_buffer(pages)
+        ok = _libc_mincore(ctypes.addressof(ref), pages * _PAGE, vec) == 0
+        del ref  # the mapping cannot close while a ctypes view of it lives
+        return np.frombuffer(vec.raw, dtype=np.uint8).__and__(1).sum() / pages if ok else 0.0
+    finally:
+        mm.close()
 
 
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:

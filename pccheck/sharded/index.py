@@ -28,7 +28,7 @@ from ..arrays import TORCH_DTYPES, TORCH_ONLY
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..persist.files import rank_dir
 from ..persist.layout import ArrayEntry, Manifest
-from ..persist.reader import read_entry
+from ..persist.reader import aligned_span, open_direct, read_entry, read_uncached
 from ..persist.recovery import StoreImage, array_bases, scan, slot_manifests
 from .geometry import Box
 
@@ -124,6 +124,34 @@ class CheckpointSet:
             self.bytes_read += arr.nbytes
         return arr
 
+    def read_aligned(self, rank: int, name: str, buf: np.ndarray) -> np.ndarray:
+        """Array ``name`` of rank ``rank``'s slot, checked against its crc32c, as a uint8 view into
+        ``buf`` (page-aligned, at least :meth:`aligned_bytes` long), for a reader that reads each
+        array once and copies it on: bytes not in the page cache are read with O_DIRECT
+        (:func:`pccheck.persist.reader.read_uncached`). Thread-safe."""
+        m = self.members[rank]
+        if name not in m.entries:
+            raise CorruptCheckpointError(f"{m.image.path} slot {m.slot}: no array {name!r}")
+        entry, crc = m.entries[name]
+        fd, direct = self._fd(rank), self._fd(rank, direct=True)
+        try:
+            arr, got = read_uncached(fd, direct, m.bases[name] + entry.offset, entry.nbytes, buf)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{m.image.path} slot {m.slot} (step {self.step}): array {name!r}: "
+                                         f"{exc}") from None
+        if got != crc:
+            raise CorruptCheckpointError(f"{m.image.path} slot {m.slot} (step {self.step}): array {name!r} "
+                                         "checksum mismatch")
+        with self._lock:
+            self.bytes_read += entry.nbytes
+        return arr
+
+    def aligned_bytes(self, rank: int, name: str) -> int:
+        """Bytes of the buffer :meth:`read_aligned` needs for array ``name`` of rank ``rank``."""
+        m = self.members[rank]
+        entry = m.entries[name][0]
+        return aligned_span(m.bases[name] + entry.offset, entry.nbytes)
+
     def position(self, rank: int, name: str) -> tuple[int, int]:
         """(rank, file offset) of array ``name`` of rank ``rank``'s slot: the order in which a load
         reads arrays so that each member file is read front to back."""
@@ -132,12 +160,15 @@ class CheckpointSet:
             raise CorruptCheckpointError(f"{m.image.path} slot {m.slot}: no array {name!r}")
         return rank, m.bases[name] + m.entries[name][0].offset
 
-    def _fd(self, rank: int) -> int:
-        """One descriptor per member file, opened at its first read (closed by :meth:`close`)."""
+    def _fd(self, rank: int, direct: bool = False) -> int:
+        """One descriptor per member file (and one with O_DIRECT, where allowed, when ``direct``),
+        opened at its first read (closed by :meth:`close`)."""
+        key = -1 - rank if direct else rank  # direct descriptors under negative keys
         with self._lock:
-            if rank not in self._fds:
-                self._fds[rank] = os.open(self.members[rank].image.path, os.O_RDONLY | os.O_CLOEXEC)
-            return self._fds[rank]
+            if key not in self._fds:
+                path = self.members[rank].image.path
+                self._fds[key] = open_direct(path) if direct else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return self._fds[key]
 
     def close(self) -> None:
         """Closes the member files :meth:`read` opened."""
