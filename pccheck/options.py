@@ -216,10 +216,11 @@ class DiskOptions:
             deleted by keep_last). None (default): none.
         incremental: write only the arrays whose bytes differ from the newest committed
             checkpoint's and reference the rest (docs/guide/incremental.md; FORMAT.md §14).
-            False (default): every checkpoint writes every array. Supported for now: one
-            process's disk tier with host (CPU) state, and its remote tier (which then uploads
-            only the changed arrays, FORMAT.md §12.8); with the memory tier, spread steps, a
-            torch.distributed group, DTensor state or device state it raises ConfigError.
+            False (default): every checkpoint writes every array. Supported for now: host
+            (CPU) state, on the disk tier (one process or every rank of a group), the memory
+            tier with its replicas (MemoryOptions.incremental), and the remote tier (which then
+            uploads only the changed arrays, FORMAT.md §12.8; not for pccheck.dcp sets); with
+            spread steps or device state it raises ConfigError.
             Also a Checkpointer keyword of its own (``incremental=True``).
 
     ``keep_last`` != 0 copies every disk checkpoint into ``history/``: a second full write of the

@@ -107,7 +107,8 @@ def test_the_group_step_keeps_its_cells_while_a_rank_runs_ahead(tmp_path):
     """Rank 0 commits steps 4 and 5 (changing array b again) while rank 1 stops after step 3:
     the group's step stays 3, so rank 0's step 3 must keep the cells it references (b's, written
     at step 2) though rank 0's own newest checkpoint no longer does. SIGKILL, then the group
-    loads step 3 on both ranks, bit for bit."""
+    loads step 3 on both ranks, bit for bit; and again after a restart from step 3 in which rank 0
+    alone commits steps 4 and 5."""
     lag = str(Path(__file__).with_name("_incr_lag_child.py"))
 
     def job(mode: str) -> list[tuple[int, str, str]]:
@@ -120,5 +121,12 @@ def test_the_group_step_keeps_its_cells_while_a_rank_runs_ahead(tmp_path):
     ran = job("run")
     assert [rc for rc, _, _ in ran] == [-9, -9], [e[-2000:] for _, _, e in ran]
     assert "COMMITTED 5" in ran[0][1] and "COMMITTED 4" not in ran[1][1]
+    loaded = job("load")
+    assert [o for _, o, _ in loaded] == ["LOADED 3 True\n"] * 2, [e[-2000:] for _, _, e in loaded]
+    # restarted from step 3, rank 0 commits steps 4 and 5 again while rank 1 does not: the group's
+    # step is still 3, whose cells rank 0's reopened store must keep though its base moved on
+    resumed = job("resume")
+    assert [rc for rc, _, _ in resumed] == [-9, -9], [e[-2000:] for _, _, e in resumed]
+    assert "COMMITTED 5" in resumed[0][1] and "COMMITTED 4" not in resumed[1][1]
     loaded = job("load")
     assert [o for _, o, _ in loaded] == ["LOADED 3 True\n"] * 2, [e[-2000:] for _, _, e in loaded]

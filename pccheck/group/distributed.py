@@ -239,6 +239,14 @@ class GroupCoordinator(Retention):
     def start(self, orch: Any) -> None:
         """Starts the log followers. The orchestrator's store holds replaced slots for us."""
         self.orch = orch
+        cells = getattr(orch, "cells", None)
+        if isinstance(cells, Incremental):
+            cells.hold_commits = True
+            cells.protected = self.protected_slots
+            if orch.store.native is not None and orch.store.file is not None:  # opened before start
+                image = read_store(orch.store.file)
+                with open(orch.store.file, "rb", buffering=0) as f:
+                    cells.hold_slots(image, f.fileno(), self._protect)
         followers = [self._follow_globals] + ([self._follow_completions] if self.group.rank == 0 else [])
         for fn in followers:
             self._threads.append(shutdown.thread(fn, f"pccheck-{fn.__name__}"))
@@ -250,10 +258,8 @@ class GroupCoordinator(Retention):
         (commit thread)."""
         with self._lock:
             self._slots.record(self.orch, slot, step)
-            cells = getattr(self.orch, "cells", None)
-            # it is still the disk's base here (commit thread), so hold() pins exactly its cells
-            if counter is not None and isinstance(cells, Incremental) and cells.hold(counter):
-                self._held_cells[counter] = step
+            if counter is not None and isinstance(getattr(self.orch, "cells", None), Incremental):
+                self._held_cells[counter] = step  # held by Incremental.end (hold_commits)
             self._settle_locked()
         st = self.group.store
         if st.add(f"e{self.epoch}/n/{step}", 1) == self.group.world_size:
@@ -266,6 +272,8 @@ class GroupCoordinator(Retention):
         (incremental: a slot is reused only once no held commit pins its cells)."""
         if self.orch is not None:
             pinned = self.remote.pinned if self.remote is not None else None
+            if isinstance(getattr(self.orch, "cells", None), Incremental):
+                self._held_cells.update(self.orch.cells.take_held_on_open())
             if self.global_step is not None:
                 for counter, step in list(self._held_cells.items()):
                     if step < self.global_step and not (pinned is not None and pinned(step)):

@@ -17,7 +17,8 @@ checkpoint's manifest names, per array, the cell holding its bytes. A checkpoint
 Invariant (what keeps the newest committed checkpoint complete at every instant): a cell is
 written only while free, and the set of pinned cells (the base's, plus every flight's from its
 plan until it ends) is updated under one lock. With N in flight and N + 1 slots, at most N cells
-of a position are pinned by others (the base and N - 1 flights), so one is always free. A flight
+of a position are pinned by others (the base and N - 1 flights), so one is always free; a held
+checkpoint (an upload's, or a group's possible step) occupies a slot its retention keeps on top. A flight
 that won its commit becomes the base; one whose commit failed keeps its cells pinned (the word on
 disk may name it) until a later commit succeeds. A committed checkpoint the remote tier uploads
 is *held* (:meth:`Incremental.hold`): its cells stay pinned until the upload ends, so the upload
@@ -39,7 +40,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..arrays import ArrayInfo
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, CorruptCheckpointError, StorageError
 from ..native import _native
 from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
@@ -138,6 +139,14 @@ class Incremental:
         # per array: how many of its last fingerprints in a row differed from the base's
         # (_SKIP_AFTER or more: written unfingerprinted until its probe)
         self._changes: dict[int, int] = {}
+        # In a group (set by the coordinator, pccheck/group/distributed.py): every commit is held
+        # as it ends committed (atomically with its becoming the base: a newer commit could replace
+        # the base before any later hold() ran), and on open the slots ``protected()`` names (the
+        # group's step, older than this rank's newest) are held too; the coordinator releases each
+        # once its step can no longer be the group's (its ``_settle_locked``).
+        self.hold_commits = False
+        self.protected: Any = None               # () -> slots of the open generation to hold on open
+        self._pinned_on_open: dict[int, int] = {}  # counter -> step, held on open, not taken yet
         self._pool = started_pool(_FP_THREADS, "pccheck-fingerprint")  # threads.py says why started now
 
     def close(self) -> None:
@@ -173,6 +182,28 @@ class Incremental:
         image = read_store(store_file)
         with open(store_file, "rb", buffering=0) as f:
             self.reset(read_manifest(image, slot, f.fileno()), slot)
+            self.hold_slots(image, f.fileno(), self.protected() if self.protected is not None else ())
+
+    def hold_slots(self, image: Any, fd: int, slots: Sequence[int]) -> None:
+        """Holds the cells of the committed checkpoints in ``slots`` (validated by the store's open,
+        which keeps protected slots) until :meth:`release`; :meth:`take_held_on_open` says which."""
+        for s in slots:
+            try:
+                man = read_manifest(image, s, fd)
+            except CorruptCheckpointError:  # not loadable: nothing of it to keep
+                continue
+            if man is None or man.cells is None:
+                continue
+            with self._lock:
+                self._held[man.counter] = _Pins(man.arrays, tuple(man.cell_of(i, s) for i in range(len(man.arrays))),
+                                                man.cells.fps, man.crcs, man.counter)
+                self._pinned_on_open[man.counter] = man.step
+
+    def take_held_on_open(self) -> dict[int, int]:
+        """The holds :meth:`hold_slots` took (counter -> step), handed over once."""
+        with self._lock:
+            out, self._pinned_on_open = self._pinned_on_open, {}
+        return out
 
     def accepts(self, layout: Layout) -> bool:
         """Whether ``layout`` may be written to the open generation (one layout per generation)."""
@@ -249,12 +280,14 @@ class Incremental:
             if pins is None:
                 return
             if outcome == "committed":
+                done = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter)
                 if self._base is None or plan.counter > self._base.counter:
-                    self._base = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter)
+                    self._base = done
+                if self.hold_commits:
+                    self._held[plan.counter] = done
                 self._zombies = {c: z for c, z in self._zombies.items() if c > plan.counter}
             elif outcome == "failed-commit":
                 self._zombies[plan.counter] = pins
-
 
     def hold(self, counter: int) -> bool:
         """Pins the cells of committed checkpoint ``counter`` until :meth:`release` (an upload

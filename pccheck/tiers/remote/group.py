@@ -53,7 +53,7 @@ from ...orchestrator.incremental import refuse_incremental
 from ...persist.recovery import read_store
 from .commit import next_generation
 from .increment import RemoteBase
-from .layout import manifest_key
+from .layout import MAX_MANIFEST_BYTES, manifest_key
 from .objstore import NotFound
 from .parts import commit_parts, part_key, put_changed_part, put_part
 from .sets import SetUploader
@@ -218,7 +218,7 @@ class GroupUploader(RemoteUploader):
         """A rank other than 0 without the key-value store: ``step`` is committed once its step
         manifest exists in this generation (rank 0 writes it create-only: the commit, §12.2)."""
         try:
-            self.store.get(manifest_key(self.generation, step), 1 << 20)
+            self.store.get(manifest_key(self.generation, step), MAX_MANIFEST_BYTES)
         except (NotFound, RemoteError, OSError):  # not there (yet), or the server did not answer: not known
             return
         with self._cv:
