@@ -270,6 +270,7 @@ def test_summary_command_rebuilds_from_saved_results(quick_run):
 # -- bench.restart (its own processes: not part of the quick run above) ------------------------------------
 
 
+@pytest.mark.slow  # two restart rounds in their own processes: 1.5 min on 2 shared vCPUs
 def test_restart_quick_and_a_failing_system(tmp_path):
     """``python -m bench.restart --quick`` for pccheck and torch.load: every phase measured, the checkpoint
     the killed run made durable is the one loaded, JSON (with its command) and PNG written; a restart
@@ -406,6 +407,7 @@ def test_gockpt_summary_judges_autos_choice_and_the_model_at_the_measured_link()
     assert s["pccheck_spread"]["link_measured_bps"] == pytest.approx(s_bytes / 0.25)
 
 
+@pytest.mark.slow  # every system's loop once: about 1.5 min on 2 shared vCPUs
 def test_overhead_spread_row_runs_every_system(tmp_path):
     """``python -m bench.overhead --spread k``: the GoCkpt row through bench.gockpt's harness."""
     from bench.training import overhead

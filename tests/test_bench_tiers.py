@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a crash, a node loss and a cluster loss, each with torchrun: about a minute
 def test_one_tiny_trial_of_each_kind_reports_verified_steps_lost(tmp_path):
     out = tmp_path / "tiers.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -79,7 +79,7 @@ def _torture(path: Path, storage: str, kills: int, seed: int, env: dict | None =
     return recovered
 
 
-@pytest.mark.parametrize("storage", ["odirect", "mmap"])
+@pytest.mark.parametrize("storage", ["odirect", pytest.param("mmap", marks=pytest.mark.slow)])  # mmap: 45 s more
 def test_sigkill_torture(tmp_path, storage):
     # (the seed: the same kill schedule every run, so that a failure replays)
     recovered = _torture(tmp_path / "ckpt", storage, kills=50, seed=zlib.crc32(storage.encode()) & 0xFFFF)
