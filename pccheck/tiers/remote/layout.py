@@ -221,6 +221,10 @@ def array_sources(part: RankPart, arrays: Any) -> list[tuple[str, int]]:
         if off + e.nbytes > size:
             raise CorruptCheckpointError(f"array {e.name!r} lies beyond the end of {key} ({size} bytes)")
         out.append((key, off))
+    # arrays never share bytes, so together they fit in the objects they name (this bounds what a
+    # reader allocates for them by sizes the manifest declares, each checked on read)
+    if sum(e.nbytes for e in arrays) > sum(size for _, size in {objects[o] for o, _ in part.where}):
+        raise CorruptCheckpointError(f"{part.data}: the arrays hold more bytes than the objects they lie in")
     return out
 
 

@@ -97,7 +97,10 @@ def _fetch_arrays(store: ObjectStore, part: RankPart, man: Manifest) -> tuple[np
     for e in man.arrays:
         offsets.append(at)
         at += (e.nbytes + 63) // 64 * 64
-    buf = fresh_buffer(at)
+    try:
+        buf = fresh_buffer(at)
+    except MemoryError:
+        raise CorruptCheckpointError(f"{part.data}: its arrays ({at} bytes) do not fit in memory") from None
     view = memoryview(buf)
     pieces = [(i, o, min(GET_PIECE, e.nbytes - o)) for i, e in enumerate(man.arrays) for o in range(0, e.nbytes, GET_PIECE)]
 
