@@ -65,6 +65,24 @@ def test_fsdp2_ranks_write_only_what_changed(fsdp_saved):
     assert stats[2]["written"] > stats[1]["written"], stats
 
 
+def test_hugging_face_export_consolidates_through_the_references(fsdp_saved, tmp_path):
+    """The FSDP2 ranks' incremental stores export to one set of safetensors shards under the
+    module's names, bit for bit (the frozen bases read from step 1's cells, the adapters from
+    the newest step's)."""
+    import pccheck
+    from safetensors.torch import load_file
+
+    r = pccheck.export_hf(fsdp_saved / "ck", tmp_path / "hf", max_shard_size="20KB")
+    assert r.step == STEPS and len(r.files) > 2
+    got = {}
+    for f in r.files:
+        if f.endswith(".safetensors"):
+            got.update(load_file(tmp_path / "hf" / f))
+    want = torch.load(fsdp_saved / f"ref.{STEPS}", weights_only=True)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # 1: resharded
 def test_fsdp2_loads_through_references_on_the_same_and_another_world(fsdp_saved, tmp_path, world):
     outs = _job("fsdp", "load", fsdp_saved / "ck", tmp_path / "got", world=world)
