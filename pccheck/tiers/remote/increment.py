@@ -27,10 +27,10 @@ from typing import Callable
 from ...errors import ConfigError, CorruptCheckpointError
 from ...persist.layout import ArrayEntry, Manifest
 from ...persist.reader import crc32c, crc32c_combine, open_direct
-from ...persist.recovery import manifest_from, manifest_region, read_store, slot_base
+from ...persist.recovery import slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
-from .upload import BufferPool, Cancelled, SlotRef, _read_part, _send
+from .upload import BufferPool, Cancelled, SlotRef, _read_part, _send, slot_manifest
 
 __all__ = ["RemoteBase", "IncrementalUpload", "upload_changed"]
 
@@ -76,14 +76,7 @@ def _same(e: ArrayEntry, p: _Placed) -> bool:
 def _manifest(ref: SlotRef) -> tuple[bytes, Manifest, list[int]]:
     """The slot's manifest bytes (checked against its meta record and counter), parsed, and the
     file offset of the slot region holding each array (its cell, FORMAT.md §14)."""
-    image = read_store(ref.store_file)
-    if ref.slot >= len(image.slots) or image.slots[ref.slot].meta is None \
-            or image.slots[ref.slot].meta["counter"] != ref.counter:
-        raise CorruptCheckpointError(f"slot {ref.slot} of {ref.store_file.name} no longer holds counter {ref.counter}")
-    off, n = manifest_region(image, ref.slot)
-    with open(ref.store_file, "rb", buffering=0) as f:
-        raw = os.pread(f.fileno(), n, off)
-    man = manifest_from(image, ref.slot, raw)
+    image, raw, man = slot_manifest(ref)
     slots = len(image.slots)
     cells = [man.cell_of(i, ref.slot) for i in range(len(man.arrays))]
     if any(not 0 <= c < slots for c in cells):

@@ -25,17 +25,18 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ...errors import ConfigError, CorruptCheckpointError
+from ...persist.layout import Manifest
 from ...persist.reader import crc32c, crc32c_combine, fresh_buffer, open_direct, prefault
 from ...persist.recovery import manifest_from, manifest_region, read_store, slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
 
-__all__ = ["BufferPool", "upload_slot", "SlotRef", "Cancelled"]
+__all__ = ["BufferPool", "upload_slot", "slot_manifest", "SlotRef", "Cancelled"]
 
 
 class Cancelled(Exception):
@@ -71,9 +72,9 @@ class BufferPool:
         self._free.put(b)
 
 
-def _read_manifest(ref: SlotRef) -> tuple[bytes, list[tuple[int, int, int]], int]:
-    """The slot's manifest bytes (checked against its meta record and counter), each array's
-    (offset, nbytes, crc32c) and the data length."""
+def slot_manifest(ref: SlotRef) -> tuple[Any, bytes, Manifest]:
+    """The store image, and the slot's manifest bytes (checked against its meta record and
+    counter) and parsed."""
     image = read_store(ref.store_file)
     if ref.slot >= len(image.slots) or image.slots[ref.slot].meta is None \
             or image.slots[ref.slot].meta["counter"] != ref.counter:
@@ -81,7 +82,13 @@ def _read_manifest(ref: SlotRef) -> tuple[bytes, list[tuple[int, int, int]], int
     off, n = manifest_region(image, ref.slot)
     with open(ref.store_file, "rb", buffering=0) as f:
         raw = os.pread(f.fileno(), n, off)
-    man = manifest_from(image, ref.slot, raw)
+    return image, raw, manifest_from(image, ref.slot, raw)
+
+
+def _read_manifest(ref: SlotRef) -> tuple[bytes, list[tuple[int, int, int]], int]:
+    """The slot's manifest bytes (checked, :func:`slot_manifest`), each array's (offset, nbytes,
+    crc32c) and the data length."""
+    _, raw, man = slot_manifest(ref)
     arrays = [(e.offset, e.nbytes, c) for e, c in zip(man.arrays, man.crcs)]
     return raw, arrays, man.data_len
 
