@@ -62,8 +62,7 @@ _SKIP_AFTER = 2
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
 INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
                          "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process or of a "
-                         "group, and the "
-                         "memory tier with its replicas, with state in host (CPU) memory")
+                         "group, and the memory tier with its replicas, with state in host (CPU) memory")
 
 
 def refuse_incremental(what: str) -> ConfigError:

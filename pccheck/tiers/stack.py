@@ -361,10 +361,10 @@ def _check_incremental(group: Any, layout: Layout, snap: Any) -> None:
     """incremental=True: refuses (ConfigError) what it does not support yet, before anything is
     built (options.py refuses the tiers and spread_steps; this, what only the state shows).
 
-    A group needs nothing more: each rank's store references only its own earlier cells, and the
-    group's step is one every rank committed, so each rank's retention (which never frees a cell a
-    kept checkpoint references) keeps what that step reads. DTensor state is each rank's local
-    shards, arrays like any other."""
+    Groups are supported: each rank's store references only its own earlier cells, and the group
+    coordinator holds each commit's cells while it keeps the commit's slot (group/distributed.py),
+    so the group's step keeps what it reads. DTensor state is each rank's local shards, arrays like
+    any other."""
     del group, snap
     devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
     if devices:
