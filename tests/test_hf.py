@@ -56,7 +56,7 @@ def load(path: Path) -> Any:
         return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("setting", ["plain", "eval"])
+@pytest.mark.parametrize("setting", ["plain", pytest.param("eval", marks=pytest.mark.slow)])
 def test_sigkill_then_resume_from_latest_matches_the_trainers_own_resume(tmp_path, setting):
     """plain: checkpoints and logs every 5 steps. eval: checkpoints and evaluates every 4 steps
     (the evaluation steps ReduceLROnPlateau and sets the best metric after on_evaluate), logs every

@@ -143,6 +143,7 @@ def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings
     assert sorted(run("fsdp-pccheck", mine_dir, 22, "last", world=2)) == [20, 21]
 
 
+@pytest.mark.slow  # a 2-rank FSDP2 Lightning job and its resume: a minute on 2 vCPUs
 def test_fsdp2_full_checkpoints_through_the_pccheck_plugin_resume_as_lightnings_own(tmp_path):
     # save_distributed_checkpoint=False: rank 0 saves the full state through pccheck's CheckpointIO;
     # Lightning's own load reads only torch.save files there, pccheck's strategy loads the name.
