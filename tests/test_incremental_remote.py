@@ -420,7 +420,7 @@ def test_all_three_tiers_incremental_in_one_process(s3_url, tmp_path):
             opt.zero_grad()
             ck.maybe_checkpoint(s)
             ck.wait()
-        assert ck.wait(remote=True, timeout=60)
+            assert ck.wait(remote=True, timeout=60)  # every step uploaded: the last references the first
         st = ck.stats()
         assert st.checkpoints[-1].bytes_referenced >= frozen > st.checkpoints[-1].bytes_written
         assert st.tiers["memory_bytes"][-1]["kept"] >= frozen > st.tiers["memory_bytes"][-1]["copied"]

@@ -322,7 +322,7 @@ def test_power_loss_states(recorded: Recorded, scratch: Path, tmp_path: Path, ca
 
 # The default run enumerates fewer states per crash point than the plain run (every crash point
 # is still visited); the slow round enumerates as many.
-@pytest.mark.parametrize("cap", [40, pytest.param(128, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cap", [64, pytest.param(128, marks=pytest.mark.slow)])
 def test_power_loss_states_of_an_incremental_run(recorded_incremental: Recorded, scratch: Path, tmp_path: Path,
                                                 capsys, quiet_pccheck, cap: int) -> None:
     """References survive power loss: every crash state of a run whose checkpoints reference the
@@ -337,7 +337,7 @@ def test_power_loss_states_of_an_incremental_run(recorded_incremental: Recorded,
         print(f"\n[powerloss incremental] {n} distinct crash states from {sim.events + 1} crash points "
               f"({len(sim.commits)} commits, up to {sim.max_concurrency()} in flight): {dict(outcomes)}")
     assert not failures, "\n".join(failures)
-    assert n >= 10 * (sim.events + 1) * min(SCALE, 1), (n, sim.events + 1)
+    assert n >= (10 if cap >= 128 else 5) * (sim.events + 1) * min(SCALE, 1), (n, sim.events + 1)
     assert outcomes["none"] > 0 and outcomes["barrier"] > 0, outcomes
     # the run did reference: some data writes went to a slot other than their checkpoint's own
     image = read_store(rec.dir / STORE)
