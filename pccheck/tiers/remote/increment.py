@@ -30,7 +30,7 @@ from ...persist.reader import crc32c, crc32c_combine, open_direct
 from ...persist.recovery import slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
-from .upload import BufferPool, Cancelled, SlotRef, _read_part, _send, slot_manifest
+from .upload import BufferPool, Cancelled, SlotRef, _read_part, _send, abort_after, slot_manifest
 
 __all__ = ["RemoteBase", "IncrementalUpload", "upload_changed"]
 
@@ -192,11 +192,6 @@ def _send_arrays(store: ObjectStore, key: str, ref: SlotRef, man: Manifest, base
     finally:
         if state["buf"] is not None:
             pool.give(state["buf"])
-        if not done:  # every part ends before the abort (and each gives its buffer back)
-            for fut in futures:
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
-            store.abort_multipart(key, upload_id)
+        if not done:
+            abort_after(store, key, upload_id, futures)
     return part_crcs

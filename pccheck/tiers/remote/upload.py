@@ -36,7 +36,7 @@ from ...persist.recovery import manifest_from, manifest_region, read_store, slot
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
 
-__all__ = ["BufferPool", "upload_slot", "slot_manifest", "SlotRef", "Cancelled"]
+__all__ = ["BufferPool", "upload_slot", "slot_manifest", "abort_after", "SlotRef", "Cancelled"]
 
 
 class Cancelled(Exception):
@@ -70,6 +70,16 @@ class BufferPool:
 
     def give(self, b: np.ndarray) -> None:
         self._free.put(b)
+
+
+def abort_after(store: ObjectStore, key: str, upload_id: str, futures: list[Future]) -> None:
+    """Aborts a multipart upload once every part sent has ended (each gives its buffer back)."""
+    for fut in futures:
+        try:
+            fut.result()
+        except BaseException:
+            pass
+    store.abort_multipart(key, upload_id)
 
 
 def slot_manifest(ref: SlotRef) -> tuple[Any, bytes, Manifest]:
@@ -180,13 +190,8 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
         store.complete_multipart(key, upload_id, etags, part_crcs)
         done = True
     finally:
-        if not done:  # every part ends before the abort (and each gives its buffer back)
-            for fut in futures:
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
-            store.abort_multipart(key, upload_id)
+        if not done:
+            abort_after(store, key, upload_id, futures)
     return RankPart(rank, key, data_len, part_size, tuple(part_crcs), raw)
 
 
