@@ -33,7 +33,10 @@ STEPS = 20  # 16 batches an epoch: the runs cross an epoch boundary
 
 
 def child(*args: str, killed: bool = False) -> str:
-    p = subprocess.run([sys.executable, CHILD, *args], capture_output=True, text=True, timeout=300)
+    # One intra-op thread: a CPU kernel's float reductions then run in one order whatever the load on
+    # the machine, so two runs of the same steps are bit-identical (the comparisons below rely on it).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, CHILD, *args], capture_output=True, text=True, timeout=300, env=env)
     if killed:
         assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-3000:])
     else:
