@@ -12,6 +12,7 @@
 #include "io.h"
 #include "ntcopy.h"
 #include "store.h"
+#include "write_watch.h"
 
 namespace py = pybind11;
 using namespace pcc;
@@ -108,6 +109,22 @@ PYBIND11_MODULE(_native, m) {
       py::arg("ptr"), py::arg("nbytes"), py::arg("itemsize"), py::arg("shape"), py::arg("strides"), py::arg("key1"),
       py::arg("key2"),
       "(H_key1, H_key2): the array's 2 x 61-bit polynomial fingerprint over its logical bytes (fingerprint.h).");
+  py::class_<WriteWatch>(m, "WriteWatch",
+                         "Kernel write tracking of host memory ranges (write_watch.h); raises RuntimeError "
+                         "saying why where the kernel lacks it.")
+      .def(py::init<>())
+      .def("arm", [](WriteWatch& w, uint64_t lo, uint64_t hi) {
+            py::gil_scoped_release nogil;
+            return w.arm(lo, hi);
+          },
+          py::arg("lo"), py::arg("hi"),
+          "Registers and protects [lo, hi); ([(start, end)] not protected before, rc: 0 or -errno).")
+      .def("scan", [](WriteWatch& w, uint64_t lo, uint64_t hi) {
+            py::gil_scoped_release nogil;
+            return w.scan(lo, hi);
+          },
+          py::arg("lo"), py::arg("hi"),
+          "([(start, end)] written, not present or file-backed since protected, now protected again; rc).");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("have_libpmem", &have_libpmem);

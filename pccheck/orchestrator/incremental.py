@@ -44,6 +44,7 @@ from ..errors import ConfigError, CorruptCheckpointError, StorageError
 from ..native import _native
 from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
+from . import write_watch
 from .threads import started_pool
 
 __all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "own_prefix", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
@@ -231,8 +232,7 @@ class Incremental:
         with self._lock:
             skip = [self._changes.get(i, 0) >= _SKIP_AFTER and (counter + i) % PROBE_EVERY != 0
                     for i in range(len(infos))]
-        fps: list[tuple[int, int] | None] = list(self._pool.map(
-            lambda i: None if skip[i] else _fingerprint(infos[i], self.keys), range(len(infos))))
+        fps = write_watch.fingerprints(infos, self.keys, skip, self._pool, _fingerprint)
         fingerprint_s = time.perf_counter() - t0
         with self._lock:
             self._pending.pop(counter, None)

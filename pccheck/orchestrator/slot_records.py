@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from ..native import _native
 from ..persist.layout import ArrayEntry, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
+from . import write_watch
 from .incremental import _FP_THREADS, CellPlan, _fingerprint, _stream, new_keys
 from .threads import started_pool
 
@@ -124,7 +125,7 @@ class SlotRecords:
             keys, fps = given.keys, list(given.fps)
         else:
             keys = self.keys
-            fps = list(self._pool.map(lambda info: _fingerprint(info, keys), layout.infos))
+            fps = write_watch.fingerprints(layout.infos, keys, [False] * len(layout.infos), self._pool, _fingerprint)
         fingerprint_s = time.perf_counter() - t0
         n = len(layout.entries)
         with self._lock:
