@@ -194,8 +194,10 @@ class Supervisor:
         out = os.open(sup.path / OUTPUT_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             # Own session, stdin /dev/null, output appended to the log; SIGPIPE back to its default.
+            # No kernel write watch in the tree (orchestrator/write_watch.py): CRIU cannot dump a
+            # userfaultfd, so a process that checkpoints incrementally inside fingerprints instead.
             child = subprocess.Popen(sup.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, "PCCHECK_WRITE_WATCH": "0"})
         except OSError as exc:
             sup.close()
             raise ConfigError(f"cannot start {sup.cmd[0]!r}: {exc.strerror or exc}") from None
