@@ -5,10 +5,10 @@ every slot: each array position has ``num_slots`` *cells*, one per slot (FORMAT.
 checkpoint's manifest names, per array, the cell holding its bytes. A checkpoint
 
 - fingerprints every array (native ``fingerprint``: two 61-bit polynomial hashes, the bound in
-  docs/ARCHITECTURE.md "Incremental checkpoints"), except an array whose fingerprints showed a
-  change at the last two checkpoints that took one: that one is written without a fingerprint
-  (writing is always safe; only a reference needs equal fingerprints), and fingerprinted again at
-  its probe, one checkpoint in ``PROBE_EVERY``, to see whether it stopped changing;
+  docs/ARCHITECTURE.md "Incremental checkpoints"; write_watch.py skips the read of an array the
+  kernel saw no write to), except an array whose fingerprints showed a change at the last two
+  checkpoints that took one: that one is written without a fingerprint (writing is always safe;
+  only a reference needs equal fingerprints) until two successive writes of it have equal crc32c;
 - *references* the cell of the newest committed checkpoint (the *base*) for each array whose
   fingerprint and geometry equal the base's;
 - writes every other array into a *free* cell: one that neither the base nor any checkpoint in
@@ -53,12 +53,12 @@ BLOCK: int = _native.BLOCK
 _PRIME = 2**61 - 1
 _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bounds it beyond 2 here
 # An array whose fingerprint changed at its last two fingerprinted checkpoints is written
-# unfingerprinted until its probe (counter + index = 0 mod PROBE_EVERY: the arrays' probes are
-# spread over the checkpoints). When every array changes at every step, fingerprints are taken at 2
-# checkpoints in PROBE_EVERY (the probe, which has no fingerprint to compare with, and the next); an
-# array that changed once is fingerprinted at the next checkpoint (and referenced if it did not
-# change again); one that stops changing is referenced again within PROBE_EVERY + 1 checkpoints.
-PROBE_EVERY = 16
+# unfingerprinted (writing is always safe; only a reference needs equal fingerprints) while the
+# crc32c its writes get anyway says it still changes: two writes of it with different crc32c had
+# different bytes. Once two successive writes of it have equal crc32c (it may have stopped
+# changing), it is fingerprinted again at the next checkpoint, and referenced from the one after if
+# it stayed unchanged. When every array changes at every step, no fingerprint is taken after the
+# first checkpoints.
 _SKIP_AFTER = 2
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
 INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
@@ -137,8 +137,12 @@ class Incremental:
         # commit thread): it counts for the one-layout rule before it pins anything
         self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
         # per array: how many of its last fingerprints in a row differed from the base's
-        # (_SKIP_AFTER or more: written unfingerprinted until its probe)
+        # (_SKIP_AFTER or more: written unfingerprinted while its crc32c say it changes)
         self._changes: dict[int, int] = {}
+        # per array: (counter, crc32c) of its newest write that ended, and whether the two newest
+        # had equal crc32c (it may have stopped changing: fingerprint it again)
+        self._written_crc: dict[int, tuple[int, int]] = {}
+        self._steady: dict[int, bool] = {}
         # In a group (set by the coordinator, pccheck/group/distributed.py): every commit is held
         # as it ends committed (atomically with its becoming the base: a newer commit could replace
         # the base before any later hold() ran), and on open the slots ``protected()`` names (the
@@ -162,7 +166,7 @@ class Incremental:
             # this generation touches (the uploader keeps that file from retiring meanwhile)
             self._zombies, self._pending, self._held = {}, {}, {}
             self._base = None
-            self._changes = {}
+            self._changes, self._written_crc, self._steady = {}, {}, {}
             if committed is None:
                 return
             n = len(committed.arrays)
@@ -230,7 +234,7 @@ class Incremental:
         t0 = time.perf_counter()
         infos = layout.infos
         with self._lock:
-            skip = [self._changes.get(i, 0) >= _SKIP_AFTER and (counter + i) % PROBE_EVERY != 0
+            skip = [self._changes.get(i, 0) >= _SKIP_AFTER and not self._steady.get(i, False)
                     for i in range(len(infos))]
         fps = write_watch.fingerprints(infos, self.keys, skip, self._pool, _fingerprint)
         fingerprint_s = time.perf_counter() - t0
@@ -243,7 +247,7 @@ class Incremental:
                 raise RuntimeError("a layout other than the generation's")  # the orchestrator never plans one
             cells, changed, ref_crcs = [], [], []
             for i, e in enumerate(layout.entries):
-                if fps[i] is not None:  # evidence only against a base fingerprint; the probe's is the next one's
+                if fps[i] is not None:  # evidence only against a base fingerprint
                     n = self._changes.get(i, 0)
                     if base is None or base.fps[i] is None:
                         self._changes[i] = min(n, _SKIP_AFTER - 1)
@@ -278,6 +282,13 @@ class Incremental:
             pins = self._flights.pop(plan.counter, None)
             if pins is None:
                 return
+            if crcs:  # committed or superseded: the written arrays' bytes had these crc32c
+                for i in plan.changed:
+                    last = self._written_crc.get(i)
+                    if last is None or last[0] < plan.counter:
+                        if last is not None:
+                            self._steady[i] = last[1] == crcs[i]
+                        self._written_crc[i] = (plan.counter, crcs[i])
             if outcome == "committed":
                 done = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter)
                 if self._base is None or plan.counter > self._base.counter:

@@ -298,11 +298,15 @@ def region_extents(image: StoreImage, slot: int, man: Manifest, end: int) -> lis
     when every byte is in the slot's own region (one contiguous read)."""
     if not man.references(slot):
         return None
-    out = []
+    out: list[tuple[int, int, int]] = []
     for i, e in enumerate(man.arrays):  # format 3: offsets block-aligned, so runs never overlap
         if e.nbytes:
             hi = min(end, (e.offset + e.nbytes + BLOCK - 1) // BLOCK * BLOCK)
-            out.append((e.offset, hi, slot_base(image, man.cell_of(i, slot)) + e.offset))
+            at = slot_base(image, man.cell_of(i, slot)) + e.offset
+            if out and out[-1][1] == e.offset and out[-1][2] + (out[-1][1] - out[-1][0]) == at:
+                out[-1] = (out[-1][0], hi, out[-1][2])  # the next bytes of the same cell: one run
+            else:
+                out.append((e.offset, hi, at))
     return out
 
 
