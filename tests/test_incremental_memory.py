@@ -307,3 +307,36 @@ def test_slot_records_trust_only_finished_writes_and_the_senders_crc():
         assert ckpt(12, 0, given=Given((keys[1], keys[0]), fps, (7, 9))) == (0, 1)  # other keys
     finally:
         rec.close()
+
+
+def test_arrays_that_keep_changing_stop_being_fingerprinted(tmp_path, monkeypatch):
+    """Every parameter trained: once an array's fingerprints differed twice from its slot's, it is
+    copied without a fingerprint while the crc32c of its copies differ (no pass after the first
+    checkpoints); the restore is bit for bit."""
+    from pccheck.orchestrator import slot_records
+
+    reads: list[int] = []  # the address of each array read
+    real = slot_records._fingerprint
+    monkeypatch.setattr(slot_records, "_fingerprint", lambda info, keys: reads.append(info.ptr) or real(info, keys))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    per_step = []
+    with pccheck.Checkpointer(model, opt, tmp_path / "disk", interval=1000,
+                              memory=pccheck.MemoryOptions(every=1, dir=tmp_path / "mem"), incremental=True) as ck:
+        for step in range(1, 11):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            before = len(reads)
+            ck.maybe_checkpoint(step)
+            ck.wait()
+            params = {p.data_ptr() for p in model.parameters()}
+            per_step.append(sum(ptr in params for ptr in reads[before:]))
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    assert per_step[0] == 4 and per_step[-4:] == [0] * 4, per_step
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    got = pccheck.load_latest(tmp_path / "disk", model=fresh, memory_dir=tmp_path / "mem")
+    assert (got.step, got.tier) == (10, "memory")
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())

@@ -85,6 +85,38 @@ def _fingerprint(info: ArrayInfo, keys: tuple[int, int]) -> tuple[int, int]:
                                      list(info.strides), keys[0], keys[1]))
 
 
+class ChangeHistory:
+    """Which arrays a checkpoint fingerprints (the rule above ``_SKIP_AFTER``); the caller locks."""
+
+    def __init__(self) -> None:
+        # per array: how many of its last fingerprints in a row differed from the ones compared
+        # (_SKIP_AFTER or more: written unfingerprinted while its crc32c say it changes)
+        self._changes: dict[int, int] = {}
+        # per array: (counter, crc32c) of its newest write that ended, and whether the two newest
+        # had equal crc32c (it may have stopped changing: fingerprint it again)
+        self._written_crc: dict[int, tuple[int, int]] = {}
+        self._steady: dict[int, bool] = {}
+
+    def skip(self, n: int) -> list[bool]:
+        """Per array of ``n``: whether it goes unfingerprinted this checkpoint."""
+        return [self._changes.get(i, 0) >= _SKIP_AFTER and not self._steady.get(i, False) for i in range(n)]
+
+    def compared(self, i: int, equal: bool | None) -> None:
+        """Array ``i`` was fingerprinted: equal (or not) to the fingerprint it was compared with;
+        None when there was none to compare with."""
+        n = self._changes.get(i, 0)
+        self._changes[i] = min(n, _SKIP_AFTER - 1) if equal is None else (0 if equal else n + 1)
+
+    def written(self, counter: int, changed: Sequence[int], crcs: Sequence[int]) -> None:
+        """Checkpoint ``counter`` wrote the arrays ``changed`` with (every array's) ``crcs``."""
+        for i in changed:
+            last = self._written_crc.get(i)
+            if last is None or last[0] < counter:  # flights may end out of order
+                if last is not None:
+                    self._steady[i] = last[1] == crcs[i]
+                self._written_crc[i] = (counter, crcs[i])
+
+
 @dataclass(frozen=True)
 class _Pins:
     """The cells a checkpoint references, with what the base needs to be referenced again."""
@@ -136,13 +168,7 @@ class Incremental:
         # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
         # commit thread): it counts for the one-layout rule before it pins anything
         self._pending: dict[int, tuple[ArrayEntry, ...]] = {}
-        # per array: how many of its last fingerprints in a row differed from the base's
-        # (_SKIP_AFTER or more: written unfingerprinted while its crc32c say it changes)
-        self._changes: dict[int, int] = {}
-        # per array: (counter, crc32c) of its newest write that ended, and whether the two newest
-        # had equal crc32c (it may have stopped changing: fingerprint it again)
-        self._written_crc: dict[int, tuple[int, int]] = {}
-        self._steady: dict[int, bool] = {}
+        self._history = ChangeHistory()
         # In a group (set by the coordinator, pccheck/group/distributed.py): every commit is held
         # as it ends committed (atomically with its becoming the base: a newer commit could replace
         # the base before any later hold() ran), and on open the slots ``protected()`` names (the
@@ -166,7 +192,7 @@ class Incremental:
             # this generation touches (the uploader keeps that file from retiring meanwhile)
             self._zombies, self._pending, self._held = {}, {}, {}
             self._base = None
-            self._changes, self._written_crc, self._steady = {}, {}, {}
+            self._history = ChangeHistory()
             if committed is None:
                 return
             n = len(committed.arrays)
@@ -234,8 +260,7 @@ class Incremental:
         t0 = time.perf_counter()
         infos = layout.infos
         with self._lock:
-            skip = [self._changes.get(i, 0) >= _SKIP_AFTER and not self._steady.get(i, False)
-                    for i in range(len(infos))]
+            skip = self._history.skip(len(infos))
         fps = write_watch.fingerprints(infos, self.keys, skip, self._pool, _fingerprint)
         fingerprint_s = time.perf_counter() - t0
         with self._lock:
@@ -248,11 +273,7 @@ class Incremental:
             cells, changed, ref_crcs = [], [], []
             for i, e in enumerate(layout.entries):
                 if fps[i] is not None:  # evidence only against a base fingerprint
-                    n = self._changes.get(i, 0)
-                    if base is None or base.fps[i] is None:
-                        self._changes[i] = min(n, _SKIP_AFTER - 1)
-                    else:
-                        self._changes[i] = n + 1 if base.fps[i] != fps[i] else 0
+                    self._history.compared(i, None if base is None or base.fps[i] is None else base.fps[i] == fps[i])
                 if base is not None and fps[i] is not None and base.fps[i] == fps[i]:
                     cells.append(base.cells[i])  # unchanged: equal geometry and fingerprint
                     ref_crcs.append(base.crcs[i])
@@ -283,12 +304,7 @@ class Incremental:
             if pins is None:
                 return
             if crcs:  # committed or superseded: the written arrays' bytes had these crc32c
-                for i in plan.changed:
-                    last = self._written_crc.get(i)
-                    if last is None or last[0] < plan.counter:
-                        if last is not None:
-                            self._steady[i] = last[1] == crcs[i]
-                        self._written_crc[i] = (plan.counter, crcs[i])
+                self._history.written(plan.counter, plan.changed, crcs)
             if outcome == "committed":
                 done = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter)
                 if self._base is None or plan.counter > self._base.counter:

@@ -40,7 +40,7 @@ from ..native import _native
 from ..persist.layout import ArrayEntry, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
 from . import write_watch
-from .incremental import _FP_THREADS, CellPlan, _fingerprint, _stream, new_keys
+from .incremental import _FP_THREADS, CellPlan, ChangeHistory, _fingerprint, _stream, new_keys
 from .threads import started_pool
 
 __all__ = ["SlotRecords", "Given"]
@@ -75,6 +75,7 @@ class SlotRecords:
         self.keys = new_keys()
         self._slots: dict[int, _Record] = {}
         self._flights: dict[int, tuple[int, tuple[int, ...]]] = {}  # counter -> (slot, arrays written)
+        self._history = ChangeHistory()  # arrays that keep changing go unfingerprinted (incremental.py)
         self._pool = started_pool(_FP_THREADS, "pccheck-fingerprint")
 
     def close(self) -> None:
@@ -84,7 +85,7 @@ class SlotRecords:
         """A store generation was opened: only its committed checkpoint's slot (``committed``, in
         ``slot``, validated by the open) is known, from the fingerprints its manifest records."""
         with self._lock:
-            self._slots, self._flights = {}, {}
+            self._slots, self._flights, self._history = {}, {}, ChangeHistory()
             if committed is None or committed.cells is None or committed.cells.keys is None:
                 return
             if any(c != slot for c in committed.cells.cells):
@@ -125,7 +126,9 @@ class SlotRecords:
             keys, fps = given.keys, list(given.fps)
         else:
             keys = self.keys
-            fps = write_watch.fingerprints(layout.infos, keys, [False] * len(layout.infos), self._pool, _fingerprint)
+            with self._lock:
+                skip = self._history.skip(len(layout.infos))
+            fps = write_watch.fingerprints(layout.infos, keys, skip, self._pool, _fingerprint)
         fingerprint_s = time.perf_counter() - t0
         n = len(layout.entries)
         with self._lock:
@@ -135,6 +138,8 @@ class SlotRecords:
             changed, ref_crcs = [], []
             for i, e in enumerate(layout.entries):
                 same = fps[i] is not None and rec.fps[i] == fps[i] and (given is None or rec.crcs[i] == given.crcs[i])
+                if given is None and fps[i] is not None:
+                    self._history.compared(i, None if rec.fps[i] is None else same)
                 if not e.nbytes:
                     ref_crcs.append(0)  # a zero-size array's crc32c is 0
                 elif same:
@@ -163,5 +168,6 @@ class SlotRecords:
             rec = self._slots.get(home)
             if rec is None or len(crcs) != len(rec.fps):
                 return
+            self._history.written(plan.counter, changed, crcs)
             for i in changed:
                 rec.fps[i], rec.crcs[i] = plan.fps[i], int(crcs[i])
