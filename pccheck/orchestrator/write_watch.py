@@ -26,8 +26,8 @@ Invariants:
 - only private anonymous memory is armed (``/proc/self/maps``): a shared or file mapping can
   change through another mapping the protection does not see;
 - memory a device writes by DMA is invisible to page protection: the watch stays off in a
-  process that has initialized CUDA (host arrays are then fingerprinted at every pass, as without
-  the watch), and in a forked child (its registrations are not inherited).
+  process that has initialized CUDA or loaded cupy (host arrays are then fingerprinted at every
+  pass, as without the watch), and a forked child starts its own (registrations are not inherited).
 
 Where the kernel lacks any piece, or ``PCCHECK_WRITE_WATCH=0``, every array is fingerprinted at
 every pass, as before: the watch only ever saves a read.
@@ -55,8 +55,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 # Smaller arrays are fingerprinted at every pass: cheap, and their pages are mostly shared with
 # other heap objects whose writes would report them anyway.
 MIN_WATCHED_BYTES = 1 << 20
-# A record unseen for this many calls is dropped (an armed one is disarmed first): state whose
-# arrays move (clones, new tensors) does not grow the table.
+# A record unseen for this many calls is dropped (an armed one's pages stay protected: a later
+# write to them costs one fault): state whose arrays move (clones, new tensors) does not grow the table.
 _FORGET_AFTER = 64
 
 Fingerprint = tuple[int, int]
@@ -101,7 +101,11 @@ def _geometry(info: ArrayInfo) -> tuple:
     return (info.ptr, info.nbytes, info.itemsize, info.shape, info.strides)
 
 
-def _cuda_initialized() -> bool:
+def _device_dma_possible() -> bool:
+    """Whether a device may write this process's host memory by DMA: CUDA initialized by torch,
+    or cupy loaded (its pinned memory is the device's to write)."""
+    if "cupy" in sys.modules:
+        return True
     torch = sys.modules.get("torch")
     if torch is None:
         return False
@@ -205,9 +209,9 @@ class _Watch:
         out: list[Fingerprint | None] = [None] * len(infos)
         todo: list[tuple[int, _Record | None, int, bytes]] = []
         with self._lock:
-            if self.active and _cuda_initialized():
-                self._disable("CUDA is initialized in this process: a device may write host memory by DMA, "
-                              "which page protection does not see")
+            if self.active and _device_dma_possible():
+                self._disable("a device runtime is initialized in this process: a device may write host "
+                              "memory by DMA, which page protection does not see")
             active = self.active
             maps: list[tuple[int, int, bool]] | None = None
             if active:
