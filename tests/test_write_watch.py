@@ -21,8 +21,14 @@ import pccheck
 from pccheck.arrays import describe
 from pccheck.orchestrator import incremental, write_watch
 
-pytestmark = pytest.mark.skipif(not write_watch.watch_active(),
-                                reason="no kernel write tracking here (userfaultfd WP_ASYNC, PAGEMAP_SCAN: Linux >= 6.7)")
+
+
+@pytest.fixture(autouse=True)
+def _watch_here():  # type: ignore[no-untyped-def]
+    """Checked at run time: a test before may have initialized CUDA, which turns the watch off."""
+    if not write_watch.watch_active() or write_watch._device_dma_possible():
+        pytest.skip("no kernel write tracking in this process (userfaultfd WP_ASYNC and PAGEMAP_SCAN: "
+                    "Linux >= 6.7; off where a device runtime is initialized)")
 
 KEYS = incremental.new_keys()
 POOL = ThreadPoolExecutor(2)
