@@ -36,7 +36,7 @@ from ...persist.recovery import manifest_from, manifest_region, read_store, slot
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
 
-__all__ = ["BufferPool", "upload_slot", "slot_manifest", "abort_after", "SlotRef", "Cancelled"]
+__all__ = ["BufferPool", "upload_slot", "slot_manifest", "abort_after", "Aborter", "SlotRef", "Cancelled"]
 
 
 class Cancelled(Exception):
@@ -45,12 +45,16 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class SlotRef:
-    """A committed local checkpoint: the store file, the slot and its counter and step."""
+    """A committed local checkpoint: the store file, the slot and its counter and step.
+    ``disk``: a slot of the disk store, held from reuse for the upload (False: another tier's
+    committed slot, the memory tier's during a flush, which nothing holds: the counter and
+    crc32c checks abandon the upload if it is reused meanwhile)."""
 
     store_file: Path
     slot: int
     counter: int
     step: int
+    disk: bool = True
 
 
 class BufferPool:
@@ -150,9 +154,15 @@ def _read_part(fd: int, view: memoryview, at: int, name: str) -> None:
         got += r
 
 
+Aborter = Callable[[ObjectStore, str, str, list[Future]], None]
+
+
 def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int,
-                pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool]) -> RankPart:
-    """Uploads the slot's data region as one object; returns its :class:`RankPart`."""
+                pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
+                aborter: Aborter = abort_after) -> RankPart:
+    """Uploads the slot's data region as one object; returns its :class:`RankPart`. An upload
+    that does not complete is aborted by ``aborter`` (:func:`abort_after`, or a function that
+    hands it to another thread, so that the caller goes on while the parts in flight end)."""
     raw, arrays, data_len = _read_manifest(ref)
     while len(parts_of(data_len, part_size)) > MAX_PARTS:
         part_size *= 2
@@ -176,6 +186,8 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
                     raise Cancelled()
                 buf = pool.take()  # blocks while every buffer is in flight: memory stays bounded
                 try:
+                    if cancelled():  # given up while waiting for a buffer: read nothing more
+                        raise Cancelled()
                     view = memoryview(buf)[:n]
                     _read_part(fd, view, base + off, ref.store_file.name)
                     part_crcs.append(crcs.part(off, view))
@@ -191,7 +203,7 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
         done = True
     finally:
         if not done:
-            abort_after(store, key, upload_id, futures)
+            aborter(store, key, upload_id, futures)
     return RankPart(rank, key, data_len, part_size, tuple(part_crcs), raw)
 
 
