@@ -252,6 +252,39 @@ def test_flush_on_demand_and_later_checkpoints_never_undo_it(tmp_path, mem_dir, 
     assert pccheck.load_latest(s3_url).step == 7
 
 
+def test_the_flush_uploads_from_the_memory_tier_while_the_disk_writes(tmp_path, mem_dir, s3_url):
+    # 64 MiB that only the memory tier holds at the flush: the remote upload reads the memory
+    # tier's slot and begins before the disk's copy of the same step is durable; the disk's
+    # commit then queues no second upload of the step (one remote commit, no lost race)
+    from pccheck.tiers.remote.commit import committed
+    from pccheck.tiers.remote.objstore import ObjectStore
+
+    w = np.zeros(16 << 20, np.float32)
+    ck = pccheck.Checkpointer({"w": w}, tmp_path / "ck", disk=pccheck.DiskOptions(every=1000),
+                              memory=pccheck.MemoryOptions(every=1, dir=mem_dir),
+                              remote=pccheck.RemoteOptions(url=s3_url, every=1000))
+    try:
+        for step in range(1, 4):
+            w[:] = step
+            ck.maybe_checkpoint(step)
+        r = ck.flush(timeout=120)
+        disk, remote = r.tier("disk"), r.tier("remote")
+        assert r.step == 3 and r.complete and r.source == "memory", r
+        assert remote.started_s is not None and "memory tier" in remote.note, remote
+        assert disk.started_s is None and disk.at_s is not None, disk
+        assert remote.started_s < disk.at_s, r  # the upload began while the disk was still writing
+        assert ck.wait(remote=True, timeout=60)
+        st = ck.stats()
+        assert st.remote_step == 3 and st.remote["remote_uploads"] == 1 and st.remote["remote_error"] is None, st
+    finally:
+        ck.close()
+    shutil.rmtree(mem_dir)
+    assert [s for _, s in committed(ObjectStore(s3_url))] == [3]
+    assert load_newest(tmp_path / "ck").step == 3
+    got = pccheck.load_latest(s3_url)
+    assert got.step == 3 and np.all(got.state["w"] == 3)
+
+
 def test_on_preemption_refuses_bad_arguments(tmp_path):
     with pccheck.Checkpointer({"w": np.zeros(16, np.float32)}, tmp_path / "ck") as ck:
         with pytest.raises(pccheck.ConfigError, match="grace_s"):
