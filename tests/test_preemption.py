@@ -252,6 +252,30 @@ def test_flush_on_demand_and_later_checkpoints_never_undo_it(tmp_path, mem_dir, 
     assert pccheck.load_latest(s3_url).step == 7
 
 
+def test_a_given_up_upload_stops_sending_its_part_in_flight(s3_url):
+    # a part's body is read block by block as it is sent; once its upload is given up, the next
+    # read ends the request: the part stops taking bandwidth at once, and the caller aborts
+    from pccheck.tiers.remote.objstore import BodyCancelled, ObjectStore
+
+    store = ObjectStore(s3_url)
+    body = memoryview(np.ones(64 << 20, np.uint8))
+    sent = [0]
+
+    def stop() -> bool:
+        sent[0] += 1
+        return sent[0] > 4  # a few blocks go out, then the upload is given up
+
+    upload_id = store.start_multipart("data/given-up.bin", crc32c=False)
+    with pytest.raises(BodyCancelled):
+        store.upload_part("data/given-up.bin", upload_id, 1, body, stop=stop)
+    assert sent[0] == 5  # asked before every block: nothing more was read after it said stop
+    store.abort_multipart("data/given-up.bin", upload_id)
+    upload_id = store.start_multipart("data/whole.bin", crc32c=False)  # the client still works
+    etag = store.upload_part("data/whole.bin", upload_id, 1, body[: 8 << 20], stop=lambda: False)
+    store.complete_multipart("data/whole.bin", upload_id, [etag])
+    assert [o.size for o in store.list("data/whole.bin")] == [8 << 20]
+
+
 def test_the_flush_uploads_from_the_memory_tier_while_the_disk_writes(tmp_path, mem_dir, s3_url):
     # 64 MiB that only the memory tier holds at the flush: the remote upload reads the memory
     # tier's slot and begins before the disk's copy of the same step is durable; the disk's

@@ -31,7 +31,8 @@ def part_key(generation: int, step: int, rank: int) -> str:
 
 
 def put_part(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int, pool: BufferPool,
-             senders: ThreadPoolExecutor, cancelled: Callable[[], bool], aborter: Aborter = abort_after) -> RankPart:
+             senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
+             aborter: Aborter = abort_after) -> RankPart:
     """Uploads the committed slot ``ref`` as rank ``rank``'s data object of ``generation``, then
     PUTs its part create-only (``aborter``: as :func:`~.upload.upload_slot`'s). CorruptCheckpointError if the slot no longer holds the step;
     RemoteError if the store fails (RemoteConflictError: the part exists, another job wrote it)."""

@@ -34,7 +34,7 @@ from ...persist.layout import Manifest
 from ...persist.reader import crc32c, crc32c_combine, fresh_buffer, open_direct, prefault
 from ...persist.recovery import manifest_from, manifest_region, read_store, slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
-from .objstore import ObjectStore
+from .objstore import BodyCancelled, ObjectStore
 
 __all__ = ["BufferPool", "upload_slot", "slot_manifest", "abort_after", "Aborter", "SlotRef", "Cancelled"]
 
@@ -194,7 +194,8 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
                 except BaseException:
                     pool.give(buf)
                     raise
-                futures.append(senders.submit(_send, store, key, upload_id, number, view, part_crcs[-1], buf, pool))
+                futures.append(senders.submit(_send, store, key, upload_id, number, view, part_crcs[-1], buf, pool,
+                                              cancelled))
         finally:
             os.close(fd)
         crcs.check(f"{ref.store_file.name} slot {ref.slot} (step {ref.step})")
@@ -208,9 +209,12 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
 
 
 def _send(store: ObjectStore, key: str, upload_id: str, number: int, view: memoryview, crc: int,
-          buf: np.ndarray, pool: BufferPool) -> str:
+          buf: np.ndarray, pool: BufferPool, cancelled: Callable[[], bool] | None = None) -> str:
+    """Sends one part; ``cancelled`` cuts its body short (the part then raises Cancelled)."""
     try:
-        return store.upload_part(key, upload_id, number, view, crc32c=crc)
+        return store.upload_part(key, upload_id, number, view, crc32c=crc, stop=cancelled)
+    except BodyCancelled:
+        raise Cancelled() from None
     finally:
         pool.give(buf)  # invariant: a buffer is reused only once its part has been sent
 
