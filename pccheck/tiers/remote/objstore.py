@@ -81,8 +81,11 @@ class _View(io.RawIOBase):
         super().__init__()
         self._v, self._pos, self._stop = view, 0, stop
 
+    def stopped(self) -> bool:
+        return self._stop is not None and self._stop()
+
     def _check(self) -> None:
-        if self._stop is not None and self._pos < len(self._v) and self._stop():
+        if self._pos < len(self._v) and self.stopped():
             raise BodyCancelled("the upload was given up")
 
     def readable(self) -> bool:
@@ -111,6 +114,15 @@ class _View(io.RawIOBase):
         out = bytes(self._v[self._pos:end])
         self._pos = end
         return out
+
+
+def _no_retry_when_given_up(request_dict: Any = None, **_: Any) -> None:
+    """botocore's ``needs-retry`` event of UploadPart: a part whose body was cut short because
+    its upload was given up ends now (BodyCancelled) instead of being retried after a backoff
+    (which would hold its sender thread and its part buffer for up to seconds)."""
+    body = request_dict.get("body") if isinstance(request_dict, dict) else None
+    if isinstance(body, _View) and body.stopped():
+        raise BodyCancelled("the upload was given up")
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,8 @@ class ObjectStore:
         session = boto3.session.Session()
         self.client = session.client("s3", config=cfg)
         self._parts = session.client("s3", config=cfg.merge(Config(s3=_parts_s3_config(session))))
+        for c in (self.client, self._parts):  # a part cut short is not retried (botocore's retry event)
+            c.meta.events.register_first("needs-retry.s3.UploadPart", _no_retry_when_given_up)
         self._lock = threading.Lock()
 
     @property
@@ -317,6 +331,8 @@ class ObjectStore:
                                                PartNumber=number, Body=_View(data, stop),
                                                ChecksumCRC32C=_crc_header(crc32c))["ETag"])
         except (ClientError, BotoCoreError) as exc:
+            if stop is not None and stop():  # the HTTP client wraps the cut body in its own error
+                raise BodyCancelled(f"part {number} of {rel}: the upload was given up") from None
             raise self._fail(exc, f"uploading part {number} of {rel}") from None
 
     def complete_multipart(self, rel: str, upload_id: str, etags: list[str], crcs: list[int] | None = None) -> None:

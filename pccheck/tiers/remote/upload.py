@@ -210,11 +210,18 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
 
 def _send(store: ObjectStore, key: str, upload_id: str, number: int, view: memoryview, crc: int,
           buf: np.ndarray, pool: BufferPool, cancelled: Callable[[], bool] | None = None) -> str:
-    """Sends one part; ``cancelled`` cuts its body short (the part then raises Cancelled)."""
+    """Sends one part; ``cancelled`` cuts its body short, or stops it before it is sent (the
+    part then raises Cancelled, whatever error the HTTP client wrapped the cut in)."""
     try:
+        if cancelled is not None and cancelled():
+            raise Cancelled()
         return store.upload_part(key, upload_id, number, view, crc32c=crc, stop=cancelled)
     except BodyCancelled:
         raise Cancelled() from None
+    except Exception:
+        if cancelled is not None and cancelled():
+            raise Cancelled() from None
+        raise
     finally:
         pool.give(buf)  # invariant: a buffer is reused only once its part has been sent
 

@@ -70,9 +70,15 @@ _NICE = 10  # the upload threads yield the CPUs to training (the slot read, crc3
 
 def _background_priority() -> None:
     """Lowers this thread's scheduling priority (Linux: a thread is a task with its own nice)."""
+    _set_nice(threading.get_native_id(), _NICE)
+
+
+def _set_nice(tid: int, nice: int) -> None:
+    """Sets thread ``tid``'s nice value; a lower one than it has needs the privilege to (else
+    it stays as it is)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
-    except (OSError, AttributeError):  # not Linux, or not permitted: upload at normal priority
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError):  # not Linux, not permitted, or the thread ended
         pass
 
 
@@ -158,8 +164,9 @@ class RemoteUploader:
         self._incremental = False  # the disk writes incremental checkpoints (start())
         self._base: RemoteBase | None = None  # incremental: the last step committed, its arrays' places
         self._cell_holds: set[int] = set()  # incremental: counters whose cells the disk keeps for us
+        self._tids: set[int] = set()  # the upload thread's and the senders' (native ids)
         self._senders = ThreadPoolExecutor(options.concurrency, thread_name_prefix="pccheck-remote-part",
-                                           initializer=_background_priority)
+                                           initializer=self._background)
         # retention runs beside the uploads, not before the next one starts; one pass at a time,
         # requests made meanwhile coalesce into one more pass (_prune_queued)
         self._pruner = ThreadPoolExecutor(1, thread_name_prefix="pccheck-remote-prune",
@@ -287,7 +294,15 @@ class RemoteUploader:
         """A preemption: the disk's durable commit of ``step`` is uploaded whatever ``every``
         says (queued now unless it is queued, uploading or committed already; its slot stays, as
         no newer commit replaces it during a flush), and waited for until ``deadline``
-        (time.monotonic()). Returns the newest step committed remotely."""
+        (time.monotonic()). Returns the newest step committed remotely. The upload threads run at
+        normal priority meanwhile (the training thread is held)."""
+        self._urgent(step is not None)
+        try:
+            return self._flush_wait(deadline, step)
+        finally:
+            self._urgent(False)
+
+    def _flush_wait(self, deadline: float, step: int | None) -> int | None:
         with self._cv:
             if step is not None:
                 self._supersede_older(step, deadline)
@@ -305,6 +320,7 @@ class RemoteUploader:
         memory tier's, ``ref.disk`` False) before the disk holds it: its upload is queued now,
         from there, while the disk writes its own copy (:meth:`flush` then waits for it). An
         older step's upload in progress is given up if this one is expected to fit."""
+        self._urgent(True)
         with self._cv:
             self._supersede_older(ref.step, deadline)
             self._queue_forced(ref)
@@ -405,8 +421,22 @@ class RemoteUploader:
         except MemoryError:
             log.warning("pccheck: the remote tier's part buffers could not be allocated yet")
 
-    def _run(self) -> None:
+    def _background(self) -> None:
+        """The upload threads' priority: below training's (recorded, so a flush can lift it)."""
         _background_priority()
+        with self._cv:
+            self._tids.add(threading.get_native_id())
+
+    def _urgent(self, on: bool) -> None:
+        """During a flush the training thread is held: the upload threads take normal priority
+        (where the process may lower a nice value again), and go back below training's after."""
+        with self._cv:
+            tids = list(self._tids)
+        for tid in tids:
+            _set_nice(tid, 0 if on else _NICE)
+
+    def _run(self) -> None:
+        self._background()
         self._warm_pool()
         backoff = 0.0
         while True:
