@@ -30,8 +30,11 @@ Invariants:
   checks abandon the upload if it was reused), and the disk's commit of the same step queues
   no second upload of it; if the upload from the memory slot fails, the disk's slot of the step
   is uploaded instead.
-* An upload given up for a flush's newer step aborts its multipart upload on a thread of its
-  own once its parts in flight end, so the flush's upload starts at once.
+* An upload given up for a flush's newer step stops taking bandwidth: its parts not sent yet are
+  skipped, a part being sent is cut at its next block and not retried (objstore.py), and its
+  multipart upload is aborted on a thread of its own once those parts end, so the flush's
+  upload starts at once. While a flush waits, the upload threads run at normal priority (the
+  training thread is held; where the process may not lower a nice value, they stay below).
 * A failed request (server down, timeouts) keeps the checkpoint queued and retries with backoff
   unless a newer one supersedes it; a lost race (RemoteConflictError) stops the uploads for good
   and is reported through ``on_error``; a damaged slot is abandoned with a warning.
