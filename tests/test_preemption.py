@@ -443,3 +443,27 @@ def test_flush_supersedes_an_older_upload_in_progress_when_its_own_fits(tmp_path
     assert sorted(s for _, s in committed(ObjectStore(s3_url))) == ([1, 3] if measured else [2, 3])
     got = pccheck.load_latest(s3_url)
     assert got.step == 3 and np.all(got.state["w"] == 3)
+
+
+def test_two_ranks_flush_gives_up_an_older_steps_upload_in_progress(tmp_path, s3_url):
+    # each rank's part of step 4 is still uploading when the flush asks for step 5: every rank
+    # gives up its part at its next one, rank 0 abandons step 4 (a step lacking a part is never
+    # committed) and commits step 5; the remote holds steps 2 and 5 only
+    from pccheck.tiers.remote.commit import committed
+    from pccheck.tiers.remote.objstore import ObjectStore
+
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_flush_supersede_child.py"), str(tmp_path / "ck"), s3_url,
+                               str(r), str(init)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-3000:]
+    before = [int(x.split()[1]) if x.split()[1] != "None" else None
+              for x in outs[0][0].splitlines() if x.startswith("BEFORE")][0]
+    flushes = [json.loads(x[6:]) for o, _ in outs for x in o.splitlines() if x.startswith("FLUSH ")]
+    assert len(flushes) == 2 and all(f["step"] == 5 and f["complete"] for f in flushes), flushes
+    if before == 4:
+        pytest.skip("step 4's upload ended before the flush: nothing left to give up")
+    assert sorted(s for _, s in committed(ObjectStore(s3_url))) == [2, 5]
+
