@@ -252,6 +252,67 @@ def test_flush_on_demand_and_later_checkpoints_never_undo_it(tmp_path, mem_dir, 
     assert pccheck.load_latest(s3_url).step == 7
 
 
+def test_a_given_up_upload_stops_sending_its_part_in_flight(s3_url):
+    # a part's body is read block by block as it is sent; once its upload is given up, the next
+    # read ends the request: the part stops taking bandwidth at once, and the caller aborts
+    from pccheck.tiers.remote.objstore import BodyCancelled, ObjectStore
+
+    store = ObjectStore(s3_url)
+    body = memoryview(np.ones(64 << 20, np.uint8))
+    sent = [0]
+
+    def stop() -> bool:
+        sent[0] += 1
+        return sent[0] > 4  # a few blocks go out, then the upload is given up
+
+    from pccheck.persist.reader import crc32c
+
+    upload_id = store.start_multipart("data/given-up.bin", crc32c=True)
+    with pytest.raises(BodyCancelled):
+        store.upload_part("data/given-up.bin", upload_id, 1, body, crc32c=crc32c(body), stop=stop)
+    # asked before each block read, and once more as the request failed (no retry, which would
+    # read the body again): of the 64 MiB body's thousands of blocks, none after it said stop
+    assert sent[0] == 6, sent
+    store.abort_multipart("data/given-up.bin", upload_id)
+    upload_id = store.start_multipart("data/whole.bin", crc32c=False)  # the client still works
+    etag = store.upload_part("data/whole.bin", upload_id, 1, body[: 8 << 20], stop=lambda: False)
+    store.complete_multipart("data/whole.bin", upload_id, [etag])
+    assert [o.size for o in store.list("data/whole.bin")] == [8 << 20]
+
+
+def test_the_flush_uploads_from_the_memory_tier_while_the_disk_writes(tmp_path, mem_dir, s3_url):
+    # 64 MiB that only the memory tier holds at the flush: the remote upload reads the memory
+    # tier's slot and begins before the disk's copy of the same step is durable; the disk's
+    # commit then queues no second upload of the step (one remote commit, no lost race)
+    from pccheck.tiers.remote.commit import committed
+    from pccheck.tiers.remote.objstore import ObjectStore
+
+    w = np.zeros(16 << 20, np.float32)
+    ck = pccheck.Checkpointer({"w": w}, tmp_path / "ck", disk=pccheck.DiskOptions(every=1000),
+                              memory=pccheck.MemoryOptions(every=1, dir=mem_dir),
+                              remote=pccheck.RemoteOptions(url=s3_url, every=1000))
+    try:
+        for step in range(1, 4):
+            w[:] = step
+            ck.maybe_checkpoint(step)
+        r = ck.flush(timeout=120)
+        disk, remote = r.tier("disk"), r.tier("remote")
+        assert r.step == 3 and r.complete and r.source == "memory", r
+        assert remote.started_s is not None and "memory tier" in remote.note, remote
+        assert disk.started_s is None and disk.at_s is not None, disk
+        assert remote.started_s < disk.at_s, r  # the upload began while the disk was still writing
+        assert ck.wait(remote=True, timeout=60)
+        st = ck.stats()
+        assert st.remote_step == 3 and st.remote["remote_uploads"] == 1 and st.remote["remote_error"] is None, st
+    finally:
+        ck.close()
+    shutil.rmtree(mem_dir)
+    assert [s for _, s in committed(ObjectStore(s3_url))] == [3]
+    assert load_newest(tmp_path / "ck").step == 3
+    got = pccheck.load_latest(s3_url)
+    assert got.step == 3 and np.all(got.state["w"] == 3)
+
+
 def test_on_preemption_refuses_bad_arguments(tmp_path):
     with pccheck.Checkpointer({"w": np.zeros(16, np.float32)}, tmp_path / "ck") as ck:
         with pytest.raises(pccheck.ConfigError, match="grace_s"):
@@ -382,3 +443,27 @@ def test_flush_supersedes_an_older_upload_in_progress_when_its_own_fits(tmp_path
     assert sorted(s for _, s in committed(ObjectStore(s3_url))) == ([1, 3] if measured else [2, 3])
     got = pccheck.load_latest(s3_url)
     assert got.step == 3 and np.all(got.state["w"] == 3)
+
+
+def test_two_ranks_flush_gives_up_an_older_steps_upload_in_progress(tmp_path, s3_url):
+    # each rank's part of step 4 is still uploading when the flush asks for step 5: every rank
+    # gives up its part at its next one, rank 0 abandons step 4 (a step lacking a part is never
+    # committed) and commits step 5; the remote holds steps 2 and 5 only
+    from pccheck.tiers.remote.commit import committed
+    from pccheck.tiers.remote.objstore import ObjectStore
+
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_flush_supersede_child.py"), str(tmp_path / "ck"), s3_url,
+                               str(r), str(init)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-3000:]
+    before = [int(x.split()[1]) if x.split()[1] != "None" else None
+              for x in outs[0][0].splitlines() if x.startswith("BEFORE")][0]
+    flushes = [json.loads(x[6:]) for o, _ in outs for x in o.splitlines() if x.startswith("FLUSH ")]
+    assert len(flushes) == 2 and all(f["step"] == 5 and f["complete"] for f in flushes), flushes
+    if before == 4:
+        pytest.skip("step 4's upload ended before the flush: nothing left to give up")
+    assert sorted(s for _, s in committed(ObjectStore(s3_url))) == [2, 5]
+

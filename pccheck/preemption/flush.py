@@ -17,9 +17,15 @@ Steps, each bounded by the deadline (``StepGate`` holds the training thread's
                            skipped it): the next maybe_checkpoint call takes a disk checkpoint
     6. disk                the step is durable already or in flight (wait for it), or is
                            persisted from the memory tier's committed slot, if the measured
-                           rate says it fits (planner)
+                           rate says it fits (planner). Where the memory tier holds the step
+                           and the disk does not yet, the remote tier (single process) starts
+                           uploading it from the memory tier's slot first, if it fits, so the
+                           upload runs beside the disk write instead of after it
     7. after the disk      the remote tier uploads and commits it (whatever its ``every``), if
-                           it fits; the history keeps it if its rule does
+                           it fits, from the disk's slot unless it started in 6; the history
+                           keeps it if its rule does. A remote upload started in 6 is waited
+                           for even if the disk missed: each tier's failure is its own line in
+                           the result, never raised over the other
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import PCCheckError
 from .agree import Exchange
 from .gate import StepGate
 from .planner import measure, verdict
 from .result import FlushResult, TierReach
-from .source import held_checkpoint
+from .source import Held, held_checkpoint
 
 __all__ = ["Notice", "run_flush"]
 
@@ -68,6 +75,7 @@ class _Flush:
         self.reach: dict[str, TierReach] = {}
         self.floor: int | None = None
         self.source = "in flight"
+        self.early: dict[str, float] = {}  # tiers after the disk started in step 6: when (s after the notice)
 
     def run(self) -> FlushResult:
         stack, gate, deadline = self.stack, self.gate, self.deadline
@@ -92,9 +100,11 @@ class _Flush:
             self.mark(name, s, step, "" if step is not None else "nothing to flush")
         if step is None:
             return self.done(None)
-        if self.to_disk(step):
+        on_disk = self.to_disk(step)
+        if on_disk:
             self.say(f"disk holds step {step}")
-            self.after_disk(step)
+        if on_disk or self.early:
+            self.after_disk(step, on_disk)
         result = self.done(step)
         log.warning("pccheck: flush of step %s (%s, %s): %s in %.2f s", step, self.source, self.notice.cause,
                     ", ".join(f"{t.tier} {'reached' if t.reached else 'missed'}" for t in result.tiers), result.took_s)
@@ -112,9 +122,16 @@ class _Flush:
     def say(self, what: str) -> None:
         log.debug("pccheck: flush: %s (%.3f s after the notice)", what, time.monotonic() - self.notice.t0)
 
-    def mark(self, name: str, step: int | None, target: int | None, note: str = "") -> None:
+    def mark(self, name: str, step: int | None, target: int | None, note: str = "",
+             at_wall: float | None = None) -> None:
+        """Records tier ``name``'s end: it holds ``step``, ``target`` wanted; ``at_wall``: the
+        time.time() it committed (else: now, when the flush saw it)."""
         ok = step is not None and target is not None and step >= target
-        self.reach[name] = TierReach(name, step, ok, time.monotonic() - self.notice.t0 if ok else None, note)
+        at = None
+        if ok:
+            now = time.monotonic() - self.notice.t0
+            at = now if at_wall is None else min(now, max(0.0, at_wall - self.notice.wall))
+        self.reach[name] = TierReach(name, step, ok, at, note, self.early.get(name))
 
     def agree_floor(self) -> None:
         """2. In a group, every rank's floor becomes the newest one: a rank behind catches up."""
@@ -152,31 +169,68 @@ class _Flush:
         elif started is not None and started >= step:
             wait = True
             note = "taken at the step boundary" if self.source == "boundary" else "in flight at the notice"
+            memory = stack.tier("memory")
+            copy = held_checkpoint(memory.dir, step) if memory is not None else None
+            if copy is not None:  # the disk is still writing it: the upload need not wait
+                self.remote_from(copy, step)
+            del copy
         else:
             memory = stack.tier("memory")
             copy = held_checkpoint(memory.dir, step) if memory is not None else None
+            if copy is not None:
+                self.remote_from(copy, step)
             v = verdict(copy.nbytes, self.rates.disk_bps, deadline) if copy is not None else None
             if copy is None or v is None:
                 note, wait = f"no copy of step {step} on this rank", False
             elif not v.attempt:
                 note, wait = v.note, False
-            elif stack.persist(step, copy.arrays, copy.manifest.metadata, copy.manifest.tree, copy.crcs):
-                self.source, self.nbytes = "memory", copy.nbytes
-                note, wait = f"persisted from the memory tier ({v.note})", True
             else:
-                note, wait = "skipped: every in-flight permit was busy (when_busy='skip')", False
+                try:
+                    began = stack.persist(step, copy.arrays, copy.manifest.metadata, copy.manifest.tree, copy.crcs)
+                except PCCheckError as exc:  # the disk's failure is the disk's line; the remote goes on
+                    began, note = None, f"the disk write failed: {exc}"
+                    log.warning("pccheck: flush: the disk write of step %d failed: %s", step, exc)
+                if began:
+                    self.source, self.nbytes = "memory", copy.nbytes
+                    note, wait = f"persisted from the memory tier ({v.note})", True
+                elif began is None:
+                    wait = False
+                else:
+                    note, wait = "skipped: every in-flight permit was busy (when_busy='skip')", False
             del copy
         reached = wait and stack.disk_reached(step, deadline)
         if wait and not reached:
             note += "; not durable by the deadline"
-        self.mark("disk", stack.disk.last_durable_step, step if reached else None, note)
+        self.mark("disk", stack.disk.last_durable_step, step if reached else None, note,
+                  stack.disk.last_durable_time if reached else None)
         return reached
 
-    def after_disk(self, step: int) -> None:
-        """7. The tiers after the disk that fit take the disk's commit of ``step``."""
+    def remote_from(self, copy: Held, step: int) -> None:
+        """6. The remote tier starts uploading ``step`` from the memory tier's committed slot
+        ``copy`` now, beside the disk write, if its upload is expected to fit on its own (it
+        does not wait for the disk). A group's remote tier uploads what rank 0 announces, from
+        the disk's slots, once every rank committed the step: it is not started here."""
+        remote = self.stack.tier("remote")
+        if remote is None or "remote" in self.early or not getattr(remote, "uploads_from_memory", False):
+            return
+        from ..tiers.remote.upload import SlotRef  # the remote tier's own reference to a committed slot
+
+        v = verdict(copy.nbytes, self.rates.remote_bps, self.deadline)
+        if not v.attempt:
+            return  # step 7 decides again (and lets an older upload finish)
+        self.early["remote"] = time.monotonic() - self.notice.t0
+        remote.flush_from(SlotRef(copy.file, copy.slot, copy.counter, step, disk=False), self.deadline)
+        self.say(f"remote upload of step {step} started from the memory tier ({v.note})")
+
+    def after_disk(self, step: int, on_disk: bool = True) -> None:
+        """7. The tiers after the disk that fit take the disk's commit of ``step`` (``on_disk``
+        False: the disk missed it; only the tiers started in step 6 are waited for)."""
         stack, go, skipped = self.stack, [], {}
         for t in stack.tiers:
-            if t.after_disk:
+            if t.after_disk and (on_disk or t.name in self.early):
+                if t.name in self.early:
+                    go.append(t.name)
+                    continue
                 v = verdict(self.nbytes, self.rates.remote_bps if t.name == "remote" else None, self.deadline)
                 if v.attempt:
                     go.append(t.name)
@@ -184,9 +238,14 @@ class _Flush:
                     skipped[t.name] = v.note
                     self.mark(t.name, None, None, v.note)
         for name, s in stack.flush_after(self.deadline, step, go).items():
-            err = getattr(getattr(stack.tier(name), "progress", None), "error", None)
-            self.mark(name, s, step, "" if s is not None and s >= step else
-                      "not committed by the deadline" + (f": {err}" if err else ""))
+            progress = getattr(stack.tier(name), "progress", None)
+            err = getattr(progress, "error", None)
+            began = getattr(stack.tier(name), "upload_started", lambda _: None)(step)
+            if began is not None and name in self.early:  # when its upload itself began
+                self.early[name] = max(0.0, began - self.notice.t0)
+            how = "uploaded from the memory tier's slot beside the disk write" if name in self.early else ""
+            self.mark(name, s, step, how if s is not None and s >= step else
+                      "not committed by the deadline" + (f": {err}" if err else ""), getattr(progress, "time", None))
         # a tier whose flush does not fit finishes the older upload it has in progress, if it
         # can before the deadline: the machine may go, but a newer step than before is remote
         for name, s in stack.drain_after(self.deadline, list(skipped)).items():

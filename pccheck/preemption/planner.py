@@ -7,9 +7,11 @@ one in flight counts slower, so the estimate errs long); the remote's is the byt
 the upload time of its parts (``RemoteProgress``). A tier with no measurement yet is attempted
 (nothing says it does not fit), bounded by the deadline all the same.
 
-Invariant: the tiers are written nearest first (disk, then remote: the remote tier uploads the
-disk's committed slot), so a tier is attempted only if it and every tier before it fit in the
-time left, with :data:`MARGIN` of headroom on each estimate.
+Invariant: a tier is attempted only if its own write is expected to fit in the time left, with
+:data:`MARGIN` of headroom on the estimate, counting from when it can start: the remote tier's
+upload of a step the memory tier holds starts with the disk write (it reads the memory tier's
+slot); of a step only the disk holds, once the disk's commit is durable (it reads the disk's
+slot), so it is judged then.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ class TierReach:
         reached: whether it holds the flushed step (or a newer one).
         at_s: seconds from the notice until it did (None: it did not).
         note: how it got there, or why not ("skipped: needs ~12.0 s, 3.1 s left", "timed out").
+        started_s: seconds from the notice until the remote tier's upload of the step began,
+            where the flush started it beside the disk write (from the memory tier's slot);
+            else None.
     """
 
     tier: str
@@ -26,6 +29,7 @@ class TierReach:
     reached: bool
     at_s: float | None = None
     note: str = ""
+    started_s: float | None = None
 
 
 @dataclass(frozen=True)

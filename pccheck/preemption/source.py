@@ -24,12 +24,16 @@ __all__ = ["Held", "held_checkpoint"]
 
 @dataclass(frozen=True)
 class Held:
-    """A committed checkpoint: its manifest and its arrays (views of ``mapping``)."""
+    """A committed checkpoint: its manifest and its arrays (views of ``mapping``), and where it
+    lies (``file``, ``slot``, ``counter``: the remote tier uploads it from there)."""
 
     manifest: Manifest
     arrays: dict[str, Any]
     nbytes: int
     mapping: mmap.mmap
+    file: Path
+    slot: int
+    counter: int
 
     @property
     def crcs(self) -> dict[str, int]:
@@ -61,5 +65,5 @@ def held_checkpoint(directory: Path, step: int) -> Held | None:
                     continue
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 buf = np.frombuffer(mm, dtype=np.uint8, count=end, offset=base)
-                return Held(man, arrays_of(man, buf), end, mm)
+                return Held(man, arrays_of(man, buf), end, mm, file, st.slot, st.meta["counter"])
     return None

@@ -25,7 +25,9 @@ numbers are the order; 4 to 8 repeat)::
                                           while no maybe_checkpoint call runs: a tier beside the
                                           disk commits its checkpoint in flight (``step`` None);
                                           a tier after it takes the disk's durable commit of
-                                          ``step`` whatever its own schedule (``every``) says;
+                                          ``step`` whatever its own schedule (``every``) says
+                                          (the remote tier of one process may have started it
+                                          from the memory tier's slot: ``flush_from``);
                                           both wait until ``deadline`` (time.monotonic(), inf: no
                                           limit) at most and return the newest step they hold
     9. close(timeout)                     finishes (``timeout``: how long a tier after the disk may

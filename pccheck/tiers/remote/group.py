@@ -57,7 +57,7 @@ from .layout import MAX_MANIFEST_BYTES, manifest_key
 from .objstore import NotFound
 from .parts import commit_parts, part_key, put_changed_part, put_part
 from .sets import SetUploader
-from .upload import SlotRef
+from .upload import Cancelled, SlotRef
 from .uploader import RemoteUploader, _background_priority
 
 __all__ = ["GroupUploader", "part_key"]
@@ -73,6 +73,8 @@ class GroupUploader(RemoteUploader):
     :meth:`on_global_published` (rank 0, before publishing a global step), :meth:`pinned`
     (before giving a held slot back); the uploader calls the coordinator's
     ``announce_if_newest`` (rank 0) once an upload ends."""
+
+    uploads_from_memory = False  # rank 0 announces what every rank uploads: the disk's committed slots
 
     def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], group: Any, coord: Any) -> None:
         self.group, self._kv, self._coord = group, group.store, coord
@@ -149,7 +151,14 @@ class GroupUploader(RemoteUploader):
         returns the newest step committed remotely that this rank knows of."""
         if step is None:
             return self.progress.step
-        self._forced.add(step)
+        with self._cv:
+            self._forced.add(step)
+            if self._upload_fits(deadline):
+                # this rank's part of an older announced step (running, or not taken yet) would
+                # delay the flush's by a whole upload: it stops at its next part and counts as
+                # failed, so rank 0 abandons that step (a step lacking a part is never
+                # committed) and announces the flush's; not fitting, the older one finishes
+                self._supersede_below = step
         if self.group.rank == 0:
             self._coord.announce_newest()
         store_gone = False
@@ -292,13 +301,16 @@ class GroupUploader(RemoteUploader):
             try:
                 t0 = time.perf_counter()
                 referenced = 0
+                def stop() -> bool:
+                    return self._closing or self._superseded_by_flush(ref)
+
                 if self._incremental:
                     inc = put_changed_part(self.store, ref, self.generation, self.rank, self.options.part_size,
-                                           self._take_pool(), self._senders, lambda: self._closing, self._base)
+                                           self._take_pool(), self._senders, stop, self._base)
                     part, referenced, self._candidate = inc.part, inc.referenced, inc.base
                 else:
                     part = put_part(self.store, ref, self.generation, self.rank, self.options.part_size,
-                                    self._take_pool(), self._senders, lambda: self._closing)
+                                    self._take_pool(), self._senders, stop, self._abort_later)
                 with self._cv:
                     p = self.progress
                     p.bytes += part.size
@@ -306,6 +318,9 @@ class GroupUploader(RemoteUploader):
                     p.last_bytes, p.last_referenced = part.size, referenced
                     p.upload_s += time.perf_counter() - t0
                 return True
+            except Cancelled:
+                log.info("pccheck: rank %d: the upload of step %d gave way to a flush's newer step", self.rank, step)
+                return False
             except CorruptCheckpointError as exc:
                 log.warning("pccheck: rank %d: not uploading step %d: %s", self.rank, step, exc)
                 return False

@@ -20,7 +20,7 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from ...errors import ConfigError, RemoteConfigError, RemoteError
@@ -68,12 +68,25 @@ def _code(exc: Exception) -> str:
     return str(resp.get("Error", {}).get("Code", "")) if isinstance(resp, dict) else ""
 
 
-class _View(io.RawIOBase):
-    """A read-only file over a memoryview, so a part is sent without a copy."""
+class BodyCancelled(Exception):
+    """A part's body stopped being sent: its upload was given up (:meth:`ObjectStore.upload_part`'s ``stop``)."""
 
-    def __init__(self, view: memoryview) -> None:
+
+class _View(io.RawIOBase):
+    """A read-only file over a memoryview, so a part is sent without a copy. ``stop``: asked
+    before each block the HTTP client reads; True ends the request (BodyCancelled), so a part
+    of a given-up upload stops taking bandwidth at once instead of at its end."""
+
+    def __init__(self, view: memoryview, stop: Callable[[], bool] | None = None) -> None:
         super().__init__()
-        self._v, self._pos = view, 0
+        self._v, self._pos, self._stop = view, 0, stop
+
+    def stopped(self) -> bool:
+        return self._stop is not None and self._stop()
+
+    def _check(self) -> None:
+        if self._pos < len(self._v) and self.stopped():
+            raise BodyCancelled("the upload was given up")
 
     def readable(self) -> bool:
         return True
@@ -89,16 +102,27 @@ class _View(io.RawIOBase):
         return self._pos
 
     def readinto(self, b: Any) -> int:
+        self._check()
         n = max(0, min(len(b), len(self._v) - self._pos))
         b[:n] = self._v[self._pos:self._pos + n]
         self._pos += n
         return n
 
     def read(self, n: int = -1) -> bytes:
+        self._check()
         end = len(self._v) if n is None or n < 0 else min(len(self._v), self._pos + n)
         out = bytes(self._v[self._pos:end])
         self._pos = end
         return out
+
+
+def _no_retry_when_given_up(request_dict: Any = None, **_: Any) -> None:
+    """botocore's ``needs-retry`` event of UploadPart: a part whose body was cut short because
+    its upload was given up ends now (BodyCancelled) instead of being retried after a backoff
+    (which would hold its sender thread and its part buffer for up to seconds)."""
+    body = request_dict.get("body") if isinstance(request_dict, dict) else None
+    if isinstance(body, _View) and body.stopped():
+        raise BodyCancelled("the upload was given up")
 
 
 @dataclass(frozen=True)
@@ -156,6 +180,8 @@ class ObjectStore:
         session = boto3.session.Session()
         self.client = session.client("s3", config=cfg)
         self._parts = session.client("s3", config=cfg.merge(Config(s3=_parts_s3_config(session))))
+        for c in (self.client, self._parts):  # a part cut short is not retried (botocore's retry event)
+            c.meta.events.register_first("needs-retry.s3.UploadPart", _no_retry_when_given_up)
         self._lock = threading.Lock()
 
     @property
@@ -289,19 +315,24 @@ class ObjectStore:
         except (ClientError, BotoCoreError) as exc:
             raise self._fail(exc, f"starting the upload of {rel}") from None
 
-    def upload_part(self, rel: str, upload_id: str, number: int, data: memoryview, crc32c: int | None = None) -> str:
+    def upload_part(self, rel: str, upload_id: str, number: int, data: memoryview, crc32c: int | None = None,
+                    stop: Callable[[], bool] | None = None) -> str:
         """Sends one part; with ``crc32c`` (the crc32c of ``data``) the server checks the body
-        against it, and the body is sent without SHA-256 signing (:func:`_parts_s3_config`)."""
+        against it, and the body is sent without SHA-256 signing (:func:`_parts_s3_config`).
+        ``stop``: asked as the body is sent; True cuts the request short (BodyCancelled; the
+        caller then aborts the upload)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             if crc32c is None:
                 return str(self.client.upload_part(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
-                                                   PartNumber=number, Body=_View(data))["ETag"])
+                                                   PartNumber=number, Body=_View(data, stop))["ETag"])
             return str(self._parts.upload_part(Bucket=self.bucket, Key=self.key(rel), UploadId=upload_id,
-                                               PartNumber=number, Body=_View(data),
+                                               PartNumber=number, Body=_View(data, stop),
                                                ChecksumCRC32C=_crc_header(crc32c))["ETag"])
         except (ClientError, BotoCoreError) as exc:
+            if stop is not None and stop():  # the HTTP client wraps the cut body in its own error
+                raise BodyCancelled(f"part {number} of {rel}: the upload was given up") from None
             raise self._fail(exc, f"uploading part {number} of {rel}") from None
 
     def complete_multipart(self, rel: str, upload_id: str, etags: list[str], crcs: list[int] | None = None) -> None:

@@ -20,7 +20,7 @@ from .commit import advance_pointer, commit_step
 from .layout import MAX_MANIFEST_BYTES, RankPart, StepManifest, rank_part_from_json
 from .objstore import NotFound, ObjectStore
 from .increment import IncrementalUpload, RemoteBase, upload_changed
-from .upload import BufferPool, SlotRef, upload_slot
+from .upload import Aborter, BufferPool, SlotRef, abort_after, upload_slot
 
 __all__ = ["part_key", "put_part", "put_changed_part", "read_part", "commit_parts"]
 
@@ -31,11 +31,12 @@ def part_key(generation: int, step: int, rank: int) -> str:
 
 
 def put_part(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int, pool: BufferPool,
-             senders: ThreadPoolExecutor, cancelled: Callable[[], bool]) -> RankPart:
+             senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
+             aborter: Aborter = abort_after) -> RankPart:
     """Uploads the committed slot ``ref`` as rank ``rank``'s data object of ``generation``, then
-    PUTs its part create-only. CorruptCheckpointError if the slot no longer holds the step;
+    PUTs its part create-only (``aborter``: as :func:`~.upload.upload_slot`'s). CorruptCheckpointError if the slot no longer holds the step;
     RemoteError if the store fails (RemoteConflictError: the part exists, another job wrote it)."""
-    part = upload_slot(store, ref, generation, rank, part_size, pool, senders, cancelled)
+    part = upload_slot(store, ref, generation, rank, part_size, pool, senders, cancelled, aborter)
     store.put_new(part_key(generation, ref.step, rank), json.dumps(part.as_json()).encode("utf-8"))
     return part
 

@@ -60,6 +60,8 @@ def check_set_options(options: Any) -> None:
 class SetUploader(RemoteUploader):
     """One rank's remote tier for sets its caller pairs (see the module docstring)."""
 
+    uploads_from_memory = False  # no memory tier on a set's rank store
+
     def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], rank: int = 0) -> None:
         check_set_options(options)
         self._expected: dict[int, tuple[int, Future]] = {}  # step -> (generation, its part's future)

@@ -34,9 +34,9 @@ from ...persist.layout import Manifest
 from ...persist.reader import crc32c, crc32c_combine, fresh_buffer, open_direct, prefault
 from ...persist.recovery import manifest_from, manifest_region, read_store, slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
-from .objstore import ObjectStore
+from .objstore import BodyCancelled, ObjectStore
 
-__all__ = ["BufferPool", "upload_slot", "slot_manifest", "abort_after", "SlotRef", "Cancelled"]
+__all__ = ["BufferPool", "upload_slot", "slot_manifest", "abort_after", "Aborter", "SlotRef", "Cancelled"]
 
 
 class Cancelled(Exception):
@@ -45,12 +45,16 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class SlotRef:
-    """A committed local checkpoint: the store file, the slot and its counter and step."""
+    """A committed local checkpoint: the store file, the slot and its counter and step.
+    ``disk``: a slot of the disk store, held from reuse for the upload (False: another tier's
+    committed slot, the memory tier's during a flush, which nothing holds: the counter and
+    crc32c checks abandon the upload if it is reused meanwhile)."""
 
     store_file: Path
     slot: int
     counter: int
     step: int
+    disk: bool = True
 
 
 class BufferPool:
@@ -150,9 +154,15 @@ def _read_part(fd: int, view: memoryview, at: int, name: str) -> None:
         got += r
 
 
+Aborter = Callable[[ObjectStore, str, str, list[Future]], None]
+
+
 def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int,
-                pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool]) -> RankPart:
-    """Uploads the slot's data region as one object; returns its :class:`RankPart`."""
+                pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
+                aborter: Aborter = abort_after) -> RankPart:
+    """Uploads the slot's data region as one object; returns its :class:`RankPart`. An upload
+    that does not complete is aborted by ``aborter`` (:func:`abort_after`, or a function that
+    hands it to another thread, so that the caller goes on while the parts in flight end)."""
     raw, arrays, data_len = _read_manifest(ref)
     while len(parts_of(data_len, part_size)) > MAX_PARTS:
         part_size *= 2
@@ -176,13 +186,16 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
                     raise Cancelled()
                 buf = pool.take()  # blocks while every buffer is in flight: memory stays bounded
                 try:
+                    if cancelled():  # given up while waiting for a buffer: read nothing more
+                        raise Cancelled()
                     view = memoryview(buf)[:n]
                     _read_part(fd, view, base + off, ref.store_file.name)
                     part_crcs.append(crcs.part(off, view))
                 except BaseException:
                     pool.give(buf)
                     raise
-                futures.append(senders.submit(_send, store, key, upload_id, number, view, part_crcs[-1], buf, pool))
+                futures.append(senders.submit(_send, store, key, upload_id, number, view, part_crcs[-1], buf, pool,
+                                              cancelled))
         finally:
             os.close(fd)
         crcs.check(f"{ref.store_file.name} slot {ref.slot} (step {ref.step})")
@@ -191,14 +204,24 @@ def upload_slot(store: ObjectStore, ref: SlotRef, generation: int, rank: int, pa
         done = True
     finally:
         if not done:
-            abort_after(store, key, upload_id, futures)
+            aborter(store, key, upload_id, futures)
     return RankPart(rank, key, data_len, part_size, tuple(part_crcs), raw)
 
 
 def _send(store: ObjectStore, key: str, upload_id: str, number: int, view: memoryview, crc: int,
-          buf: np.ndarray, pool: BufferPool) -> str:
+          buf: np.ndarray, pool: BufferPool, cancelled: Callable[[], bool] | None = None) -> str:
+    """Sends one part; ``cancelled`` cuts its body short, or stops it before it is sent (the
+    part then raises Cancelled, whatever error the HTTP client wrapped the cut in)."""
     try:
-        return store.upload_part(key, upload_id, number, view, crc32c=crc)
+        if cancelled is not None and cancelled():
+            raise Cancelled()
+        return store.upload_part(key, upload_id, number, view, crc32c=crc, stop=cancelled)
+    except BodyCancelled:
+        raise Cancelled() from None
+    except Exception:
+        if cancelled is not None and cancelled():
+            raise Cancelled() from None
+        raise
     finally:
         pool.give(buf)  # invariant: a buffer is reused only once its part has been sent
 

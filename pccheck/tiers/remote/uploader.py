@@ -24,6 +24,17 @@ Invariants:
   ``on_commit`` while the checkpoint is still the disk's base), and only the arrays that differ
   from the last step this uploader committed are uploaded; the rest are referenced
   (increment.py, FORMAT.md §12.8).
+* A flush (:meth:`RemoteUploader.flush_from`) may upload its step from the memory tier's
+  committed slot (``SlotRef.disk`` False) while the disk writes its own copy: that slot is not
+  held (nothing reuses it while the flush holds the training thread; the counter and crc32c
+  checks abandon the upload if it was reused), and the disk's commit of the same step queues
+  no second upload of it; if the upload from the memory slot fails, the disk's slot of the step
+  is uploaded instead.
+* An upload given up for a flush's newer step stops taking bandwidth: its parts not sent yet are
+  skipped, a part being sent is cut at its next block and not retried (objstore.py), and its
+  multipart upload is aborted on a thread of its own once those parts end, so the flush's
+  upload starts at once. While a flush waits, the upload threads run at normal priority (the
+  training thread is held; where the process may not lower a nice value, they stay below).
 * A failed request (server down, timeouts) keeps the checkpoint queued and retries with backoff
   unless a newer one supersedes it; a lost race (RemoteConflictError) stops the uploads for good
   and is reported through ``on_error``; a damaged slot is abandoned with a warning.
@@ -48,7 +59,7 @@ from .layout import StepManifest
 from .objstore import ObjectStore
 from .retention import prune
 from .increment import RemoteBase, upload_changed
-from .upload import BufferPool, Cancelled, SlotRef, upload_slot
+from .upload import BufferPool, Cancelled, SlotRef, abort_after, upload_slot
 
 __all__ = ["RemoteUploader", "UploadRetention", "RemoteProgress"]
 
@@ -62,9 +73,15 @@ _NICE = 10  # the upload threads yield the CPUs to training (the slot read, crc3
 
 def _background_priority() -> None:
     """Lowers this thread's scheduling priority (Linux: a thread is a task with its own nice)."""
+    _set_nice(threading.get_native_id(), _NICE)
+
+
+def _set_nice(tid: int, nice: int) -> None:
+    """Sets thread ``tid``'s nice value; a lower one than it has needs the privilege to (else
+    it stays as it is)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
-    except (OSError, AttributeError):  # not Linux, or not permitted: upload at normal priority
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError):  # not Linux, not permitted, or the thread ended
         pass
 
 
@@ -121,6 +138,7 @@ class RemoteUploader:
 
     name = "remote"
     after_disk = True  # fed by the disk's durable commits
+    uploads_from_memory = True  # a flush may upload its step from the memory tier's slot (flush_from)
 
     def __init__(self, options: Any, *, on_error: Callable[[PCCheckError], None], rank: int = 0) -> None:
         self.options = options
@@ -149,12 +167,17 @@ class RemoteUploader:
         self._incremental = False  # the disk writes incremental checkpoints (start())
         self._base: RemoteBase | None = None  # incremental: the last step committed, its arrays' places
         self._cell_holds: set[int] = set()  # incremental: counters whose cells the disk keeps for us
+        self._tids: set[int] = set()  # the upload thread's and the senders' (native ids)
         self._senders = ThreadPoolExecutor(options.concurrency, thread_name_prefix="pccheck-remote-part",
-                                           initializer=_background_priority)
+                                           initializer=self._background)
         # retention runs beside the uploads, not before the next one starts; one pass at a time,
         # requests made meanwhile coalesce into one more pass (_prune_queued)
         self._pruner = ThreadPoolExecutor(1, thread_name_prefix="pccheck-remote-prune",
                                           initializer=_background_priority)
+        # a given-up upload's abort waits for its parts in flight here, not on the upload thread
+        self._aborts = ThreadPoolExecutor(1, thread_name_prefix="pccheck-remote-abort",
+                                          initializer=_background_priority)
+        self._started: dict[int, float] = {}  # forced steps: time.monotonic() their upload began
         self._prune_queued = False
         self._pruning = 0  # passes submitted and not finished (wait() waits for them)
         self._thread = shutdown.thread(self._run, "pccheck-remote")
@@ -195,7 +218,8 @@ class RemoteUploader:
             self._newest_counter = max(self._newest_counter, info.counter)
             if newer:
                 self._newest_ref = SlotRef(info.store_file, info.slot, info.counter, info.step)
-            if newer and not self._stopped and not self._closing and self._selected(info.step, self._commits):
+            if newer and not self._stopped and not self._closing and self._selected(info.step, self._commits) \
+                    and not self._has_step(info.step):
                 if self._pending is not None:
                     self.progress.superseded += 1
                     log.info("pccheck: remote upload of step %d superseded by step %d", self._pending[0].step, info.step)
@@ -206,6 +230,16 @@ class RemoteUploader:
                     self.progress.behind_since = self._pending[1]
                 self._cv.notify_all()
             self._settle()
+
+    def _has_step(self, step: int) -> bool:
+        """Whether ``step`` is committed remotely, or uploading or queued from another tier's
+        slot (a flush's, :meth:`flush_from`): the disk's commit of it queues no second upload,
+        whose create-only commit would lose to the first (lock held)."""
+        p = self.progress
+        if p.step is not None and p.step >= step:
+            return True
+        return any(r is not None and r.step == step and not r.disk
+                   for r in (self._running, self._pending[0] if self._pending else None))
 
     def _selected(self, step: int, count: int) -> bool:
         """Whether the durable checkpoint of ``step``, the ``count``-th told of, is uploaded: its
@@ -228,7 +262,8 @@ class RemoteUploader:
         orch = self._orch
         if orch is None:
             return
-        need = {r.counter for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
+        need = {r.counter for r in (self._running, self._pending[0] if self._pending else None)
+                if r is not None and r.disk}
         for c in sorted(self._cell_holds - need):
             self._cell_holds.discard(c)
             orch.cells.release(c)
@@ -237,13 +272,13 @@ class RemoteUploader:
             self._held, self._held_gen = set(), gen
         self._held.update(orch.take_held(gen))
         keep = {r.slot for r in (self._running, self._pending[0] if self._pending else None)
-                if r is not None and store_generation(r.store_file.name) == gen}
+                if r is not None and r.disk and store_generation(r.store_file.name) == gen}
         for s in sorted(self._held - keep):
             self._held.discard(s)
             orch.release_slot(s, gen)
 
     def oldest_held_generation(self) -> int:
-        refs = [r for r in (self._running, self._pending[0] if self._pending else None) if r is not None]
+        refs = [r for r in (self._running, self._pending[0] if self._pending else None) if r is not None and r.disk]
         gens = [store_generation(r.store_file.name) or 0 for r in refs]
         return min(gens, default=1 << 62)
 
@@ -262,29 +297,71 @@ class RemoteUploader:
         """A preemption: the disk's durable commit of ``step`` is uploaded whatever ``every``
         says (queued now unless it is queued, uploading or committed already; its slot stays, as
         no newer commit replaces it during a flush), and waited for until ``deadline``
-        (time.monotonic()). Returns the newest step committed remotely."""
+        (time.monotonic()). Returns the newest step committed remotely. The upload threads run at
+        normal priority meanwhile (the training thread is held)."""
+        self._urgent(step is not None)
+        try:
+            return self._flush_wait(deadline, step)
+        finally:
+            self._urgent(False)
+
+    def _flush_wait(self, deadline: float, step: int | None) -> int | None:
         with self._cv:
             if step is not None:
-                self._forced.add(step)
-                run = self._running
-                if run is not None and run.step < step and self._upload_fits(deadline):
-                    # an older step's upload in progress would delay the flush's by a whole
-                    # upload: it is given up at its next part, and the flush's starts at once
-                    self._supersede_below = step
-                ref, p = self._newest_ref, self.progress
-                have = {r.step for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
-                if (ref is not None and ref.step == step and step not in have and (p.step is None or p.step < step)
-                        and not self._stopped and not self._closing):
-                    self._pending, self._kick = (ref, time.time()), True
-                    self._hold_cells(ref.counter)
-                    if p.behind_since is None:
-                        p.behind_since = self._pending[1]
-                    self._cv.notify_all()
+                self._supersede_older(step, deadline)
+                ref = self._newest_ref
+                if ref is not None and ref.step == step:
+                    self._queue_forced(ref)
             left = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
             self._cv.wait_for(lambda: self._stopped or self._closing or step is None or (
                 self.progress.step is not None and self.progress.step >= step) or (
                 self._pending is None and self._running is None), left)
             return self.progress.step
+
+    def flush_from(self, ref: SlotRef, deadline: float) -> None:
+        """A preemption whose step ``ref.step`` lies committed in another tier's slot (the
+        memory tier's, ``ref.disk`` False) before the disk holds it: its upload is queued now,
+        from there, while the disk writes its own copy (:meth:`flush` then waits for it). An
+        older step's upload in progress is given up if this one is expected to fit."""
+        self._urgent(True)
+        with self._cv:
+            self._supersede_older(ref.step, deadline)
+            self._queue_forced(ref)
+
+    def upload_started(self, step: int) -> float | None:
+        """time.monotonic() when the upload of ``step``, a step a flush forced, began (None: not yet)."""
+        with self._cv:
+            return self._started.get(step)
+
+    def _supersede_older(self, step: int, deadline: float) -> None:
+        """Marks ``step`` forced; gives up the upload in progress if it is of an older step and
+        one more upload is expected to fit before ``deadline`` (else it is left to finish: the
+        remote then holds a newer step than before, if not the flush's). Lock held."""
+        self._forced.add(step)
+        run = self._running
+        if run is not None and run.step < step and self._upload_fits(deadline):
+            # an older step's upload in progress would delay the flush's by a whole upload: it
+            # stops reading at its next part, its abort waits for its parts in flight on the
+            # abort thread, and the flush's upload starts at once
+            self._supersede_below = step
+            log.info("pccheck: the remote upload of step %d gives way to the flush of step %d", run.step, step)
+
+    def _queue_forced(self, ref: SlotRef) -> None:
+        """Queues the upload of ``ref`` (a flush's step) unless its step is committed, uploading
+        or queued already (lock held)."""
+        p = self.progress
+        have = {r.step for r in (self._running, self._pending[0] if self._pending else None) if r is not None}
+        if ref.step in have or (p.step is not None and p.step >= ref.step) or self._stopped or self._closing:
+            return
+        if self._pending is not None:
+            self.progress.superseded += 1
+        self._pending, self._kick = (ref, time.time()), True
+        if ref.disk:
+            self._hold_cells(ref.counter)
+        if p.behind_since is None:
+            p.behind_since = self._pending[1]
+        self._settle()
+        self._cv.notify_all()
 
     def drain(self, deadline: float) -> int | None:
         """A flush whose own step does not fit here: the upload in progress (an older step's)
@@ -306,9 +383,9 @@ class RemoteUploader:
         uploads so far, times the flush planner's margin (preemption/planner.py, 1.25); False
         with none measured yet (giving up the upload in progress would then be a gamble)."""
         p = self.progress
-        if p.uploads <= 0 or p.upload_s <= 0:
+        if p.bytes <= 0 or p.upload_s <= 0 or not p.last_bytes:
             return False
-        return time.monotonic() + p.upload_s / p.uploads * 1.25 < deadline
+        return time.monotonic() + p.last_bytes / (p.bytes / p.upload_s) * 1.25 < deadline
 
     def close(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` for the queued upload, then stops the threads; returns whether
@@ -322,6 +399,7 @@ class RemoteUploader:
             self._cv.notify_all()
         self._thread.join()
         self._senders.shutdown(wait=True)
+        self._aborts.shutdown(wait=True)  # after the senders: an abort waits for their parts
         self._pruner.shutdown(wait=True)
         with self._cv:
             self._pending = None
@@ -346,8 +424,22 @@ class RemoteUploader:
         except MemoryError:
             log.warning("pccheck: the remote tier's part buffers could not be allocated yet")
 
-    def _run(self) -> None:
+    def _background(self) -> None:
+        """The upload threads' priority: below training's (recorded, so a flush can lift it)."""
         _background_priority()
+        with self._cv:
+            self._tids.add(threading.get_native_id())
+
+    def _urgent(self, on: bool) -> None:
+        """During a flush the training thread is held: the upload threads take normal priority
+        (where the process may lower a nice value again), and go back below training's after."""
+        with self._cv:
+            tids = list(self._tids)
+        for tid in tids:
+            _set_nice(tid, 0 if on else _NICE)
+
+    def _run(self) -> None:
+        self._background()
         self._warm_pool()
         backoff = 0.0
         while True:
@@ -386,8 +478,17 @@ class RemoteUploader:
                 self._on_error(PCCheckError(f"remote upload of step {ref.step} failed: {exc!r}"))
             with self._cv:
                 self._running = None
+                disk_ref = self._newest_ref if not ref.disk else None
+                if disk_ref is not None and (disk_ref.step != ref.step or self._has_step(ref.step)):
+                    disk_ref = None
                 if retry and self._pending is None and not self._closing:
-                    self._pending = (ref, t_commit)  # still the newest: try it again
+                    # still the newest: try it again (from the disk's slot once it holds the step)
+                    self._pending = (disk_ref or ref, t_commit)
+                    if disk_ref is not None:
+                        self._hold_cells(disk_ref.counter)
+                elif disk_ref is not None and self._pending is None and not self._closing and not self._stopped:
+                    self._pending = (disk_ref, t_commit)  # the memory slot failed: the disk's copy of the step
+                    self._hold_cells(disk_ref.counter)
                 elif not retry:
                     self.progress.behind_since = self._pending[1] if self._pending is not None else None
                 self._settle()
@@ -395,21 +496,34 @@ class RemoteUploader:
             if self._orch is not None:
                 self._orch.retire_if_allowed()
 
+    def _abort_later(self, store: ObjectStore, key: str, upload_id: str, futures: list[Any]) -> None:
+        """upload_slot's aborter: the abort waits for the parts in flight on the abort thread,
+        so the upload thread takes the next upload (a flush's) at once."""
+        try:
+            self._aborts.submit(abort_after, store, key, upload_id, futures)
+        except RuntimeError:  # shut down (closing): abort here
+            abort_after(store, key, upload_id, futures)
+
     def _upload(self, ref: SlotRef, t_commit: float) -> None:
         opts = self.options
         t0 = time.perf_counter()
         referenced = 0
+        with self._cv:
+            if ref.step in self._forced:
+                self._started.setdefault(ref.step, time.monotonic())
 
         def stop() -> bool:
             return self._closing or self._superseded_by_flush(ref)
 
         if self._incremental:
+            # a step read from the memory tier's slot has no cells (FORMAT.md §14): every array is
+            # uploaded, and the next step references only what this one's object holds
             inc = upload_changed(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
                                  self._senders, stop, self._base)
             part, referenced = inc.part, inc.referenced
         else:
             part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
-                               self._senders, stop)
+                               self._senders, stop, self._abort_later)
         commit_step(self.store, StepManifest(self.generation, ref.step, 1, time.time(), (part,)))
         if self._incremental:
             self._base = inc.base  # committed: the next step may reference what it names
