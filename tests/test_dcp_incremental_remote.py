@@ -68,7 +68,7 @@ def test_two_rank_incremental_saves_upload_the_changes_and_load_bit_exact_after_
     g, newest = steps[0]
     man = _manifest(store, g, newest)
     assert man.world_size == 2
-    first = {o.key for o in store.list("data/") if f"/s1/" in o.key}
+    first = {o.key for o in store.list("data/") if "/s1-" in o.key}  # data/g<G>/s<S>-<token>/rank-<r>.bin
     for part in man.ranks:  # each rank's part references its own earlier objects (the frozen shards)
         assert part.objects and all(k.endswith(f"/rank-{part.rank}.bin") for k in part.keys()), part
         assert any(k in first for k in part.keys()), "the first save's objects hold the frozen shards"
