@@ -74,6 +74,9 @@ def test_two_rank_incremental_saves_upload_the_changes_and_load_bit_exact_after_
         assert any(k in first for k in part.keys()), "the first save's objects hold the frozen shards"
     named = {k for _, s in steps for r in _manifest(store, g, s).ranks for k in r.keys()}
     assert named <= {o.key for o in store.list("data/")}, "retention deleted an object a kept step names"
+    local = tmp_path / "local.pt"  # the staging stores are incremental sets too: they load through the cells
+    _run(tmp_path, "load", str(stage), tmp_path / "unused", local)
+    assert _same(torch.load(local), torch.load(ref))
     shutil.rmtree(stage)  # the machines are lost: only the object store remains
     got = tmp_path / "load.pt"
     _run(tmp_path, "load", s3_url, tmp_path / "stage-load", got)
@@ -104,3 +107,33 @@ def test_incremental_writer_with_an_object_store_is_built_with_its_set_uploader(
     out = {"frozen": torch.zeros_like(frozen), "head": torch.zeros(16)}
     dcp.load(out, storage_reader=pccheck.dcp.Reader(s3_url))
     assert torch.equal(out["frozen"], frozen) and torch.equal(out["head"], torch.full((16,), 2.0))
+
+
+def test_a_leased_base_outlives_keep_last_until_its_save_finishes(s3_url, tmp_path):
+    """A save in flight references its plan's base: retention (keep_last=1) keeps that step and
+    every object it names while the lease lasts, however many newer saves commit meanwhile, and
+    collects it once the lease ends. Without the lease the base would go at the next commit."""
+    import torch.distributed.checkpoint as dcp
+
+    w = pccheck.dcp.Writer(s3_url, local=tmp_path / "stage", incremental=True,
+                           remote=pccheck.RemoteOptions(keep_last=1))
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    sd = lambda i: {"frozen": frozen, "head": torch.full((16,), float(i))}  # noqa: E731
+    dcp.save(sd(1), storage_writer=w)
+    store = ObjectStore(s3_url)
+    (g, first), = committed(store)
+    assert w._remote.lease() == first  # a plan in flight on the first save
+    for i in (2, 3):
+        dcp.save(sd(i), storage_writer=w)
+    kept = [s for _, s in committed(store)]
+    assert kept == [first + 2, first], kept  # the newest, and the leased base
+    named = {k for s in kept for r in _manifest(store, g, s).ranks for k in r.keys()}
+    assert named <= {o.key for o in store.list("data/")}
+    w._remote.release(first)
+    dcp.save(sd(4), storage_writer=w)
+    assert [s for _, s in committed(store)] == [first + 3]
+    w.close()
+    shutil.rmtree(tmp_path / "stage")
+    out = {"frozen": torch.zeros_like(frozen), "head": torch.zeros(16)}
+    dcp.load(out, storage_reader=pccheck.dcp.Reader(s3_url))
+    assert torch.equal(out["frozen"], frozen) and torch.equal(out["head"], torch.full((16,), 4.0))
