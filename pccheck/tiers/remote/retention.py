@@ -11,7 +11,9 @@ Invariant (no kept step loses a byte): every kept manifest is read before any da
 deleted, and a pass that cannot read one deletes no data objects at all. A writer references only
 objects its base names (the newest step it committed), and the base is the newest committed step
 in any listing taken before the referencing step commits, so a pass whose listing predates that
-commit keeps the base and everything it names. Besides, it deletes data objects no committed manifest names and aborts multipart
+commit keeps the base and everything it names. A pccheck.dcp set's coordinator may commit newer
+steps while a part planned on an older base is in flight: it passes every base still leased
+(``also_keep``, sets.py), kept like the newest. Besides, it deletes data objects no committed manifest names and aborts multipart
 uploads, but only those of older generations (their jobs are gone or superseded: nobody can still
 be about to commit them); this job's own leftovers are the next job's to collect.
 """
