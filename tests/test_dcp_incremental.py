@@ -30,11 +30,12 @@ def _load(path, step: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("hold", [True, False])
-def test_the_finished_saves_cells_outlive_newer_unfinished_saves(tmp_path, monkeypatch, hold):
+@pytest.mark.parametrize("hold,reopen", [(True, False), (True, True), (False, False)])
+def test_the_finished_saves_cells_outlive_newer_unfinished_saves(tmp_path, monkeypatch, hold, reopen):
     """Save 2 (finished) references b in save 1's cell; saves 3 and 4 commit but are not finished
     (as when another rank failed), each changing b, and one of them lands in save 1's old slot.
-    The held cells keep save 2 whole. With the hold switched off (``hold=False``) a later save
+    The held cells keep save 2 whole, also when the store is reopened between saves 2 and 3 (its
+    finished slot is held on open). With the hold switched off (``hold=False``) a later save
     writes b into the cell save 2 reads it from, and loading save 2 fails its crc32c check."""
     if not hold:
         monkeypatch.setattr(SetRetention, "attach", lambda self, orch: setattr(self, "orch", orch))
@@ -42,6 +43,9 @@ def test_the_finished_saves_cells_outlive_newer_unfinished_saves(tmp_path, monke
     w = pccheck.dcp.Writer(path, incremental=True, max_concurrent=1)
     dcp.save(_sd(1, 1), storage_writer=w)
     dcp.save(_sd(2, 1), storage_writer=w)  # b referenced in save 1's cell
+    if reopen:
+        w.close()
+        w = pccheck.dcp.Writer(path, incremental=True, max_concurrent=1)
     finished = w.__class__.finish
     monkeypatch.setattr(dcp_writer.Writer, "finish", lambda self, metadata, results: None)  # never finished
     dcp.save(_sd(3, 3), storage_writer=w)
