@@ -330,19 +330,6 @@ def test_old_readers_refuse_a_referencing_step_manifest(s3_url, tmp_path):
         part_with([[0, 0]] * 3)
 
 
-def test_sets_with_incremental_remote_are_refused(tmp_path):
-    from pccheck.tiers.remote.group import build_remote_tier
-
-    class Ctx:
-        options = pccheck.Options(disk=pccheck.DiskOptions(incremental=True), remote="s3://bucket/prefix")
-        coord = None
-        group = None
-        on_error = None
-
-    with pytest.raises(pccheck.ConfigError, match="the remote tier of a pccheck.dcp set"):
-        build_remote_tier(Ctx(), True, member=object())
-
-
 @pytest.mark.parametrize("hold", [True, False])
 def test_cells_of_an_upload_in_progress_are_never_rewritten(s3_url, tmp_path, monkeypatch, hold):
     """Step 2's upload is stalled after its first part while ten more local checkpoints commit,

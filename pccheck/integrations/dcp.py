@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future as TorchFuture
 
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
-from ..options import Options, RemoteOptions
+from ..options import DiskOptions, Options, RemoteOptions
 from ..orchestrator.options import EngineOptions
 from ..sharded.index import CheckpointSet, find_sets
 from ..state.torch_state import load_serialized
@@ -64,6 +64,7 @@ class _PlanData:
     world_size: int
     finished: int | None
     generation: int | None = None  # an s3:// save: the coordinator's remote generation (FORMAT.md §12)
+    base: int | None = None  # an incremental s3:// save: the committed step its parts reference (§12.8)
 
 
 def _done(value: Any) -> TorchFuture:
@@ -119,6 +120,10 @@ class Writer(StorageWriter, AsyncStager):
             ``keep_last``, ``keep_every``, ``close_timeout`` (``every`` must stay 1); its ``url``
             (or the s3:// ``path``) is where the saves go.
         memory: refused (ConfigError): DCP saves have no memory tier (docs/guide/memory.md).
+        incremental: each rank's slot gets only the arrays whose bytes changed since its newest
+            committed save, the rest referenced in other slots' cells (docs/guide/incremental.md);
+            with an object store each rank's part uploads only the arrays that changed since the
+            last save committed there, and references the rest (FORMAT.md §12.8). Host state only.
         **options: :class:`pccheck.EngineOptions` fields: ``max_concurrent`` (N saves in flight;
             each rank store has N+2 slots), ``writer_threads``, ``chunk_size``, ``dram_budget``,
             ``storage``.
@@ -127,13 +132,15 @@ class Writer(StorageWriter, AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, local: str | os.PathLike[str] | None = None,
-                 remote: RemoteOptions | None = None, memory: Any = None, **options: Any) -> None:
+                 remote: RemoteOptions | None = None, memory: Any = None, incremental: bool = False,
+                 **options: Any) -> None:
         if memory is not None:
             refuse_memory(Options(memory=memory))  # ConfigError (or the MemoryOptions' own)
         if remote is not None and not isinstance(remote, RemoteOptions):
             raise ConfigError(f"pccheck.dcp.Writer's remote= must be a pccheck.RemoteOptions, got "
                               f"{type(remote).__name__}; give an s3:// location as the Writer's path")
         self.local, self.remote_options = local, remote
+        self.incremental = DiskOptions(incremental=incremental).incremental  # checked there (ConfigError)
         self.options = dict(options)
         self._locate(path)
         self.engine = _engine(self.options, self.path)
@@ -147,7 +154,7 @@ class Writer(StorageWriter, AsyncStager):
         if self.url is not None and given is not None and given.url not in (None, self.url):
             raise ConfigError(f"pccheck.dcp.Writer({self.url!r}) was also given remote.url={given.url!r}: give one")
         remote = dataclasses.replace(given or RemoteOptions(), url=self.url or (given.url if given else None))
-        self.tiers = Options(remote=remote)
+        self.tiers = Options(disk=DiskOptions(incremental=self.incremental), remote=remote)
         self._remote = SetCommitter(remote) if remote.url is not None else None
         if self.url is not None:
             self.path: Path | None = staging_dir(self.url, self.local)
@@ -162,10 +169,11 @@ class Writer(StorageWriter, AsyncStager):
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.url or self.path, "local": self.local, "options": self.options,
-                "remote": self.remote_options}
+                "remote": self.remote_options, "incremental": self.incremental}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.local, self.options = state.get("local"), state["options"]
+        self.incremental = bool(state.get("incremental", False))
         self.remote_options = state.get("remote")
         self._locate(state["path"])
         self.engine = _engine(self.options, self.path)
@@ -203,9 +211,12 @@ class Writer(StorageWriter, AsyncStager):
         world = len(plans)
         epoch, step = next_save(root, world) if world > 1 else (None, None)
         store = rank_store(root, world, 0, self.engine, self.tiers)
+        base = None
         if self._remote is not None:  # one per URL in this process, taken at its first save
             self._generation = self._remote.generation()
-        data = _PlanData(epoch, step, world, store.retention.finished, self._generation)
+            if self.incremental:  # kept from retention until this save's finish (sets.py)
+                base = self._remote.lease()
+        data = _PlanData(epoch, step, world, store.retention.finished, self._generation, base)
         return [dataclasses.replace(p, storage_data=data) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: Any) -> TorchFuture:
@@ -227,7 +238,7 @@ class Writer(StorageWriter, AsyncStager):
                 raise ConfigError("an s3:// save needs the plan of pccheck.dcp.Writer's prepare_global_plan; give "
                                   "the same Writer to every rank's dcp.save")
             started = store.write(data.epoch, data.step, arrays, tree, staged_order(state),
-                                  data.generation if self._remote is not None else None)
+                                  data.generation if self._remote is not None else None, data.base)
         finally:
             release_lease(state)  # every byte is in DRAM chunks now (or the save failed)
         if started is None:  # a newer save started first: this one is not written (not kept)
@@ -238,14 +249,14 @@ class Writer(StorageWriter, AsyncStager):
             # unless this rank's part is on the object store
             epoch, step, kept = started.epoch, started.step, started.result()
         results = [WriteResult(index=item.index, size_in_bytes=_nbytes(arrays[names[item.index]]),
-                               storage_data=Written(epoch, step, self.rank, names[item.index], kept))
+                               storage_data=Written(epoch, step, self.rank, names[item.index], kept, data.base))
                    for item in plan.items]
         if not results:
             # A rank with nothing to write (an empty state_dict, or replicated items deduplicated
             # to another rank) still committed a slot: the coordinator's finish learns the save's
             # (epoch, step) from results only, so report the slot.
             results = [WriteResult(index=MetadataIndex(_SLOT_MARKER), size_in_bytes=0,
-                                   storage_data=Written(epoch, step, self.rank, "", kept))]
+                                   storage_data=Written(epoch, step, self.rank, "", kept, data.base))]
         return _done(results)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
@@ -255,7 +266,10 @@ class Writer(StorageWriter, AsyncStager):
         if len(keys) != 1:
             raise CorruptCheckpointError(f"the ranks report different saves {sorted(keys)}: nothing recorded")
         (epoch, step), = keys
+        base = next((w.storage_data.base for rs in results for w in rs if isinstance(w.storage_data, Written)), None)
         if not all(w.storage_data.kept for rs in results for w in rs):
+            if self._remote is not None:
+                self._remote.release(base)  # nothing of this save is committed remotely
             # A newer save committed first on some rank and freed that rank's slot: this set is
             # incomplete, and must not be recorded as finished (the newer one will be).
             log.info("pccheck: save of step %d was superseded by a newer one; not recorded as finished", step)
@@ -263,7 +277,7 @@ class Writer(StorageWriter, AsyncStager):
         record_finished(_path(self.path, "Writer"), epoch, step, len(results))
         if self._remote is not None:  # every rank's part is up (DCP calls finish after write_data)
             assert self._generation is not None
-            self._remote.commit(self._generation, step, len(results))
+            self._remote.commit(self._generation, step, len(results), base)
 
     # -- AsyncStager ----------------------------------------------------------------------------
 

@@ -32,13 +32,15 @@ DCP_VERSION = 1
 @dataclass(frozen=True)
 class Written:
     """``WriteResult.storage_data``: where one item went (the set's (epoch, step), rank, array);
-    ``kept`` is False when a newer save of that rank committed first and the slot was freed."""
+    ``kept`` is False when a newer save of that rank committed first and the slot was freed;
+    ``base``: the remote base the save's plan leased (incremental s3:// saves), for ``finish``."""
 
     epoch: int
     step: int
     rank: int
     array: str
     kept: bool = True
+    base: int | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,13 @@ or be complete and not yet finished); it frees a replaced slot once F has moved 
 With at most N saves unfinished, N in flight need N slots, plus the latest unfinished, plus F:
 each rank store has N+2 slots. So a crash at any point, including between ``write_data`` and
 ``finish``, leaves F complete on every rank.
+
+incremental=True (a slot's checkpoint may reference arrays in other slots' cells, FORMAT.md §14):
+the cells of every local commit are held (``Incremental.hold_commits``, as it ends committed) as
+long as the same rule keeps its slot, and released just before the slot is given back; on open,
+the slot of F is held too (``protected_slots``). So F stays complete although newer commits
+become the disk's base, and a part's upload reads the bytes its manifest names (its slot is kept
+until its save finished, which waits for the part).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from ..group.distributed import read_global
 from ..errors import ConfigError, CorruptCheckpointError, PCCheckError
 from ..options import Options
 from ..orchestrator.args import StartArgs
+from ..orchestrator.incremental import Incremental
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import CommitInfo
 from ..orchestrator.retention import HeldSlots, Retention
@@ -156,6 +164,7 @@ class SetRetention(Retention):
         self._protect: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self.orch: Any = None  # the Orchestrator of the rank store (the stack's disk)
+        self._held_cells: dict[int, int] = {}  # incremental: counter -> step of the commits whose cells are held
 
     def prepare(self, directory: Path) -> None:
         """Finds the slot of the newest generation holding the finished set GLOBAL names, and
@@ -188,12 +197,21 @@ class SetRetention(Retention):
             return self._slots.holds(generation, self.finished)
 
     def attach(self, orch: Any) -> None:
+        """The rank store's orchestrator (before its store opens). incremental: every commit's
+        cells are held as it ends committed, and the finished step's slot on open (see the module
+        docstring)."""
         self.orch = orch
+        cells = getattr(orch, "cells", None)
+        if isinstance(cells, Incremental):
+            cells.hold_commits = True
+            cells.protected = self.protected_slots
 
-    def on_commit(self, step: int, slot: int) -> None:
+    def on_commit(self, step: int, slot: int, counter: int | None = None) -> None:
         with self._lock:
             if self.orch is not None:
                 self._slots.record(self.orch, slot, step)
+                if counter is not None and isinstance(getattr(self.orch, "cells", None), Incremental):
+                    self._held_cells[counter] = step  # held by Incremental.end (hold_commits)
             self._settle_locked()
 
     def set_finished(self, step: int) -> None:
@@ -206,9 +224,20 @@ class SetRetention(Retention):
             self.orch.retire_if_allowed()  # outside our lock: it takes ours (may_retire)
 
     def _settle_locked(self) -> None:
-        """Frees held slots whose step is older than the finished one (the invariant above)."""
-        if self.orch is not None:
-            self._slots.settle(self.orch, self.finished)
+        """Frees held slots whose step is older than the finished one (the invariant above); an
+        incremental store's commits older than it release their cells first (a slot is reused
+        only once no commit it may still be asked for pins its cells)."""
+        if self.orch is None:
+            return
+        cells = getattr(self.orch, "cells", None)
+        if isinstance(cells, Incremental):
+            self._held_cells.update(cells.take_held_on_open())
+            if self.finished is not None:
+                for counter, step in list(self._held_cells.items()):
+                    if step < self.finished:
+                        del self._held_cells[counter]
+                        cells.release(counter)
+        self._slots.settle(self.orch, self.finished)
 
 
 class RankStore:
@@ -244,11 +273,12 @@ class RankStore:
         return stack
 
     def write(self, epoch: int | None, step: int | None, arrays: dict[str, Any], tree: Any,
-              order: int | None = None, generation: int | None = None) -> Started | None:
+              order: int | None = None, generation: int | None = None, base: int | None = None) -> Started | None:
         """Starts the checkpoint of ``arrays`` (copied into DRAM chunks before this returns).
         With ``step`` None (a job of one rank) the step is taken here, under the lock that
         orders the starts; with ``generation`` (an s3:// save) the remote tier uploads this
-        rank's part of it once it commits. Returns None, writing nothing, for a save older than
+        rank's part of it once it commits (incremental: only what changed since its part of the
+        committed step ``base``). Returns None, writing nothing, for a save older than
         one already started here (a lower stage ``order``, or a lower planned step): an older
         save never replaces a newer one, and counters must follow steps on this rank (else the
         native store would free the newer slot as superseded)."""
@@ -267,7 +297,7 @@ class RankStore:
                 raise ConfigError("an s3:// save reached a rank store opened without the remote tier: give every "
                                   "rank the same pccheck.dcp.Writer, and one location per checkpoint directory")
             fut: Future = Future()
-            part = remote.expect(step, generation) if generation is not None else None
+            part = remote.expect(step, generation, base) if generation is not None else None
             with self._pending_lock:
                 self._pending[step] = fut
             try:
@@ -287,7 +317,7 @@ class RankStore:
         self._errors.exc = exc  # the same commit thread reports the outcome next (_on_finished)
 
     def _on_commit(self, info: CommitInfo) -> None:
-        self.retention.on_commit(info.step, info.slot)
+        self.retention.on_commit(info.step, info.slot, info.counter)
 
     def _on_finished(self, st: CheckpointStats) -> None:
         exc = getattr(self._errors, "exc", None)

@@ -61,9 +61,10 @@ _FP_THREADS = 2  # the fingerprint pass releases the GIL; memory bandwidth bound
 # first checkpoints.
 _SKIP_AFTER = 2
 # What incremental=True supports now; everything else is refused naming it (refuse_incremental).
-INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process or of every rank of a "
-                         "torch.distributed group (DDP, FSDP2/DTensor), the remote tier of one process or of a "
-                         "group, and the memory tier with its replicas, with state in host (CPU) memory")
+INCREMENTAL_SUPPORTED = ("the disk tier (history copies included), of one process, of every rank of a "
+                         "torch.distributed group (DDP, FSDP2/DTensor) or of a pccheck.dcp set, the remote tier of "
+                         "one process, of a group or of a pccheck.dcp set, and the memory tier with its replicas, "
+                         "with state in host (CPU) memory")
 
 
 def refuse_incremental(what: str) -> ConfigError:

@@ -23,8 +23,9 @@ Files, each one job (docs/FORMAT.md §12 is the normative spec they implement):
     group.py      GroupUploader: a torch.distributed group's side (each rank its part, rank 0
                   announces the steps and commits them; §12.7)
     sets.py       the sets a caller pairs (pccheck.dcp): SetUploader, one rank's tier (its part
-                  at each expected local commit), SetCommitter (the caller's coordinator:
-                  generation, commit, retention)
+                  at each expected local commit; incremental: only what changed since its
+                  part of the plan's base), SetCommitter (the caller's coordinator:
+                  generation, incremental bases leased from retention, commit, retention)
     inventory.py  survey / verify / manifest_of / load_step of a prefix (``pccheck ls|verify|inspect|export
                   s3://...``); rank_steps / load_rank_step: a rank's remote source in the
                   per-rank restore plan (tiers/memory/nearest.py)

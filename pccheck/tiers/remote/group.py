@@ -49,7 +49,6 @@ from typing import Any, Callable
 
 from ...errors import CorruptCheckpointError, PCCheckError, RemoteError
 from ...group.keys import wait_key
-from ...orchestrator.incremental import refuse_incremental
 from ...persist.recovery import read_store
 from .commit import next_generation
 from .increment import RemoteBase
@@ -390,10 +389,6 @@ def build_remote_tier(ctx: Any, writes: bool, member: Any = None) -> RemoteUploa
     opts = ctx.options.remote
     if opts.url is None or not writes:
         return None
-    if ctx.options.disk.incremental and member is not None:
-        # a set's parts are uploaded whole (sets.py): they would miss the arrays an incremental
-        # checkpoint keeps in other slots' cells
-        raise refuse_incremental("the remote tier of a pccheck.dcp set")
     if member is not None:
         return SetUploader(opts, on_error=ctx.on_error, rank=member.rank)
     if ctx.coord is not None:

@@ -11,7 +11,9 @@ Invariant (no kept step loses a byte): every kept manifest is read before any da
 deleted, and a pass that cannot read one deletes no data objects at all. A writer references only
 objects its base names (the newest step it committed), and the base is the newest committed step
 in any listing taken before the referencing step commits, so a pass whose listing predates that
-commit keeps the base and everything it names. Besides, it deletes data objects no committed manifest names and aborts multipart
+commit keeps the base and everything it names. A pccheck.dcp set's coordinator may commit newer
+steps while a part planned on an older base is in flight: it passes every base still leased
+(``also_keep``, sets.py), kept like the newest. Besides, it deletes data objects no committed manifest names and aborts multipart
 uploads, but only those of older generations (their jobs are gone or superseded: nobody can still
 be about to commit them); this job's own leftovers are the next job's to collect.
 """
@@ -19,6 +21,7 @@ be about to commit them); this job's own leftovers are the next job's to collect
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 from ...errors import CorruptCheckpointError, RemoteError
 from .commit import committed, read_pointer
@@ -51,15 +54,18 @@ def _generation_of(key: str) -> int | None:
     return int(parts[1][1:])
 
 
-def prune(store: ObjectStore, own_generation: int, keep_last: int | None, keep_every: int | None) -> PruneCounts:
+def prune(store: ObjectStore, own_generation: int, keep_last: int | None, keep_every: int | None,
+          also_keep: Iterable[int] = ()) -> PruneCounts:
     """One retention pass. Errors are the caller's to log; a half-done pass is harmless (a
-    manifest deleted before its data leaves orphans, collected by a later pass of a later job)."""
+    manifest deleted before its data leaves orphans, collected by a later pass of a later job).
+    ``also_keep``: steps of ``own_generation`` kept whatever the rules say, with all they name
+    (a pccheck.dcp set's leased bases: parts in flight reference them, sets.py)."""
     counts = PruneCounts()
     steps = committed(store)
     if not steps:
         return counts
     ptr, _ = read_pointer(store)
-    pinned = {steps[0]} | ({ptr.order} if ptr is not None else set())
+    pinned = {steps[0]} | ({ptr.order} if ptr is not None else set()) | {(own_generation, s) for s in also_keep}
     keep = _keep(steps, keep_last, keep_every, pinned)
     named: set[str] = set()  # every data object a kept step reads (its own and those it references)
     doomed: list[tuple[int, int, list[str]]] = []
