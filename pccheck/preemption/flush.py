@@ -166,21 +166,16 @@ class _Flush:
         durable, started = stack.disk.last_durable_step, stack.started_step
         if durable is not None and durable >= step:
             note, wait = "durable before the notice", True
-        elif started is not None and started >= step:
-            wait = True
-            note = "taken at the step boundary" if self.source == "boundary" else "in flight at the notice"
-            memory = stack.tier("memory")
-            copy = held_checkpoint(memory.dir, step) if memory is not None else None
-            if copy is not None:  # the disk is still writing it: the upload need not wait
-                self.remote_from(copy, step)
-            del copy
         else:
             memory = stack.tier("memory")
             copy = held_checkpoint(memory.dir, step) if memory is not None else None
-            if copy is not None:
+            if copy is not None:  # the disk does not hold it yet: the upload need not wait for it
                 self.remote_from(copy, step)
             v = verdict(copy.nbytes, self.rates.disk_bps, deadline) if copy is not None else None
-            if copy is None or v is None:
+            if started is not None and started >= step:
+                wait = True
+                note = "taken at the step boundary" if self.source == "boundary" else "in flight at the notice"
+            elif copy is None or v is None:
                 note, wait = f"no copy of step {step} on this rank", False
             elif not v.attempt:
                 note, wait = v.note, False
