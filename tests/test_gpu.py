@@ -279,6 +279,47 @@ def test_chunk_pool_is_pinned(store, caplog):
     assert_state_equal(pccheck.load_latest(store).state, {"w": w.cpu().numpy()})
 
 
+@pytest.mark.parametrize("raw", [True, False])
+def test_memory_tier_copies_device_state_into_its_registered_slot(tmp_path, caplog, raw):
+    """The memory tier's device copies land in the tmpfs slot itself (cuda_engine.py, "In place"):
+    each slot is registered for DMA once (or a warning says why not), the chunk pool is a single
+    chunk the copies never use, and every memory checkpoint loads back bit for bit."""
+    caplog.set_level(logging.WARNING, logger="pccheck")
+    g = torch.Generator(device="cuda").manual_seed(int(raw))
+    arrays = {"w": torch.randn(3 * (1 << 20) + 7, generator=g, device="cuda"),  # odd: a short last chunk
+              "b": torch.randn(999, 17, generator=g, device="cuda").bfloat16()}
+    shm = Path("/dev/shm") / f"pccheck-gpu-test-{os.getpid()}-{int(raw)}"
+    try:
+        with pccheck.Checkpointer(arrays, tmp_path / "ckpt", disk=pccheck.DiskOptions(every=1000),
+                                  memory=pccheck.MemoryOptions(every=1, dir=shm), chunk_size=1 << 20) as ck:
+            eng = ck._memory.orch.copy_engine
+            eng.raw = raw and eng.raw
+            for step in (1, 2, 3, 4):
+                want = _clone(arrays)
+                ck.maybe_checkpoint(step)  # the memory tier's checkpoint (the disk's is at 1000)
+                ck.wait()
+                r = pccheck.load_latest(tmp_path / "ckpt", memory_dir=shm, map_location="cuda")
+                assert r.step == step
+                _assert_same({k: r.state[k] for k in want}, want)
+                for v in arrays.values():
+                    v.mul_(1.5).add_(1)
+            ne = ck._memory.orch.engine
+            assert ne.pool_bytes == ne.chunk_size == 1 << 20, "the memory tier's device pool holds more than a chunk"
+            print(f"pinned slots {eng.pinned_slots}")
+            if eng.pinned_slots == 0:
+                assert any("memory-tier slot failed" in r.getMessage() for r in caplog.records)
+            else:
+                assert eng.pinned_slots == 2  # N + 1 slots, one in flight at a time
+                cupy = _cupy_or_none()
+                if cupy is not None:
+                    for base, n in eng._slots.items():
+                        for addr in (base, base + n - 1):
+                            assert _memory_type(cupy.cuda.runtime.pointerGetAttributes(addr)) == 1
+        assert eng.pinned_slots == 0, "close left a slot registered"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 @pytest.mark.parametrize("depth,raw", [(1, False), (2, False), (1, True), (2, True), (3, True)])
 def test_device_copy_loops_write_the_same_bytes(store, depth, raw):
     """Every copy loop (chunks queued per thread, cudaMemcpyAsync or Tensor.copy_) writes the

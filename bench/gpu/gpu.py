@@ -36,12 +36,15 @@ tier, every disk checkpoint queued for upload (``remote_every=1``) to a SeaweedF
 data in /dev/shm (it stands for another machine: not on the disk under test; needs ``weed`` and boto3); ``dcp_async`` = ``async_save(sd, storage_writer=FileSystemWriter(new dir,
 sync_files=True), no_dist=True, async_stager=DefaultStager(pinned, unshared, async, non-blocking))`` (else DCP's
 default: see ``staging``), the next ``optimizer.step`` waiting for ``staging_completion``, the previous
-``upload_completion`` awaited before a save; ``torch_save`` = ``torch.save(sd, f)`` + flush + ``fsync``. Window per
-(system, interval I in 10, 50): step s0 (a multiple of I) and its checkpoint c0 untimed, ``iters`` steps timed (40 /
+``upload_completion`` awaited before a save; ``dcp_best`` = DCP's "zero-overhead" set-up (torch >= 2.9):
+``DefaultStager(pinned, shared memory, async, non-blocking)`` kept across saves where torch allows it, and
+``async_checkpointer_type=PROCESS`` (the save in DCP's own process; a one-rank gloo group on 127.0.0.1); ``torch_save`` = ``torch.save(sd, f)`` + flush + ``fsync``. Window per
+(system, interval I in 10, 50, and 1 for DCP's systems with ``--intervals 1,...``): step s0 (a multiple of I) and its checkpoint c0 untimed, ``iters`` steps timed (40 /
 100; torch_save 20 / 50), then a drain. Slowdown = window / (iters x t_none); extra/iter = window / iters - t_none;
 stall per checkpoint, median over c0..c(k-1): pccheck ``stall_s + prepare_s + blocked_copy_s + cow_wait_s``, DCP call + staging
 wait, torch_save the save. Targets (met None if unmeasured): D2H/peak >= 0.9; pccheck_N2 slowdown at 10 <= 1.03, its
-extra/iter / dcp_async's <= 0.3; median stall with reserve / without <= 0.2.
+extra/iter / dcp_async's <= 0.3; median stall with reserve / without <= 0.2; pccheck_memory (the memory
+tier every iteration, its device copies straight into the tmpfs slot) at 10 <= 1.10.
 
 Every window records ``breakdown`` per iteration (Trainer.train): start, the CPU queuing the work (launch_s,
 of which opt_s), the wait for the GPU (sync_s), the training stream's own time between two events (gpu_s),
@@ -49,7 +52,7 @@ and the checkpoint call (call_s). ``disk_bound``: the write rate persist needs a
 O_DIRECT, the largest state the disk sustains there at 0.8 of raw, and the least interval where persist needs
 <= 0.8 of raw; pccheck_N2 gets a window at that interval. DCP's ``DefaultStager`` is made anew per save (torch
 2.11's drops its pinned cache after each stage and fails a second stage with ``KeyError: <class 'type'>``).
-DCP runs before pccheck, so --budget-s cuts pccheck's extras first. --profile (bench/gpu/gpu_profile.py): after
+pccheck (disk, then memory) runs before DCP, so --budget-s cuts DCP and the extras first. --profile (bench/gpu/gpu_profile.py): after
 pccheck_N2's interval-10 window, the same window with the first GPU run's copy loop (``_legacy_copy``), then
 the disk-bound window, interval 50, the interval-10 window again under py-spy (``pyspy.txt``) and
 torch.profiler around one checkpoint (``profile.txt``).
@@ -88,10 +91,14 @@ __all__ = ["SECTIONS", "SYSTEMS", "INTERVALS", "main"]
 _BENCH_DIR = BENCH_DIR
 _GIB, _CHUNK, _MM = 1 << 30, 64 << 20, 8192  # _CHUNK: pccheck chunk_size in train, raw O_DIRECT piece
 SECTIONS, INTERVALS = ("d2h", "persist", "train"), (10, 50)
-SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "torch_save", "pccheck_memory", "pccheck_remote")
-ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {10: 40, 50: 100}, {10: 20, 50: 50}, 40  # torch_save: saves take seconds
+WINDOWS = (1, 10, 50)  # --intervals may add 1: DCP's systems only (pccheck_memory is every iteration already)
+SYSTEMS = ("none", "pccheck_N2", "pccheck_reserve", "dcp_async", "dcp_best", "torch_save", "pccheck_memory",
+           "pccheck_remote")
+EVERY_ITERATION = ("dcp_async", "dcp_best")  # the systems with an interval-1 window
+ITERS, TORCH_SAVE_ITERS, NONE_ITERS = {1: 8, 10: 40, 50: 100}, {1: 4, 10: 20, 50: 50}, 40  # torch_save: saves take seconds
 TARGETS = {"d2h_vs_peak": (">=", 0.9), "slowdown_pccheck_N2_i10": ("<=", 1.03),
-           "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2)}
+           "extra_pccheck_vs_dcp_i10": ("<=", 0.3), "stall_reserve_vs_none_i10": ("<=", 0.2),
+           "slowdown_pccheck_memory_i10": ("<=", 1.10)}
 _T0 = time.perf_counter()
 _STEPS = itertools.count(1)  # step numbers of the d2h checkpoints: increasing across Checkpointers
 
@@ -363,6 +370,8 @@ def _run_system(run: _Run, tr: Trainer, name: str, make: Callable[[], System], c
         elif run.guard(entry.setdefault("setup", {}), setup):
             profiled = run.args.profile and isinstance(held[0], PCCheck)
             for i in run.args.intervals:
+                if i == 1 and name not in EVERY_ITERATION:
+                    continue
                 cell = entry.setdefault(str(i), {"status": "skipped: --budget-s spent"})
                 if not late():
                     run.guard(cell, lambda i=i: _window(tr, held[0], i, run.args.iters[name][i]))
@@ -406,14 +415,10 @@ def _section_train(run: _Run) -> None:
     none = lambda: _window(tr, System(), 10, run.args.none_iters)  # noqa: E731
     run.guard(run.res["train"].setdefault("none_first", {}), none)
     store, dcp, ts = run.work / "pccheck", run.work / "dcp", run.work / "torch_save"
-    # DCP first (it was unmeasured, and --budget-s cuts the later phases). The reserve run reopens
-    # pccheck_N2's store, then removes it; the others start on an empty scratch dir.
+    # pccheck's disk tier, then its memory tier (every iteration), then DCP (--budget-s cuts the later
+    # phases). The reserve run reopens pccheck_N2's store, then removes it; the others start on an empty
+    # scratch dir.
     want = set(run.args.systems)
-    if "dcp_async" in want:
-        _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=True), dcp)
-        if "error" in (systems["dcp_async"].get(k, {}).get("status") for k in ("setup", "10")):  # DCP's default staging
-            systems["dcp_async_pinned_failed"] = systems.pop("dcp_async")
-            _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=False), dcp)
     if "pccheck_N2" in want:
         bound = run.res["disk_bound"] = _disk_bound(run, state)
         i = bound.get("interval_at_0.8_of_raw")
@@ -429,6 +434,13 @@ def _section_train(run: _Run) -> None:
         finally:
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(store, ignore_errors=True)
+    if "dcp_async" in want:
+        _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=True), dcp)
+        if "error" in (systems["dcp_async"].get(k, {}).get("status") for k in ("setup", "10")):  # DCP's default staging
+            systems["dcp_async_pinned_failed"] = systems.pop("dcp_async")
+            _run_system(run, tr, "dcp_async", lambda: DCPAsync(tr, dcp, pinned=False), dcp)
+    if "dcp_best" in want:
+        _run_system(run, tr, "dcp_best", lambda: DCPAsync(tr, dcp, pinned=True, best=True), dcp)
     if "pccheck_remote" in want:
         _with_s3(run, lambda url: _run_system(
             run, tr, "pccheck_remote", lambda: PCCheck(tr, store, reserve=False, remote=url), None))
@@ -471,19 +483,20 @@ def _finalize(res: dict[str, Any]) -> None:
     tr, systems = res["train"], res["systems"]
     t_none = res["t_none_s"] = _med([tr[k]["median_iter_s"] for k in ("none_first", "none_last")
                                      if tr.get(k, {}).get("status") == "ok"])
-    slow: dict[int, dict[str, Any]] = {i: {"none": 1.0 if t_none else None} for i in INTERVALS}
-    extra: dict[str, dict[str, Any]] = {"none": {str(i): 0.0 if t_none else None for i in INTERVALS}}
+    slow: dict[int, dict[str, Any]] = {i: {"none": 1.0 if t_none else None} for i in WINDOWS}
+    extra: dict[str, dict[str, Any]] = {"none": {str(i): 0.0 if t_none else None for i in WINDOWS}}
     for name in SYSTEMS[1:]:
-        for i in INTERVALS:
+        for i in WINDOWS:
             rec = systems.get(name, {}).get(str(i), {})
             if rec.get("status") == "ok" and t_none:
                 rec["slowdown"] = rec["window_s"] / (rec["iters"] * t_none)
                 rec["extra_s_per_iter"] = rec["s_per_iter"] - t_none
             slow[i][name], extra.setdefault(name, {})[str(i)] = rec.get("slowdown"), rec.get("extra_s_per_iter")
     res["slowdown"], res["slowdown_50"], res["extra_time_per_iter_s"] = slow[10], slow[50], extra
+    res["slowdown_1"] = slow[1]
     for entry in systems.values():  # the other windows (e.g. --profile's legacy copy loop)
         for key, rec in entry.items():
-            if key not in ("10", "50") and isinstance(rec, dict) and "window_s" in rec and t_none:
+            if key not in ("1", "10", "50") and isinstance(rec, dict) and "window_s" in rec and t_none:
                 rec["slowdown"] = rec["window_s"] / (rec["iters"] * t_none)
                 rec["extra_s_per_iter"] = rec["s_per_iter"] - t_none
     pe, de = extra["pccheck_N2"]["10"], extra["dcp_async"]["10"]
@@ -492,7 +505,7 @@ def _finalize(res: dict[str, Any]) -> None:
     res["ratio_stall_reserve_vs_none"] = sr / sn if sr is not None and sn else None
     d2h, peak = res["d2h_gbps"], res["pinned_peak_gbps"]
     values = (d2h / peak if d2h and peak else None, slow[10]["pccheck_N2"], res["ratio_pccheck_extra_vs_dcp"],
-              res["ratio_stall_reserve_vs_none"])  # in the order of TARGETS
+              res["ratio_stall_reserve_vs_none"], slow[10]["pccheck_memory"])  # in the order of TARGETS
     res["targets"] = {k: {"value": v, "target": f"{op} {thr}", "met": None if v is None else (
         v >= thr if op == ">=" else v <= thr)} for (k, (op, thr)), v in zip(TARGETS.items(), values)}
 
@@ -507,8 +520,10 @@ def report(res: dict[str, Any], out: Path, stem: str = "latest") -> None:
         *[("persist_gbps", k, "", pe.get(k, {}).get("gbps"), "GB/s") for k in ("pccheck", "raw_odirect")],
         ("t_none", "none", "", res.get("t_none_s"), "s/iter")]
     for name in SYSTEMS[1:]:
-        for i in INTERVALS:
+        for i in WINDOWS:
             r = res["systems"].get(name, {}).get(str(i), {})
+            if not r:
+                continue
             rows += [(k, name, i, r.get(k), u) for k, u in (("status", ""), ("iters", ""), ("checkpoints", ""),
                      ("slowdown", "x"), ("extra_s_per_iter", "s"), ("median_stall_s", "s"))]
     rows += [("ratio_pccheck_extra_vs_dcp", "pccheck_N2/dcp_async", 10, res["ratio_pccheck_extra_vs_dcp"], "x"),
@@ -520,8 +535,10 @@ def report(res: dict[str, Any], out: Path, stem: str = "latest") -> None:
     print_table(f"bench.gpu on {res['device']} (driver {res['driver']}, torch {res['torch']}; state {gib:.2f} GiB)",
                 ["figure", "system", "interval", "value", "unit"],
                 [[m, s, i, "-" if v is None else f"{v:.4g}" if isinstance(v, float) else v, u] for m, s, i, v, u in rows])
-    series = {s: [(res[k] or {}).get(s) or float("nan") for k in ("slowdown", "slowdown_50")] for s in SYSTEMS}
-    bar_chart(out / f"{stem}.png", ["interval 10", "interval 50"], series, ylabel="slowdown (lower is better)",
+    keys = [(k, f"interval {i}") for k, i in (("slowdown_1", 1), ("slowdown", 10), ("slowdown_50", 50))
+            if any(v is not None for s, v in (res.get(k) or {}).items() if s != "none")]
+    series = {s: [(res[k] or {}).get(s) or float("nan") for k, _ in keys] for s in SYSTEMS}
+    bar_chart(out / f"{stem}.png", [label for _, label in keys], series, ylabel="slowdown (lower is better)",
               title=f"{res['device']}: GPT training slowdown while checkpointing ({gib:.1f} GiB state)")
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -536,16 +553,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", dest="iters_arg", default="", help="timed iterations per window, e.g. none:20,10:40,50:50 (default none:40,"
                    "10:40,50:100; torch_save keeps 10:20,50:50)")
     p.add_argument("--intervals", default=",".join(map(str, INTERVALS)),
-                   help="comma-separated subset of the train windows' intervals " + ",".join(map(str, INTERVALS)))
+                   help="comma-separated train windows' intervals from " + ",".join(map(str, WINDOWS))
+                   + " (1: DCP's systems only; default " + ",".join(map(str, INTERVALS)) + ")")
     p.add_argument("--profile", action="store_true", help="py-spy (pyspy.txt) and torch.profiler (profile.txt) "
                    "on pccheck_N2 at interval 10")
     p.add_argument("--budget-s", type=float, help="skip phases due after this many s (default 360, quick 120; 0: never)")
     args = p.parse_args(argv)
     args.argv, args.sections = list(sys.argv[1:] if argv is None else argv), args.sections.split(",")
     args.systems = args.systems.split(",")
-    args.intervals = [int(i) for i in args.intervals.split(",") if i.isdigit() and int(i) in INTERVALS]
+    args.intervals = [int(i) for i in args.intervals.split(",") if i.isdigit() and int(i) in WINDOWS]
     if not args.intervals:
-        p.error(f"--intervals: pick from {','.join(map(str, INTERVALS))}")
+        p.error(f"--intervals: pick from {','.join(map(str, WINDOWS))}")
     if set(args.systems) - set(SYSTEMS):
         p.error(f"--systems: pick from {','.join(SYSTEMS)}")
     if set(args.sections) - set(SECTIONS) or (args.state_gib is not None and args.state_gib <= 0):
@@ -563,8 +581,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if i == "none" and n.isdigit() and int(n) > 0:
             args.none_iters = int(n)
             continue
-        if not (i.isdigit() and n.isdigit() and int(i) in INTERVALS and int(n) % int(i) == 0 and int(n) > 0):
-            p.error(f"--iters takes INTERVAL:ITERS pairs, ITERS a positive multiple of INTERVAL in {INTERVALS}")
+        if not (i.isdigit() and n.isdigit() and int(i) in WINDOWS and int(n) % int(i) == 0 and int(n) > 0):
+            p.error(f"--iters takes INTERVAL:ITERS pairs, ITERS a positive multiple of INTERVAL in {WINDOWS}")
         for s in SYSTEMS[1:]:
             if s != "torch_save":
                 args.iters[s][int(i)] = int(n)

@@ -153,6 +153,13 @@ class PCCheck(System):
                 raise RuntimeError(f"{self.name}: warm-up checkpoint of step {tr.step} was skipped")
             tr.step += 1
         self.ck.wait()
+        if self.ck._memory is not None:  # memory checkpoints alone: each slot written (and registered) once
+            self.ck.interval = 10**9
+            for _ in range(3):
+                tr.train(tr.step)
+                self.ck.maybe_checkpoint(tr.step)
+                tr.step += 1
+            self.ck.wait()
 
     def call(self, step: int) -> bool:
         self.ck.interval = self.interval  # maybe_checkpoint reads it (no online tuner with an int interval)
@@ -184,15 +191,36 @@ class PCCheck(System):
         self.ck.close(remote_timeout=30)  # the remote tier's last upload: not what the window measures
 
 class DCPAsync(System):
+    """DCP ``async_save``: ``pinned`` with a DefaultStager(pinned, async, non-blocking), else DCP's
+    default staging; ``best``: DCP's "zero-overhead" set-up (torch >= 2.9): DefaultStager(pinned,
+    shared memory, async, non-blocking) and the save in DCP's own checkpoint process
+    (``AsyncCheckpointerType.PROCESS``, a one-rank gloo group on 127.0.0.1), the stager kept across
+    saves where the installed torch allows it (else one per save, recorded in ``staging``)."""
+
     name, _upload, _staged = "dcp_async", None, None  # futures of the save in flight
 
-    def __init__(self, tr: Trainer, path: Path, pinned: bool) -> None:
+    def __init__(self, tr: Trainer, path: Path, pinned: bool, best: bool = False) -> None:
         super().__init__()
         quiet_dcp_warnings()
         self.tr, self.dir, self.stager, self._last, self._dirs = tr, path, None, -1, []
         self.staging = "DefaultStager(pinned, not shared, async, non-blocking)" if pinned else "DCP's default"
-        self.pinned = pinned
+        self.pinned, self.best, self.reuse = pinned or best, best, best
+        if best:
+            self.name = "dcp_best"
+            self.staging = "DefaultStager(pinned, shared, async, non-blocking), PROCESS checkpointer"
+            _one_rank_group()
         self._hook = tr.opt.register_step_pre_hook(self._before_step)
+
+    def warmup(self, tr: Trainer) -> None:
+        super().warmup(tr)
+        if self.best:  # a second save through the same stager: kept if the installed torch allows it
+            try:
+                super().warmup(tr)
+            except KeyError as exc:
+                self.reuse = False
+                self.staging += f"; a new stager per save (reusing one failed: KeyError {exc})"
+                self._staged = self._upload = None
+                super().warmup(tr)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._staged is not None:  # the update must not overwrite what is being staged
@@ -205,16 +233,17 @@ class DCPAsync(System):
         t0 = time.perf_counter()
         self.drain()  # at most one in flight, as users write it
         self._dirs.append(self.dir / f"step-{step}")
-        if self.pinned:
-            # A new stager per save: torch 2.11's DefaultStager closes its StateDictStager after each
-            # stage, which drops the pinned cache and clears the deepcopy dispatch table, so a second
-            # stage() of any dict raises "KeyError: <class 'type'>" (the first GPU run's error).
+        if self.pinned and not (self.reuse and self.stager is not None):
+            # A new stager per save (dcp_async, or dcp_best where reuse failed): torch 2.11's
+            # DefaultStager closes its StateDictStager after each stage, which drops the pinned cache
+            # and clears the deepcopy dispatch table, so a second stage() of any dict raises
+            # "KeyError: <class 'type'>" (the first GPU run's error).
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             if self.stager is not None:
                 self.stager.close()
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=self.best,
                                                        use_async_staging=True, use_non_blocking_copy=True))
-        resp = dcp_async_save(self.tr.state_dict(), dcp_writer(self._dirs[-1]), self.stager)
+        resp = dcp_async_save(self.tr.state_dict(), dcp_writer(self._dirs[-1]), self.stager, process=self.best)
         self._upload = dcp_upload(resp)
         self._staged, self._last = getattr(resp, "staging_completion", None), step
         self.stalls[step] = time.perf_counter() - t0
@@ -235,6 +264,21 @@ class DCPAsync(System):
         self.drain()
         if self.stager is not None:
             self.stager.close()  # its thread pool and any cached pinned copy
+
+def _one_rank_group() -> None:
+    """The default process group DCP's checkpoint process needs: one gloo rank on 127.0.0.1."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's process rendezvous address, else the host's name
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
 
 class TorchSave(System):
     name = "torch_save"

@@ -147,14 +147,19 @@ def dcp_writer(out: Path) -> Any:
     return FileSystemWriter(out, sync_files=True)
 
 
-def dcp_async_save(state: Any, writer: Any, stager: Any = None) -> Any:
+def dcp_async_save(state: Any, writer: Any, stager: Any = None, process: bool = False) -> Any:
     """Start ``async_save`` of ``state`` through ``writer`` (:func:`dcp_writer`), with ``stager`` as its
-    ``async_stager`` where given (else DCP's default staging); returns DCP's response."""
+    ``async_stager`` where given (else DCP's default staging); returns DCP's response. ``process``:
+    the save runs in DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``), which needs the
+    default process group (one rank of gloo will do)."""
     from torch.distributed.checkpoint import async_save
 
+    extra: dict[str, Any] = {"async_stager": stager} if stager is not None else {}
+    if process:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        return async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS, **extra)
     # no_dist: one process, no process group (DCP would assume the same, with a warning).
-    return async_save(state, storage_writer=writer, no_dist=True,
-                      **({"async_stager": stager} if stager is not None else {}))
+    return async_save(state, storage_writer=writer, no_dist=True, **extra)
 
 
 def dcp_upload(response: Any) -> Any:

@@ -78,6 +78,10 @@ class CopyEngine(ABC):
         """Called when the orchestrator that used this engine closes (after :meth:`detach`):
         release what the engine holds for itself (threads). A later :meth:`attach` may reuse it."""
 
+    def release_host(self) -> None:
+        """Called before the store's mapping changes (a new generation): forget any hold on
+        the store's memory (a device engine's DMA registration of slots filled in place)."""
+
     def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
         """Describes the arrays of one snapshot, on the training thread."""
         infos = layout.infos or tuple(describe(name, a) for name, a in arrays.items())

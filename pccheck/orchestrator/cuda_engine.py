@@ -8,6 +8,13 @@ Per chunk: enqueue the copies of every array piece it holds and record an event;
 ``depth`` chunks queued, wait for the oldest one's event and hand that chunk to the writers.
 Host-resident arrays in the same state are copied by the CPU.
 
+In place (a job begun ``in_place``: the memory tier's tmpfs slots): the copies land in the slot's
+own mapping instead of a pool chunk, and the writers only checksum them, so a snapshot crosses
+host memory once. Each slot's data region is registered with ``cudaHostRegister`` the first time
+a copy lands in it (tmpfs pages can be pinned like anonymous ones) and stays registered until the
+store's mapping changes (:meth:`_DeviceEngine.release_host`); where registration fails the copies
+still land in the slot, through the driver's staging (slower, logged once).
+
 The torch engine also implements the reserve (``device_reserve``, :mod:`.reserve`): a staged chunk
 is cloned device to device on the *training* stream, so the clone reads the bytes before the
 optimizer update that is queued after it, and is shipped to the host from the clone on the
@@ -27,6 +34,7 @@ import errno
 import itertools
 import logging
 import os
+import threading
 import time
 from collections import deque
 from typing import Any, Iterator, Mapping
@@ -106,6 +114,12 @@ class _DeviceEngine(CopyEngine):
 
     pinned: bool = False  # the chunk pool is page-locked (cudaHostRegister succeeded)
     depth: int = 2  # chunks queued per copying thread; 1 = copy, wait, submit, claim the next
+    # in place: slot data regions registered for DMA, base address -> bytes (None: registration
+    # failed, copies go through the driver's staging); guarded by _host_lock (copy() runs on
+    # several threads). Invariant: every range here lies inside the store's current mapping, since
+    # the orchestrator calls release_host() before that mapping goes (a new generation, close).
+    _slots: dict[int, int | None]
+    _host_lock: threading.Lock
 
     def sources(self, arrays: Mapping[str, Any], layout: Layout) -> Sources:
         # Byte views of every array for this snapshot; non-contiguous device arrays are made
@@ -117,12 +131,55 @@ class _DeviceEngine(CopyEngine):
         geometry = [(0, e.offset, e.nbytes, 1, (e.nbytes,), (1,)) for e in layout.entries]
         return Sources(geometry, (views, self._ready_event(), [e.offset for e in layout.entries]))
 
+    def attach(self, native_engine: Any) -> None:
+        super().attach(native_engine)
+        if not hasattr(self, "_slots"):
+            self._slots, self._host_lock = {}, threading.Lock()
+
+    def detach(self) -> None:
+        self.release_host()
+        super().detach()
+
+    def release_host(self) -> None:
+        """Unregisters every slot region registered for in-place copies; called before the
+        store's mapping changes (a new generation, close) and when the pool goes."""
+        if not hasattr(self, "_slots"):
+            return
+        with self._host_lock:
+            for base, n in list(self._slots.items()):
+                if n is not None:
+                    self._unregister(base)
+            self._slots.clear()
+
+    @property
+    def pinned_slots(self) -> int:
+        """Slot data regions currently registered for in-place device copies."""
+        return sum(n is not None for n in getattr(self, "_slots", {}).values())
+
+    def _pin_slot(self, base: int, nbytes: int) -> None:
+        """Registers the slot data region [base, base + nbytes) once, before the first copy lands in it."""
+        with self._host_lock:
+            if base in self._slots:
+                return
+            t0 = time.perf_counter()
+            ok = self._register(base, nbytes)
+            self._slots[base] = nbytes if ok else None
+            if ok:
+                log.debug("pccheck: registered a %d-byte slot for in-place device copies in %.3f s",
+                          nbytes, time.perf_counter() - t0)
+            elif len(self._slots) == 1:
+                log.warning("pccheck: cudaHostRegister of a %d-byte memory-tier slot failed; device copies "
+                            "into it go through the driver's staging, more slowly (raise the locked-memory "
+                            "limit, ulimit -l)", nbytes)
+
     def copy(self, job: Any, src: Sources, until: int = 0) -> None:
         chunk = self.native_engine.chunk_size
         last = -(-until // chunk) if until else None
         views, ready, starts = src.private
         depth = max(1, int(self.depth))
-        queued: deque[tuple[int, int, float, Any]] = deque()  # (k, pool chunk, t0, done event)
+        in_place = bool(job.in_place)
+        # (k, pool chunk or None when in place, t0, done event)
+        queued: deque[tuple[int, int | None, float, Any]] = deque()
         waited, enough, prev_end = False, False, 0.0
         try:
             while True:
@@ -131,17 +188,31 @@ class _DeviceEngine(CopyEngine):
                     k = job.claim()
                     enough = k < 0 or (last is not None and k + 1 >= last)  # claim no more
                 if k >= 0:
-                    cid = acquire_chunk_for(job, k)
+                    cid, n = None, job.chunk_len(k)
+                    if in_place:  # the slot's own bytes
+                        try:
+                            addr = job.in_place_chunk(k)
+                        except OSError as exc:  # the engine closed, or zeroing the meta record failed: k skipped
+                            raise ConfigError(f"chunk {k} has no place in the slot: {exc}") from exc
+                        try:
+                            self._pin_slot(addr - k * chunk, (job.num_chunks - 1) * chunk
+                                           + job.chunk_len(job.num_chunks - 1))
+                        except BaseException:
+                            job.skip(k, errno.EIO)
+                            job.release_in_place()
+                            raise
+                    else:
+                        cid = acquire_chunk_for(job, k)
+                        addr = self.native_engine.pool_address + cid * chunk
                     t0 = time.perf_counter()
                     try:
                         if not waited:
                             self._wait(ready)
                             waited = True
-                        self._fill(cid, chunk, views, starts, k * chunk)
+                        self._fill(addr, n, views, starts, k * chunk)
                         queued.append((k, cid, t0, self._record()))
                     except BaseException as exc:
-                        job.release_chunk(cid)
-                        job.skip(k, errno.EIO)
+                        self._give_back(job, k, cid)
                         raise ConfigError(f"copying chunk {k} into host memory failed: {exc}") from exc
                     continue
                 if not queued:
@@ -157,27 +228,52 @@ class _DeviceEngine(CopyEngine):
                 now = time.perf_counter()
                 job.add_copy_seconds(now - max(t0, prev_end))
                 prev_end = now
-                job.submit(k, cid)
+                if cid is None:
+                    job.submit_in_place(k)
+                else:
+                    job.submit(k, cid)
         finally:
             if queued:  # an error: let the queued copies land, then give their chunks back
                 with contextlib.suppress(Exception):
                     self._synchronize(queued[-1][3])
             for k, cid, _, _ in queued:
-                job.release_chunk(cid)
-                job.skip(k, errno.EIO)
+                self._give_back(job, k, cid)
 
-    def _fill(self, cid: int, chunk: int, views: list, starts: list[int], base: int) -> None:
-        """Queues the copies of the stream bytes [base, base + chunk) into pool chunk ``cid``;
-        the gaps between arrays and the tail are zeros (FORMAT §5)."""
-        dst = self._pool[cid * chunk:(cid + 1) * chunk]
+    @staticmethod
+    def _give_back(job: Any, k: int, cid: int | None) -> None:
+        """Chunk ``k`` will not be submitted: its pool chunk (or in-place writer task) goes back
+        and ``k`` is skipped, failing this checkpoint only."""
+        if cid is None:
+            job.skip(k, errno.EIO)
+            job.release_in_place()
+        else:
+            job.release_chunk(cid)
+            job.skip(k, errno.EIO)
+
+    def _host(self, addr: int, n: int) -> Any:
+        """A writable view of the n host bytes at ``addr`` (a pool chunk, or a slot's mapping)."""
+        return np.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=np.uint8)
+
+    def _fill(self, addr: int, n: int, views: list, starts: list[int], base: int) -> None:
+        """Queues the copies of the stream bytes [base, base + n) into the n host bytes at
+        ``addr``; the gaps between arrays and the tail are zeros (FORMAT §5). Nothing past n is
+        written: in place, the slot's next bytes belong to the manifest."""
+        dst = self._host(addr, n)
         filled = 0
-        for e, view, lo, hi in _pieces(views, base, chunk, starts):
+        for e, view, lo, hi in _pieces(views, base, n, starts):
             if lo - base > filled:
                 dst[filled:lo - base] = 0
             self._enqueue(dst, lo - base, view, lo - e.offset, hi - lo)
             filled = hi - base
-        if filled < chunk:
+        if filled < n:
             dst[filled:] = 0
+
+    def _register(self, addr: int, n: int) -> bool:
+        """Page-locks the host range for DMA; False (the runtime's error cleared) if it cannot."""
+        raise NotImplementedError
+
+    def _unregister(self, addr: int) -> None:
+        raise NotImplementedError
 
 
 class TorchCudaCopyEngine(_DeviceEngine):
@@ -202,13 +298,16 @@ class TorchCudaCopyEngine(_DeviceEngine):
             self.raw = False
             log.info("pccheck: torch's CUDA runtime library was not found; device copies use Tensor.copy_")
 
-    def _fill(self, cid: int, chunk: int, views: list, starts: list[int], base: int) -> None:
+    def _host(self, addr: int, n: int) -> Any:
+        return self._torch.from_numpy(super()._host(addr, n))
+
+    def _fill(self, addr: int, n: int, views: list, starts: list[int], base: int) -> None:
         if not self.raw:
             with self._torch.cuda.stream(self._stream):
-                return super()._fill(cid, chunk, views, starts, base)
-        addr, filled, stream = self.native_engine.pool_address + cid * chunk, 0, self._stream.cuda_stream
+                return super()._fill(addr, n, views, starts, base)
+        filled, stream = 0, self._stream.cuda_stream
         with self._torch.cuda.device(self._device):  # the runtime call runs on the stream's device
-            for e, view, lo, hi in _pieces(views, base, chunk, starts):
+            for e, view, lo, hi in _pieces(views, base, n, starts):
                 if lo - base > filled:
                     ctypes.memset(addr + filled, 0, lo - base - filled)
                 dst, src, n = addr + lo - base, view.data_ptr() + lo - e.offset, hi - lo
@@ -220,8 +319,19 @@ class TorchCudaCopyEngine(_DeviceEngine):
                 else:  # a host array in the state (numpy's RNG state)
                     ctypes.memmove(dst, src, n)
                 filled = hi - base
-        if filled < chunk:
-            ctypes.memset(addr + filled, 0, chunk - filled)
+        if filled < n:
+            ctypes.memset(addr + filled, 0, n - filled)
+
+    def _register(self, addr: int, n: int) -> bool:
+        with self._torch.cuda.device(self._device):
+            ok = int(self._torch.cuda.cudart().cudaHostRegister(addr, n, 0)) == 0
+        if not ok:
+            _clear_last_error()  # else torch's next kernel-launch check reports this error
+        return ok
+
+    def _unregister(self, addr: int) -> None:
+        if int(self._torch.cuda.cudart().cudaHostUnregister(addr)) != 0:
+            _clear_last_error()
 
     def attach(self, native_engine: Any) -> None:
         super().attach(native_engine)
@@ -337,6 +447,17 @@ class CupyCopyEngine(_DeviceEngine):
                         "pageable memory, synchronously and more slowly (raise the locked-memory limit, "
                         "ulimit -l, or lower dram_budget)", native_engine.pool_bytes, exc)
         self._pool = _pool_array(native_engine)
+
+    def _register(self, addr: int, n: int) -> bool:
+        try:
+            self._cupy.cuda.runtime.hostRegister(addr, n, 0)
+            return True
+        except self._cupy.cuda.runtime.CUDARuntimeError:
+            return False
+
+    def _unregister(self, addr: int) -> None:
+        with contextlib.suppress(self._cupy.cuda.runtime.CUDARuntimeError):
+            self._cupy.cuda.runtime.hostUnregister(addr)
 
     def detach(self) -> None:
         if self.pinned:

@@ -195,6 +195,7 @@ class Orchestrator:
         if fits and self._cells.accepts(layout):  # the flights of the other layout have ended
             return
         with self._store_lock:
+            self.copy_engine.release_host()  # the old generation's mapping goes: no DMA registration may outlive it
             self.store.new_generation(self.num_slots, slot_bytes)
             self._reset_cells()
 

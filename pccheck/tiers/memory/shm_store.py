@@ -216,18 +216,14 @@ class MemoryTier:
         self._on_error = on_error
         self.epoch: int | None = None
         self.orch: Orchestrator | None = None
-        # One in flight. Host state: copied in place, straight into the tmpfs slot (the Orchestrator
-        # begins its jobs in_place on a populated mmap store), so the pool is never used: one chunk,
-        # the least an engine has. Device state (``device_bytes`` > 0): a pool that holds the
-        # whole snapshot, so the copy off the device ends at the link's speed and the next optimizer
-        # step does not wait for the tmpfs writes (soft copy-on-write). With 4 chunks an H200 run
-        # measured the step waiting 0.45-0.65 s per iteration for 8.8 GiB (bench/README.md, "On a GPU").
-        chunk = min(MEM_CHUNK, int(engine.chunk_size))
+        # One in flight, copied in place, straight into the tmpfs slot (the Orchestrator begins its
+        # jobs in_place on a populated mmap store): host state by the CPU engine, device state by
+        # DMA into the slot's registered mapping (cuda_engine.py, "In place"), so no snapshot
+        # crosses host memory twice and the pool is never used: one chunk, the least an engine has
+        # (a device engine's chunk size: the slot's chunks are its DMA units).
+        chunk = int(engine.chunk_size) if device_bytes else min(MEM_CHUNK, int(engine.chunk_size))
         budget = chunk
-        if device_bytes:
-            chunk = int(engine.chunk_size)
-            budget = max(4 * chunk, -(-device_bytes // chunk) * chunk + chunk)
-        elif incremental:  # the changed arrays go through the pool (no in-place copy): a few chunks
+        if incremental:  # the changed arrays go through the pool (no in-place copy): a few chunks
             budget = 4 * chunk
         # Writers: tmpfs is written by memcpy, so the CPU, not a device queue, sets the pace. At
         # memory.every=1 on an H200 (8.8 GiB every 0.4 s) four writers reached ~11 GB/s and the
