@@ -182,7 +182,8 @@ class PCCheck(System):
         recent = [c for c in getattr(self.ck._memory, "recent", ()) if lo <= c.step < hi]
         if not recent:
             return {}
-        keys = ("copy_s", "backpressure_s", "persist_s", "stall_s", "nbytes")
+        keys = ("copy_s", "backpressure_s", "persist_s", "stall_s", "prepare_s", "blocked_copy_s", "cow_wait_s",
+                "slot_wait_s", "copied_s", "nbytes")  # where a memory checkpoint's call and the next step wait
         return {"memory_tier": {"writer_threads": self.ck._memory._engine.writer_threads, "count": len(recent),
                                 **{f"median_{k}": _med([getattr(c, k) for c in recent]) for k in keys},
                                 "gbps": [c.gbps for c in recent]}}
