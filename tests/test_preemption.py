@@ -417,16 +417,30 @@ def test_a_rank_that_cannot_flush_in_time_leaves_no_mixed_step(tmp_path, mem_dir
     assert got == [f"LOADED 0 {older}", f"LOADED 1 {older}"] and older < flushed and older % 4 == 0, (got, flushes)
 
 
-@pytest.mark.parametrize("measured", [True, False])
-def test_flush_supersedes_an_older_upload_in_progress_when_its_own_fits(tmp_path, s3_url, measured):
+@pytest.mark.parametrize("measured,incremental", [(True, False), (False, False), (True, True)])
+def test_flush_supersedes_an_older_upload_in_progress_when_its_own_fits(tmp_path, s3_url, measured, incremental,
+                                                                         monkeypatch):
     # 64 MiB in 8 MiB parts, one at a time. With an upload measured before (step 1), the upload
     # of step 2 still running when the flush asks for step 3 is given up, and step 3's starts at
-    # once. With none measured, nothing says step 3's fits: step 2's upload is left to finish.
+    # once: the given-up upload is aborted on the abort thread, full or incremental, never on the
+    # upload thread that the flush's upload needs. With none measured, nothing says step 3's fits:
+    # step 2's upload is left to finish.
+    import threading
+
+    import pccheck.tiers.remote.uploader as uploader
     from pccheck.tiers.remote.commit import committed
     from pccheck.tiers.remote.objstore import ObjectStore
 
+    aborts: list[str] = []
+    real_abort = uploader.abort_after
+
+    def abort_after(*args):
+        aborts.append(threading.current_thread().name)
+        return real_abort(*args)
+
+    monkeypatch.setattr(uploader, "abort_after", abort_after)
     w = np.zeros(16 << 20, np.float32)
-    ck = pccheck.Checkpointer({"w": w}, tmp_path / "ck", disk=pccheck.DiskOptions(every=1),
+    ck = pccheck.Checkpointer({"w": w}, tmp_path / "ck", disk=pccheck.DiskOptions(every=1, incremental=incremental),
                               remote=pccheck.RemoteOptions(url=s3_url, every=1, part_size=8 << 20, concurrency=1))
     try:
         steps = (1, 2, 3) if measured else (2, 3)
@@ -441,6 +455,7 @@ def test_flush_supersedes_an_older_upload_in_progress_when_its_own_fits(tmp_path
     finally:
         ck.close()
     assert sorted(s for _, s in committed(ObjectStore(s3_url))) == ([1, 3] if measured else [2, 3])
+    assert aborts == (["pccheck-remote-abort_0"] if measured else []), aborts
     got = pccheck.load_latest(s3_url)
     assert got.step == 3 and np.all(got.state["w"] == 3)
 

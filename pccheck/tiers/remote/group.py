@@ -305,7 +305,7 @@ class GroupUploader(RemoteUploader):
 
                 if self._incremental:
                     inc = put_changed_part(self.store, ref, self.generation, self.rank, self.options.part_size,
-                                           self._take_pool(), self._senders, stop, self._base)
+                                           self._take_pool(), self._senders, stop, self._base, self._abort_later)
                     part, referenced, self._candidate = inc.part, inc.referenced, inc.base
                 else:
                     part = put_part(self.store, ref, self.generation, self.rank, self.options.part_size,

@@ -30,7 +30,7 @@ from ...persist.reader import crc32c, crc32c_combine, open_direct
 from ...persist.recovery import slot_base
 from .layout import MAX_PARTS, RankPart, data_key, parts_of
 from .objstore import ObjectStore
-from .upload import BufferPool, Cancelled, SlotRef, _read_part, _send, abort_after, slot_manifest
+from .upload import Aborter, BufferPool, Cancelled, SlotRef, _read_part, _send, abort_after, slot_manifest
 
 __all__ = ["RemoteBase", "IncrementalUpload", "upload_changed"]
 
@@ -86,9 +86,11 @@ def _manifest(ref: SlotRef) -> tuple[bytes, Manifest, list[int]]:
 
 def upload_changed(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int,
                    pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
-                   base: RemoteBase | None) -> IncrementalUpload:
+                   base: RemoteBase | None, aborter: Aborter = abort_after) -> IncrementalUpload:
     """Uploads the arrays of committed local checkpoint ``ref`` that differ from ``base``'s as
-    one new data object and references the rest; returns the part (manifest version 2)."""
+    one new data object and references the rest; returns the part (manifest version 2). An
+    upload that does not complete is aborted by ``aborter`` (as :func:`~.upload.upload_slot`'s:
+    an uploader passes one that waits for the parts in flight on a thread of its own)."""
     raw, man, bases = _manifest(ref)
     fps = man.cells.fps if man.cells is not None else (None,) * len(man.arrays)
     keys = man.cells.keys if man.cells is not None else None
@@ -114,7 +116,7 @@ def upload_changed(store: ObjectStore, ref: SlotRef, generation: int, rank: int,
         raise ConfigError(f"step {ref.step}'s {size} bytes need parts of {part_size} bytes ({MAX_PARTS} parts "
                           f"at most per upload): set RemoteOptions(part_size=...) to at least {part_size}")
     key = data_key(generation, ref.step, uuid.uuid4().hex[:16], rank)
-    part_crcs = _send_arrays(store, key, ref, man, bases, changed, size, part_size, pool, senders, cancelled)
+    part_crcs = _send_arrays(store, key, ref, man, bases, changed, size, part_size, pool, senders, cancelled, aborter)
     refs = tuple(sorted(objects, key=objects.__getitem__))
     part = RankPart(rank, key, size, part_size, tuple(part_crcs), raw, tuple((k, sizes[k]) for k in refs),
                     tuple(where))
@@ -129,7 +131,7 @@ def upload_changed(store: ObjectStore, ref: SlotRef, generation: int, rank: int,
 
 def _send_arrays(store: ObjectStore, key: str, ref: SlotRef, man: Manifest, bases: list[int], changed: list[int],
                  size: int, part_size: int, pool: BufferPool, senders: ThreadPoolExecutor,
-                 cancelled: Callable[[], bool]) -> list[int]:
+                 cancelled: Callable[[], bool], aborter: Aborter = abort_after) -> list[int]:
     """Streams the changed arrays, each from its cell and block-aligned in the object, through the
     part buffers to a multipart upload at ``key``; returns the parts' crc32c. Each array's crc32c
     is combined from its pieces' and checked against the manifest before the upload completes."""
@@ -193,5 +195,5 @@ def _send_arrays(store: ObjectStore, key: str, ref: SlotRef, man: Manifest, base
         if state["buf"] is not None:
             pool.give(state["buf"])
         if not done:
-            abort_after(store, key, upload_id, futures)
+            aborter(store, key, upload_id, futures)
     return part_crcs

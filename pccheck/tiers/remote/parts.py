@@ -43,11 +43,12 @@ def put_part(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_
 
 def put_changed_part(store: ObjectStore, ref: SlotRef, generation: int, rank: int, part_size: int,
                      pool: BufferPool, senders: ThreadPoolExecutor, cancelled: Callable[[], bool],
-                     base: RemoteBase | None) -> IncrementalUpload:
+                     base: RemoteBase | None, aborter: Aborter = abort_after) -> IncrementalUpload:
     """:func:`put_part` for an incremental writer (§12.8): uploads only the arrays of ``ref``
     that differ from ``base`` (this rank's part of the newest step the group committed), then
-    PUTs the part, which references the rest, create-only. The same errors as :func:`put_part`."""
-    inc = upload_changed(store, ref, generation, rank, part_size, pool, senders, cancelled, base)
+    PUTs the part, which references the rest, create-only. ``aborter`` and the errors: as
+    :func:`put_part`'s."""
+    inc = upload_changed(store, ref, generation, rank, part_size, pool, senders, cancelled, base, aborter)
     store.put_new(part_key(generation, ref.step, rank), json.dumps(inc.part.as_json()).encode("utf-8"))
     return inc
 

@@ -519,7 +519,7 @@ class RemoteUploader:
             # a step read from the memory tier's slot has no cells (FORMAT.md §14): every array is
             # uploaded, and the next step references only what this one's object holds
             inc = upload_changed(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
-                                 self._senders, stop, self._base)
+                                 self._senders, stop, self._base, self._abort_later)
             part, referenced = inc.part, inc.referenced
         else:
             part = upload_slot(self.store, ref, self.generation, self.rank, opts.part_size, self._take_pool(),
