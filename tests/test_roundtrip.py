@@ -127,6 +127,33 @@ def test_interval_and_metadata(store_dir):
     assert r.step == 30 and r.metadata == {"run": "abc", "loss": 3.0}
 
 
+def test_slot_size_follows_the_metadata_even_when_changed_in_place(store_dir, monkeypatch):
+    """The orchestrator keeps its slot-size answer for unchanged arrays and metadata (a manifest's
+    upper bound is built once, not per checkpoint), yet a metadata dict the caller grows in place
+    between two checkpoints gets a slot that holds it: the step commits and loads with it."""
+    import pccheck.orchestrator.orchestrator as orch_mod
+
+    built = []
+    real = orch_mod.manifest_upper_bound
+    monkeypatch.setattr(orch_mod, "manifest_upper_bound", lambda *a, **k: built.append(1) or real(*a, **k))
+    arrays = {"w": np.arange(1000, dtype=np.float32)}
+    meta = {"note": "short"}
+    with pccheck.Checkpointer(arrays, store_dir, interval=1, max_concurrent=1) as ck:
+        ck.checkpoint(1, meta)
+        ck.wait()
+        first = len(built)
+        for step in range(2, 6):
+            ck.checkpoint(step, meta)
+            ck.wait()
+        assert len(built) == first, built  # not again for the same arrays and metadata
+        meta["note"] = "x" * (256 << 10)  # the same dict, now larger than the slot's slack
+        ck.checkpoint(6, meta)
+        ck.wait()
+        assert len(built) == first + 1
+    r = pccheck.load_latest(store_dir)
+    assert r.step == 6 and r.metadata["note"] == meta["note"]
+
+
 def test_concurrent_checkpoints_keep_newest(store_dir):
     rng = np.random.default_rng(3)
     state = {"a": rng.random(300_000), "b": rng.integers(0, 9, 1000)}
