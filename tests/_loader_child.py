@@ -41,6 +41,12 @@ class Items(torch.utils.data.Dataset):
         return torch.tensor(i)
 
 
+
+def _say(line: str) -> None:
+    """One line in one write(2): two ranks share torchrun's stdout, and print() writes the text and
+    its newline separately, so their lines could interleave ("RESUMED 6RESUMED 6")."""
+    os.write(1, (line + "\n").encode())
+
 def _log(fd: int, step: int, batch: torch.Tensor) -> None:
     os.write(fd, f"{step} {','.join(str(int(i)) for i in batch)}\n".encode())  # O_APPEND: one write a line
 
@@ -57,7 +63,7 @@ def _resume(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer, extra
         step = pccheck.load_latest(path, model=model, optimizer=opt, extra_state=extra).step
     except pccheck.NoCheckpointError:
         return 0
-    print(f"RESUMED {step}", flush=True)
+    _say(f"RESUMED {step}")
     return step
 
 
@@ -81,7 +87,7 @@ def stateful(path: str, log: str, steps: int) -> None:
                 time.sleep(0.01)
                 if step == steps:
                     break
-    print("DONE", flush=True)
+    _say("DONE")
 
 
 def sampler(path: str, log: str, epochs: int) -> None:
@@ -107,7 +113,7 @@ def sampler(path: str, log: str, epochs: int) -> None:
                 _train(model, opt, batch)
                 ck.maybe_checkpoint(step)
                 time.sleep(0.01)
-    print("DONE", flush=True)
+    _say("DONE")
     from _leave import leave
 
     leave()
@@ -147,11 +153,11 @@ def rng(mode: str, path: str, kind: str) -> None:
         with pccheck.Checkpointer(model, opt, path) as ck:
             ck.checkpoint(1)
             ck.wait()
-        print(f"DRAWS {json.dumps(_draws())}", flush=True)
+        _say(f"DRAWS {json.dumps(_draws())}")
     else:
         _seed(7)  # every rank alike: only the load can make them differ again
         pccheck.load_latest(path, model=model, optimizer=opt)
-        print(f"DRAWS {json.dumps(_draws())}", flush=True)
+        _say(f"DRAWS {json.dumps(_draws())}")
     from _leave import leave
 
     leave()

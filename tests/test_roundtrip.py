@@ -131,7 +131,7 @@ def test_slot_size_follows_the_metadata_even_when_changed_in_place(store_dir, mo
     """The orchestrator keeps its slot-size answer for unchanged arrays and metadata (a manifest's
     upper bound is built once, not per checkpoint), yet a metadata dict the caller grows in place
     between two checkpoints gets a slot that holds it: the step commits and loads with it."""
-    import pccheck.orchestrator.orchestrator as orch_mod
+    import pccheck.orchestrator.slot_size as orch_mod
 
     built = []
     real = orch_mod.manifest_upper_bound

@@ -19,7 +19,6 @@ slots, and is the one place that retires older generations.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import threading
@@ -32,13 +31,14 @@ from typing import Any, Callable, Mapping
 from ..errors import (ConfigError, CorruptCheckpointError, PCCheckError, SnapshotError, StorageError,
                       storage_error_from_oserror)
 from ..native import _native
-from ..persist.layout import Layout, build_manifest, manifest_upper_bound, plan
+from ..persist.layout import Layout, build_manifest, plan
 from ..persist.store import SlotStore
 from .args import StartArgs
 from .copy_engine import CopyEngine, abandon
 from .flight import CommitInfo, Flight
 from .incremental import Incremental, aligned, eager_end, own_prefix
 from .slot_records import SlotRecords
+from .slot_size import SlotSize
 from .options import EngineOptions, chunk_geometry
 from .reserve import Reserve, resolve_reserve, ship_chunks, stage_chunks
 from .threads import started_pool
@@ -50,8 +50,6 @@ __all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "StartArgs", "chunk_
 log = logging.getLogger("pccheck")
 
 BLOCK: int = _native.BLOCK
-# Room kept in each slot beyond the manifest's size, so metadata can grow without a new generation.
-MANIFEST_SLACK = 64 << 10
 
 
 def _closed_error(exc: PCCheckError) -> None:
@@ -110,7 +108,7 @@ class Orchestrator:
         # final (Adam's state appears at its first step; a lazy restore should not share the memory bus).
         self.engine: Any = None
         self._pool_state_bytes = 0
-        self._slot_memo: tuple[Any, int] | None = None  # slot_bytes' last (key, answer)
+        self._slot_size = SlotSize(incremental=self._cells is not None)
         try:
             if pool:
                 self._make_engine(layout.data_len)
@@ -164,23 +162,8 @@ class Orchestrator:
 
     def slot_bytes(self, layout: Layout, metadata: Mapping[str, Any] | None, tree: Any = None,
                    epoch: int | None = None) -> int:
-        """Slot capacity this layout needs: data, then the manifest with slack. The answer for
-        the previous call's arrays, metadata and tree is kept: building the manifest's upper bound
-        costs milliseconds per checkpoint of a few hundred arrays, on the training thread."""
-        layout = aligned(layout, self._cells is not None)
-        try:  # the key holds the metadata as JSON: a caller may change its own dict in place later
-            key = (layout.entries, layout.data_len, json.dumps(metadata, sort_keys=True), tree, epoch is None)
-        except (TypeError, ValueError):
-            key = None  # not JSON: build_manifest says why
-        memo = self._slot_memo
-        if key is not None and memo is not None and memo[0] == key:
-            return memo[1]
-        man = manifest_upper_bound(layout, metadata, tree=tree, epoch=epoch,
-                                   incremental=self._cells is not None) + MANIFEST_SLACK
-        need = layout.data_len + (man + BLOCK - 1) // BLOCK * BLOCK
-        if key is not None:
-            self._slot_memo = (key, need)
-        return need
+        """Slot capacity this layout needs: data, then the manifest with slack (slot_size.py)."""
+        return self._slot_size(aligned(layout, self._cells is not None), metadata, tree, epoch)
 
     # -- the store -------------------------------------------------------------------------------
 
