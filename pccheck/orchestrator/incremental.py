@@ -365,14 +365,23 @@ def own_prefix(arrays: Mapping[str, Any], n: int) -> dict[str, Any]:
 def _stream(layout: Layout, changed: list[int], cells: list[int],
             slot_base: Any) -> tuple[Layout, list[tuple[int, int, int]]]:
     """The changed arrays as one block-aligned stream (the job's data), and the extents that send
-    each array's run to its cell: the array's offset in the slot its cell names."""
+    each array's run to its cell: the array's offset in the slot its cell names. Runs that follow
+    each other in the stream and in one slot share an extent, so a checkpoint that rewrites
+    neighbouring arrays (every array, in full-parameter training) writes them as large O_DIRECT
+    writes instead of one or more per array. Invariant (the native engine checks it): every
+    extent lies inside one slot."""
     entries, infos, extents = [], [], []
-    at = 0
+    at, prev_cell = 0, None
     for i in changed:  # non-empty arrays only
         e = layout.entries[i]
         run = (e.nbytes + BLOCK - 1) // BLOCK * BLOCK
         entries.append(ArrayEntry(e.name, e.dtype, e.shape, at, e.nbytes, e.torch_dtype))
         infos.append(layout.infos[i])
-        extents.append((at, run, slot_base(cells[i]) + e.offset))
-        at += run
+        where = slot_base(cells[i]) + e.offset
+        if extents and cells[i] == prev_cell and extents[-1][2] + extents[-1][1] == where:
+            s0, n0, f0 = extents[-1]
+            extents[-1] = (s0, n0 + run, f0)  # the stream is contiguous by construction
+        else:
+            extents.append((at, run, where))
+        at, prev_cell = at + run, cells[i]
     return Layout(tuple(entries), at, tuple(infos)), extents
