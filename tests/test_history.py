@@ -31,7 +31,7 @@ import pytest
 import pccheck
 from pccheck.ops.history import HistoryKeeper, history_files
 from pccheck.orchestrator.orchestrator import CommitInfo
-from pccheck.persist.recovery import read_manifest, read_store
+from pccheck.persist.recovery import read_manifest, read_store, store_files
 
 KW = dict(max_concurrent=2, writer_threads=2, chunk_size=16 << 10)
 
@@ -239,6 +239,27 @@ def test_a_copy_that_does_not_match_its_checksums_is_discarded(tmp_path: Path, c
     assert not history_files(d) and not [p for p in (d / "history").iterdir()]
     msgs = " ".join(r.getMessage() for r in caplog.records)
     assert "changed while it was copied" in msgs and "was reused" in msgs
+
+
+def test_copies_follow_commit_order_when_the_hooks_come_out_of_order(tmp_path: Path) -> None:
+    """Two commit threads may call the hook out of order (the later commit's first): the copies
+    still run in commit order, so the newest step's file is the newest one and is what stays."""
+    d = tmp_path / "c"
+    state = expected(0)
+    with pccheck.Checkpointer(state, d, disk=disk(), **{**KW, "max_concurrent": 3}) as ck:
+        checkpoint_steps(ck, state, (1, 2))
+    (_, store), = store_files(d)
+    image = read_store(store)
+    infos = sorted((CommitInfo(m["step"], m["counter"], i, store) for i, sl in enumerate(image.slots)
+                    if (m := sl.meta) is not None and m["step"] in (1, 2)), key=lambda c: c.counter)
+    assert [c.step for c in infos] == [1, 2]
+    keeper = HistoryKeeper(d, keep_last=1)
+    with keeper.paused():
+        keeper(infos[1])  # step 2's hook first
+        keeper(infos[0])
+    assert keeper.wait_idle(60)
+    keeper.close()
+    assert [step for step, _ in history_files(d)] == [2] and keeper.newest()["history"] == 2
 
 
 def test_close_drains_pending_copies_even_when_paused(tmp_path: Path) -> None:

@@ -205,7 +205,12 @@ class HistoryKeeper:
                 old = self._pending.popleft()
                 self._counts["dropped"] += 1
                 log.warning("pccheck: history copies are falling behind; not keeping step %d", old.step)
-            self._pending.append(info)
+            # In commit order: two commit threads may call this hook out of order (the later
+            # commit's first), and the copies, their files' order and the newest kept follow the queue.
+            i = len(self._pending)
+            while i and self._pending[i - 1].counter > info.counter:
+                i -= 1
+            self._pending.insert(i, info)
             if self._thread is None:
                 self._thread = shutdown.thread(self._run, "pccheck-history")
             self._cv.notify_all()
