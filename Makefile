@@ -37,6 +37,8 @@ test: setup
 test-slow: setup
 	@# The long rounds kept out of `make test` (marked `slow`): more processes, more cycles.
 	cd tests && PCCHECK_CRIU="$$(sh ../scripts/get-criu.sh 2>/dev/null | tail -n 1)" ../$(PY) -m pytest -q -p no:cacheprovider -m slow
+	@# The parser fuzzers at four times the inputs of `make test`.
+	cd tests && PCCHECK_FUZZ_EXAMPLES=100000 ../$(PY) -m pytest -q -p no:cacheprovider test_hostile.py -k fuzz
 
 bench: setup
 	$(PY) -m bench.persist

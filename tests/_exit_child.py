@@ -64,8 +64,9 @@ def _lazy(root: Path) -> tuple[torch.nn.Module, Any]:
     return m, pccheck.load_latest(root / "lazy", model=m, optimizer=opt, lazy=True)
 
 
-def setup(kind: str, root: Path, run: int) -> Callable[[], None]:
-    """Starts pccheck's background work of one kind; returns a step of work to repeat."""
+def setup(kind: str, root: Path, run: int, ending: str = "end") -> Callable[[], None]:
+    """Starts pccheck's background work of one kind (its stores named by ``ending`` and ``run``);
+    returns a step of work to repeat."""
     if kind == "lazy":  # a lazy restore, its loader mid-way
         m, _ = _lazy(root)
         return lambda: m(torch.randn(2, WIDTH)) and None
@@ -81,7 +82,8 @@ def setup(kind: str, root: Path, run: int) -> Callable[[], None]:
             return m
         m = asyncio.run(go())
         return lambda: m(torch.randn(2, WIDTH)) and None
-    path = root / f"{kind}-{run}"
+    # each scenario's own paths: two drivers may run two endings of one kind at once
+    path = root / f"{kind}-{ending}-{run}"
     if kind in ("open", "spread"):  # a Checkpointer never closed, checkpoints in flight (GoCkpt: a
         m = model()                 # spread checkpoint gathering its parts)
         opt = torch.optim.AdamW(m.parameters())
@@ -90,9 +92,9 @@ def setup(kind: str, root: Path, run: int) -> Callable[[], None]:
         return lambda: m(torch.randn(2, WIDTH)) and None
     arrays = {"w": np.full(4 << 20, run, dtype=np.float32), "b": np.arange(1000, dtype=np.int64)}
     if kind == "memory":  # the memory tier every step, never closed
-        ck = pccheck.Checkpointer(arrays, path, interval=2, memory_interval=1, memory_dir=root / f"shm-{run}")
+        ck = pccheck.Checkpointer(arrays, path, interval=2, memory_interval=1, memory_dir=root / f"shm-{ending}-{run}")
     elif kind == "remote":  # an upload in flight at the end, never closed
-        ck = pccheck.Checkpointer(arrays, path, interval=1, remote=f"{os.environ['EXIT_TEST_S3']}/{run}")
+        ck = pccheck.Checkpointer(arrays, path, interval=1, remote=f"{os.environ['EXIT_TEST_S3']}/{ending}-{run}")
     else:
         raise SystemExit(f"unknown kind {kind!r}")
     for step in range(1, 6):
@@ -107,7 +109,7 @@ def scenario(name: str, root: Path, run: int) -> int:
     kind, ending = name.split(":")
     if ending == "signal":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
-    work = setup(kind, root, run)
+    work = setup(kind, root, run, ending)
     if ending == "raise":
         raise RuntimeError("the script failed")
     if ending == "signal":

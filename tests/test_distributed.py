@@ -86,15 +86,16 @@ def _check_resumed(job: Job, reference: dict, world: int, tmp: Path) -> int:
     return start
 
 
-def test_two_ranks_sigkill_restart_chain(tmp_path, reference):
-    """Ten times: SIGKILL one rank at a random step, tear the job down, restart it. Every restart
-    resumes all ranks at the same, globally committed step, and every loss equals the
+@pytest.mark.parametrize("kills", [4, pytest.param(10, marks=pytest.mark.slow)])  # 10: `make test-slow`
+def test_two_ranks_sigkill_restart_chain(tmp_path, reference, kills):
+    """``kills`` times: SIGKILL one rank at a random step, tear the job down, restart it. Every
+    restart resumes all ranks at the same, globally committed step, and every loss equals the
     uninterrupted run's; the final weights are identical."""
     rng = random.Random(11)
     path = tmp_path / "ck"
     start = 0
-    for trial in range(11):
-        last = trial == 10
+    for trial in range(kills + 1):
+        last = trial == kills
         extra = (["--resume"] if trial else []) + (["--final", str(tmp_path / "final-{r}.pt")] if last else [])
         glob = json.loads((path / "GLOBAL").read_text())["step"] if (path / "GLOBAL").exists() else 0
         if last:

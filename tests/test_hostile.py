@@ -13,8 +13,9 @@
   falls back to a valid older slot if there is one, and never allocates more than the file's
   size (run in a subprocess under RLIMIT_AS).
 
-Volume: PCCHECK_FUZZ_EXAMPLES (default 100000) generated inputs in total across the fuzzers,
-split by fixed shares. Set it higher (e.g. 2000000) for a long manual run.
+Volume: PCCHECK_FUZZ_EXAMPLES (default 25000, `make test`; `make test-slow` runs 100000) generated
+inputs in total across the fuzzers, split by fixed shares. Set it higher (e.g. 2000000) for a long
+manual run.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ HEADER_FIELDS = ("version", "block_size", "num_slots", "flags", "slot_capacity",
 META_FIELDS = ("version", "slot", "counter", "step", "data_len", "manifest_offset", "manifest_len",
                "manifest_crc", "unix_ns")
 
-TOTAL_EXAMPLES = int(os.environ.get("PCCHECK_FUZZ_EXAMPLES", "100000"))
+TOTAL_EXAMPLES = int(os.environ.get("PCCHECK_FUZZ_EXAMPLES", "25000"))
 SHARES = {  # fraction of TOTAL_EXAMPLES per fuzzer (the cheap native ones get the most)
     "header_bytes": 0.20,
     "header_fields": 0.27,

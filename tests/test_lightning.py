@@ -113,6 +113,7 @@ def test_sigkill_then_resume_last_matches_lightnings_own_resume(tmp_path):
     assert resumed == expected
 
 
+@pytest.mark.slow  # `make test-slow`: four two-rank runs; the single-process tests cover the callback in `make test`
 def test_fsdp2_model_parallel_strategy_through_pccheck_dcp_resumes_as_lightnings_own(tmp_path):
     # Lightning's ModelParallelStrategy on 2 CPU ranks (gloo), the model sharded with FSDP2; the
     # last layer's bias and weight are smaller than the mesh, so rank 1 holds empty shards.
@@ -157,6 +158,7 @@ def test_fsdp2_full_checkpoints_through_the_pccheck_plugin_resume_as_lightnings_
     assert sorted(resumed) == list(range(10, 15)) and resumed == expected
 
 
+@pytest.mark.slow  # `make test-slow`: four two-rank runs; test_distributed covers DDP on gloo in `make test`
 def test_ddp_two_ranks_on_gloo_resume_matches_lightnings_own(tmp_path):
     ref_dir, mine_dir = tmp_path / "torch", tmp_path / "pccheck"
     run("torch", ref_dir, 10, world=2)

@@ -52,7 +52,7 @@ def fsdp_saved(tmp_path_factory) -> tuple[Path, Path]:
     return tmp / "ck", tmp / "ref.pt"
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("world", [1, 2] + [pytest.param(w, marks=pytest.mark.slow) for w in (3, 4)])  # 3, 4: `make test-slow` (test_dcp reshards to four)
 def test_fsdp_saved_on_two_loads_on_any_world_size(fsdp_saved, tmp_path, world):
     saved, ref = fsdp_saved
     path = tmp_path / "ck"

@@ -53,7 +53,7 @@ def _resume(path: Path, final: Path, extra: list[str]) -> tuple[int, dict[int, f
 
 
 # Four kill points in `make test`, all ten in `make test-slow` (the suite's time budget).
-@pytest.mark.parametrize("trial", [t if t < 4 else pytest.param(t, marks=pytest.mark.slow) for t in range(10)])
+@pytest.mark.parametrize("trial", [t if t < 2 else pytest.param(t, marks=pytest.mark.slow) for t in range(10)])
 def test_sigkill_then_resume_is_bitwise(tmp_path, reference, trial):
     ref_losses, ref_state = reference
     kill = random.Random(trial).randint(3, STEPS - 3)

