@@ -34,7 +34,9 @@ completion, torch.save + fsync).
 
 Full-parameter pair: the same model with every parameter trainable (AdamW on all), incremental on
 and off, ``--full-steps`` timed steps at interval 1: the loop slowdown ratio (window with / window
-without).
+without). Each runs in a fresh process (the same initial model): the training step's page faults
+depend on the allocator's history in the process, and after the LoRA rows one process took 1.7-4.1
+million minor faults per window against 0.24-0.75 million in a fresh one.
 
 Load: after the incremental row, a full store of the same state is written beside it; then each is
 loaded with ``load_latest`` from cold files (``sync`` + ``POSIX_FADV_DONTNEED``, bench.sharded's
@@ -56,7 +58,11 @@ Writes ``--json`` (default ``bench/results/incremental/latest.json``) and a PNG 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import shlex
+import subprocess
 import statistics
 import sys
 import time
@@ -275,6 +281,7 @@ def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float
         waited, other_before = wait_quiet(quiet_wait_s)
         threads0 = _fingerprint_cpu()
         warm_fp = sum(v - warm0.get(tid, 0.0) for tid, v in threads0.items())
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         w0, busy0, cpu0, t0 = _write_bytes(), cpu_busy_s(), usage()[1], time.perf_counter()
         step_s, t = [], t0
         for step in range(WARMUP + 1, WARMUP + steps + 1):
@@ -288,6 +295,7 @@ def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float
         window_s = time.perf_counter() - t0
         cpu_s, busy = usage()[1] - cpu0, cpu_busy_s() - busy0
         written = _write_bytes() - w0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         fp_cpu = sum(v - threads0.get(tid, 0.0) for tid, v in _fingerprint_cpu().items())
         per = row.records(WARMUP + 1)
     finally:
@@ -298,7 +306,8 @@ def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float
     out: dict[str, Any] = {"window_s": window_s, "cpu_s": cpu_s, "other_cpus": max(0.0, busy - cpu_s) / window_s,
                            "quiet_wait_s": waited, "other_cpus_before": other_before, "checkpoints": n,
                            "io_write_bytes": written / n if n else 0.0, "step_s": statistics.median(step_s),
-                           "fingerprint_cpu_s": fp_cpu / n if n else 0.0, "warmup_fingerprint_cpu_s": warm_fp}
+                           "fingerprint_cpu_s": fp_cpu / n if n else 0.0, "warmup_fingerprint_cpu_s": warm_fp,
+                           "minor_faults": faults}
     out.update({k: median_or_none(v) for k, v in per.items()})
     return out
 
@@ -369,10 +378,30 @@ def _summary(runs: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[st
     return out
 
 
+def _fresh_window(name: str, cfg: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    """One full-parameter row in a fresh process (``--row``): its own model, built as ``run`` builds it."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = [sys.executable, "-m", "bench.training.incremental", "--row", name, "--base", str(cfg["base"]),
+           "--rank", str(cfg["rank"]), "--full-steps", str(cfg["full_steps"]), "--quiet-wait", str(cfg["quiet_wait_s"]),
+           "--dir", str(work)]
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"row {name} failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _one_row(name: str, cfg: Mapping[str, Any], work: Path) -> int:
+    """The child side of :func:`_fresh_window`: runs the row, prints its figures as one JSON line."""
+    full = _model(cfg["base"], cfg["rank"], True)
+    print(json.dumps(_window(name, full, work, cfg["full_steps"], cfg["quiet_wait_s"])))
+    return 0
+
+
 def run(cfg: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
     """Every row, ``cfg["repeats"]`` times (the order rotated per repeat); returns the result document."""
     lora = _model(cfg["base"], cfg["rank"], False)
-    full = _model(cfg["base"], cfg["rank"], True)
+    full = _model(cfg["base"], cfg["rank"], True)  # (its state size; its rows run in fresh processes)
     lora.step()  # the optimizer's state exists from here on: the changed bytes count it
     changed = _changed_bytes(lora)
     runs: list[dict[str, Any]] = []
@@ -388,7 +417,7 @@ def run(cfg: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
                         "load", _loads(lora, work / "pccheck_incremental", work / "load_full", step, rep)))
                 one[name] = _window(name, lora, work, cfg["steps"], cfg["quiet_wait_s"], after)
             for name in FULL_ROWS if rep % 2 == 0 else FULL_ROWS[::-1]:
-                one[name] = _window(name, full, work, cfg["full_steps"], cfg["quiet_wait_s"])
+                one[name] = _fresh_window(name, cfg, work)
         base = one["none"]
         for name in ROWS[1:]:
             r = one[name]
@@ -545,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=BENCH_DIR / "_scratch")
     p.add_argument("--json", type=Path, default=None, help="default: bench/results/incremental/latest.json")
     p.add_argument("--quick", action="store_true", help="32 MiB base, 3 + 2 steps, 1 repeat (a smoke run)")
+    p.add_argument("--row", choices=FULL_ROWS, help=argparse.SUPPRESS)  # one full-parameter row, in this process
     a = p.parse_args(args)
     if a.quick:
         a.base, a.steps, a.full_steps, a.repeats, a.quiet_wait = 32 << 20, 3, 2, 1, 0.0
@@ -552,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--steps, --full-steps, --repeats and --rank must be at least 1")
     cfg = {"base": a.base, "rank": a.rank, "steps": a.steps, "full_steps": a.full_steps, "repeats": a.repeats,
            "quiet_wait_s": a.quiet_wait}
+    if a.row:
+        return _one_row(a.row, cfg, a.dir)
     t0 = time.perf_counter()
     doc: dict[str, Any] = {"command": shlex.join(["python", "-m", "bench.incremental", *args]), **run(cfg, a.dir)}
     doc["targets"] = targets(doc)
