@@ -118,9 +118,6 @@ std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::arm(uint6
 std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::scan(uint64_t lo, uint64_t hi) {
   return scan_impl(lo, hi, false);
 }
-// Only arm() protects: a page scan() reports stays unprotected, so every later scan reports it again
-// until the range is armed anew. That is the conservative side (a reported array is disarmed and
-// read), and it spares each scan the protecting walk's TLB flush across the whole range.
 
 std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::scan_impl(uint64_t lo, uint64_t hi,
                                                                                bool every_page) {
@@ -130,6 +127,9 @@ std::pair<std::vector<std::pair<uint64_t, uint64_t>>, int> WriteWatch::scan_impl
   while (at < hi) {
     pm_scan_arg a{};
     a.size = sizeof(a);
+    // Only arm() protects: a page scan() reports stays unprotected, so every later scan reports it
+    // again until the range is armed anew. That is the conservative side (a reported array is
+    // disarmed and read), and it spares each scan the protecting walk's TLB flush over the range.
     a.flags = every_page ? (PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC) : PM_SCAN_CHECK_WPASYNC;
     a.start = at;
     a.end = hi;
