@@ -79,11 +79,13 @@ def _torture(path: Path, storage: str, kills: int, seed: int, env: dict | None =
     return recovered
 
 
-@pytest.mark.parametrize("storage", ["odirect", pytest.param("mmap", marks=pytest.mark.slow)])  # mmap: 45 s more
-def test_sigkill_torture(tmp_path, storage):
+# `make test` kills the O_DIRECT writer 25 times; the slow round 50 times, and the mmap writer 50 times
+@pytest.mark.parametrize("storage,kills", [("odirect", 25), pytest.param("odirect", 50, marks=pytest.mark.slow),
+                                           pytest.param("mmap", 50, marks=pytest.mark.slow)])
+def test_sigkill_torture(tmp_path, storage, kills):
     # (the seed: the same kill schedule every run, so that a failure replays)
-    recovered = _torture(tmp_path / "ckpt", storage, kills=50, seed=zlib.crc32(storage.encode()) & 0xFFFF)
-    assert recovered >= 40  # nearly every round got far enough to commit something
+    recovered = _torture(tmp_path / "ckpt", storage, kills=kills, seed=zlib.crc32(storage.encode()) & 0xFFFF)
+    assert recovered >= kills * 4 // 5  # nearly every round got far enough to commit something
 
 
 def test_sigkill_torture_pmem():

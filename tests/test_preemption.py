@@ -281,13 +281,14 @@ def test_a_given_up_upload_stops_sending_its_part_in_flight(s3_url):
 
 
 def test_the_flush_uploads_from_the_memory_tier_while_the_disk_writes(tmp_path, mem_dir, s3_url):
-    # 64 MiB that only the memory tier holds at the flush: the remote upload reads the memory
-    # tier's slot and begins before the disk's copy of the same step is durable; the disk's
-    # commit then queues no second upload of the step (one remote commit, no lost race)
+    # 256 MiB that only the memory tier holds at the flush: the remote upload reads the memory
+    # tier's slot and begins before the disk's copy of the same step is durable (the disk write
+    # takes ~0.3 s here, the upload's start ~0.03 s, 0.11 s on a loaded host); the disk's commit
+    # then queues no second upload of the step (one remote commit, no lost race)
     from pccheck.tiers.remote.commit import committed
     from pccheck.tiers.remote.objstore import ObjectStore
 
-    w = np.zeros(16 << 20, np.float32)
+    w = np.zeros(64 << 20, np.float32)
     ck = pccheck.Checkpointer({"w": w}, tmp_path / "ck", disk=pccheck.DiskOptions(every=1000),
                               memory=pccheck.MemoryOptions(every=1, dir=mem_dir),
                               remote=pccheck.RemoteOptions(url=s3_url, every=1000))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import itertools
 import mmap
 import os
 import sys
@@ -298,9 +299,19 @@ def read_region(path: Path, offset: int, length: int, spans: list[tuple[int, int
     # a piece is read into only once pre.wait says it is populated)
     pre = Prefaulter(buf, PIECE)
 
-    def work(i: int) -> list[tuple[int, int, int, int]]:
+    # Pieces are handed out in buffer order to whichever reader is free: a fixed split (every
+    # THREADS-th piece) gives one reader all the large runs when runs of two sizes alternate (an
+    # incremental checkpoint's frozen arrays between its small changed ones).
+    turn = itertools.count()
+    turn_lock = threading.Lock()
+
+    def work(_: int) -> list[tuple[int, int, int, int]]:
         done = []
-        for k in range(i, len(pieces), THREADS):
+        while True:
+            with turn_lock:
+                k = next(turn)
+            if k >= len(pieces):
+                break
             p, n, at = pieces[k]
             pre.wait(p + n)
             got = 0

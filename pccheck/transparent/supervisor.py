@@ -131,6 +131,19 @@ class DumpStats:
         return {**asdict(self), "bandwidth": self.bandwidth}
 
 
+def _end_torn_line(log_path: Path) -> None:
+    """Ends the output log's last line if it is torn. A SIGKILL can cut a write to a file between
+    two of its pages, so the killed process's last line may lack its newline; the restored
+    process appends (``O_APPEND``), and its first line would otherwise be glued to that torn one."""
+    try:
+        with open(log_path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+                log.info("pccheck: %s ended with a torn line (the process was killed mid-write); ended it", log_path)
+    except FileNotFoundError:
+        pass
+
+
 class Supervisor:
     """Runs ``cmd`` under CRIU checkpoints into the store at ``path`` (or, with :meth:`resume`,
     restores the newest valid image there and supervises it).
@@ -238,6 +251,7 @@ class Supervisor:
             for path_, aside in moved:
                 log.warning("pccheck: %s grew after the dump of step %d: the bytes written since are in %s, and "
                             "the restored process writes on from where it was", path_, step, aside)
+            _end_torn_line(sup.path / OUTPUT_LOG)
             images = _scratch("restore", tmpfs_dir())
             write_image(r.state, images)
             del r
