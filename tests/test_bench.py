@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import math
 import random
 import sys
@@ -328,10 +329,16 @@ def test_incremental_bench_small(tmp_path):
     from bench.training import incremental
 
     out = tmp_path / "latest.json"  # a latest*.json result gets the commit it was measured at
-    assert incremental.main(["--base", "16MiB", "--steps", "2", "--full-steps", "1", "--repeats", "1",
-                             "--quiet-wait", "0", "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
+    assert incremental.main(["--base", "16MiB", "--steps", "2", "--full-steps", "1", "--full-pairs", "2",
+                             "--repeats", "1", "--quiet-wait", "0", "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     s = doc["summary"]
+    # the judged ratios are medians over adjacent pairs: two window pairs, 2 x LOAD_ROUNDS load pairs
+    pairs = doc["runs"][0]["full_params_pair_ratios"]
+    assert len(pairs) == 2 and s["full_params_slowdown"]["median"] == statistics.median(pairs)
+    loads = doc["runs"][0]["load"]["ratios"]
+    assert len(loads) == 2 * incremental.LOAD_ROUNDS and s["load_ratio"]["median"] == statistics.median(loads)
+    assert next(t for t in doc["targets"] if t["name"] == "load_vs_full")["value"] == s["load_ratio"]["median"]
     assert doc["command"].startswith("python -m bench.incremental") and doc["commit"] is not None
     assert set(incremental.ROWS + incremental.FULL_ROWS) <= set(s) and doc["bit_exact"] is True
     inc, full = s["pccheck_incremental"], s["pccheck_full"]

@@ -1,8 +1,8 @@
 """Incremental checkpoints on a LoRA-like model: bytes written, training time lost, time to durable and
 load time, against a full checkpoint, DCP, an adapter-only ``torch.save`` and pccheck on the adapters.
 
-    python -m bench.incremental [--base 384MiB] [--rank 8] [--steps 10] [--full-steps 4] [--repeats 3]
-                                [--quiet-wait 1] [--dir bench/_scratch] [--json PATH] [--quick]
+    python -m bench.incremental [--base 384MiB] [--rank 8] [--steps 10] [--full-steps 4] [--full-pairs 4]
+                                [--repeats 3] [--quiet-wait 1] [--dir bench/_scratch] [--json PATH] [--quick]
 
 Model: ``--base`` of frozen float32 weights in square bias-free layers (width 2048), each with
 rank-``r`` LoRA adapters (A: r x 2048, B: 2048 x r), AdamW on the adapters only, on the CPU, batch 8.
@@ -33,23 +33,26 @@ training saturates, CPU the checkpoint burns is training time lost), the trainin
 completion, torch.save + fsync).
 
 Full-parameter pair: the same model with every parameter trainable (AdamW on all), incremental on
-and off, ``--full-steps`` timed steps at interval 1: the loop slowdown ratio (window with / window
-without). Each runs in a fresh process (the same initial model): the training step's page faults
-depend on the allocator's history in the process, and after the LoRA rows one process took 1.7-4.1
-million minor faults per window against 0.24-0.75 million in a fresh one.
+and off, at interval 1: both Checkpointers open on one model in a fresh process (the training step's
+page faults depend on the allocator's history, and after the LoRA rows one process took 1.7-4.1
+million minor faults per window against 0.24-0.75 million in a fresh one), their ``--full-steps``
+windows alternating ``on off off on ...`` for ``--full-pairs`` pairs. The host's speed drifts by 10-15 %
+over minutes here, so each pair's two windows are adjacent in time, and the judged slowdown is the
+median over every pair of every repeat of the ratio window with / window without.
 
 Load: after the incremental row, a full store of the same state is written beside it; then each is
 loaded with ``load_latest`` from cold files (``sync`` + ``POSIX_FADV_DONTNEED``, bench.sharded's
-make_cold), twice each per repeat in the order ``a b b a`` (``b a a b`` the next repeat), and every
-load is compared bit for bit with the live state.
+make_cold), ``2 x LOAD_ROUNDS`` times each per repeat in the order ``a b b a a b b a`` (``b a a b ...``
+the next repeat), and every load is compared bit for bit with the live state; the judged ratio is the
+median over the adjacent pairs of every repeat.
 
 Targets (evaluated from the medians, never assumed):
 
 - bytes written (``write_bytes``) by the incremental row <= 1.25 x the changed bytes (trainable
   parameters, their optimizer state, buffers) + 4 MiB; the library's own count judged the same way;
 - time lost per checkpoint, incremental <= 1.5 x pccheck on the adapters alone;
-- full-parameter loop slowdown, incremental on / off <= 1.03;
-- load of the incremental store <= 1.1 x the full store's, both bit-exact.
+- full-parameter loop slowdown, incremental on / off <= 1.03 (median pair);
+- load of the incremental store <= 1.1 x the full store's (median pair), both bit-exact.
 
 Writes ``--json`` (default ``bench/results/incremental/latest.json``) and a PNG beside it.
 ``--quick``: 32 MiB base, 3 + 2 steps, 1 repeat (a smoke run; its numbers mean nothing).
@@ -90,6 +93,7 @@ FULL_ROWS = ("full_params_incremental", "full_params_full")
 # is no longer fingerprinted from the fourth checkpoint). What those first checkpoints cost is
 # in ``warmup_fingerprint_cpu_s``.
 WARMUP = 3
+LOAD_ROUNDS = 2  # rounds of four cold loads (a b b a) per repeat
 BYTES_FACTOR, BYTES_SLACK = 1.25, 4 << 20  # written per checkpoint <= 1.25 x changed + 4 MiB
 TIME_LOST_LIMIT = 1.5                       # incremental / adapters alone
 SLOWDOWN_LIMIT = 1.03                       # full-parameter loop, incremental on / off
@@ -266,50 +270,60 @@ def _make_row(name: str, wl: Workload, path: Path) -> _Row:
     raise ValueError(f"unknown row {name!r}")
 
 
+def _warm(row: _Row, wl: Workload, first: int) -> tuple[int, float]:
+    """WARMUP untimed steps + checkpoints from step ``first``, each drained; returns the next step
+    and the fingerprint threads' CPU seconds they took."""
+    warm0 = _fingerprint_cpu()
+    for step in range(first, first + WARMUP):
+        wl.step()
+        row.checkpoint(step)  # (the none row's is a no-op)
+        row.drain()
+    return first + WARMUP, sum(v - warm0.get(tid, 0.0) for tid, v in _fingerprint_cpu().items())
+
+
+def _timed(name: str, row: _Row, wl: Workload, first: int, steps: int, quiet_wait_s: float) -> dict[str, Any]:
+    """``steps`` timed steps from step ``first``, each checkpointed (but in the none row), and the drain."""
+    settle()
+    waited, other_before = wait_quiet(quiet_wait_s)
+    threads0 = _fingerprint_cpu()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    w0, busy0, cpu0, t0 = _write_bytes(), cpu_busy_s(), usage()[1], time.perf_counter()
+    step_s, t = [], t0
+    for step in range(first, first + steps):
+        wl.step()
+        if name != "none":
+            row.checkpoint(step)
+        now = time.perf_counter()
+        step_s.append(now - t)
+        t = now
+    row.drain()
+    window_s = time.perf_counter() - t0
+    cpu_s, busy = usage()[1] - cpu0, cpu_busy_s() - busy0
+    written = _write_bytes() - w0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+    fp_cpu = sum(v - threads0.get(tid, 0.0) for tid, v in _fingerprint_cpu().items())
+    n = 0 if name == "none" else steps
+    out: dict[str, Any] = {"window_s": window_s, "cpu_s": cpu_s, "other_cpus": max(0.0, busy - cpu_s) / window_s,
+                           "quiet_wait_s": waited, "other_cpus_before": other_before, "checkpoints": n,
+                           "io_write_bytes": written / n if n else 0.0, "step_s": statistics.median(step_s),
+                           "fingerprint_cpu_s": fp_cpu / n if n else 0.0, "minor_faults": faults}
+    out.update({k: median_or_none(v) for k, v in row.records(first).items()})
+    return out
+
+
 def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float,
             after: Callable[[int], None] | None = None) -> dict[str, Any]:
     """One row: WARMUP untimed steps + checkpoints (each drained), then ``steps`` timed steps (each
     checkpointed) and the drain; ``after(last_step)`` runs once the row is closed (untimed)."""
     row = _make_row(name, wl, work / name)
     try:
-        warm0 = _fingerprint_cpu()
-        for step in range(1, WARMUP + 1):
-            wl.step()
-            row.checkpoint(step)  # (the none row's is a no-op)
-            row.drain()
-        settle()
-        waited, other_before = wait_quiet(quiet_wait_s)
-        threads0 = _fingerprint_cpu()
-        warm_fp = sum(v - warm0.get(tid, 0.0) for tid, v in threads0.items())
-        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        w0, busy0, cpu0, t0 = _write_bytes(), cpu_busy_s(), usage()[1], time.perf_counter()
-        step_s, t = [], t0
-        for step in range(WARMUP + 1, WARMUP + steps + 1):
-            wl.step()
-            if name != "none":
-                row.checkpoint(step)
-            now = time.perf_counter()
-            step_s.append(now - t)
-            t = now
-        row.drain()
-        window_s = time.perf_counter() - t0
-        cpu_s, busy = usage()[1] - cpu0, cpu_busy_s() - busy0
-        written = _write_bytes() - w0
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
-        fp_cpu = sum(v - threads0.get(tid, 0.0) for tid, v in _fingerprint_cpu().items())
-        per = row.records(WARMUP + 1)
+        first, warm_fp = _warm(row, wl, 1)
+        out = _timed(name, row, wl, first, steps, quiet_wait_s)
     finally:
         row.close()
     if after is not None:
         after(WARMUP + steps)
-    n = 0 if name == "none" else steps
-    out: dict[str, Any] = {"window_s": window_s, "cpu_s": cpu_s, "other_cpus": max(0.0, busy - cpu_s) / window_s,
-                           "quiet_wait_s": waited, "other_cpus_before": other_before, "checkpoints": n,
-                           "io_write_bytes": written / n if n else 0.0, "step_s": statistics.median(step_s),
-                           "fingerprint_cpu_s": fp_cpu / n if n else 0.0, "warmup_fingerprint_cpu_s": warm_fp,
-                           "minor_faults": faults}
-    out.update({k: median_or_none(v) for k, v in per.items()})
-    return out
+    return {**out, "warmup_fingerprint_cpu_s": warm_fp}
 
 
 # -- the load -------------------------------------------------------------------------------------------
@@ -338,8 +352,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _loads(wl: Workload, incremental_store: Path, full_store: Path, step: int, order: int) -> dict[str, Any]:
-    """Cold ``load_latest`` of both stores, twice each (``inc, full, full, inc``, or the reverse with an
-    odd ``order``), each load checked bit for bit against the live state."""
+    """Cold ``load_latest`` of both stores, ``2 * LOAD_ROUNDS`` times each (``inc, full, full, inc``
+    repeated, or the reverse with an odd ``order``), each load checked bit for bit against the live state."""
     import pccheck
 
     with pccheck.Checkpointer(wl.model, wl.optimizer, full_store, interval=1, incremental=False) as ck:
@@ -351,7 +365,7 @@ def _loads(wl: Workload, incremental_store: Path, full_store: Path, step: int, o
         stores.reverse()
     times: dict[str, list[float]] = {"incremental": [], "full": []}
     exact = {"incremental": True, "full": True}
-    for kind, store in stores + stores[::-1]:
+    for kind, store in (stores + stores[::-1]) * LOAD_ROUNDS:
         make_cold(store)
         t0 = time.perf_counter()
         r = pccheck.load_latest(store)
@@ -359,8 +373,10 @@ def _loads(wl: Workload, incremental_store: Path, full_store: Path, step: int, o
         got = {"model": r.state["model"], "optimizer": r.state["optimizer"]["state"]}
         exact[kind] = exact[kind] and r.step == step and _same(got, live)
         del r, got
+    # the k-th load of each kind are adjacent in time (a b b a ...): their ratio is one pair's
+    ratios = [a / b for a, b in zip(times["incremental"], times["full"])]
     return {**{f"{k}_load_s": statistics.median(v) for k, v in times.items()},
-            **{f"{k}_bit_exact": v for k, v in exact.items()}, "samples_s": times}
+            **{f"{k}_bit_exact": v for k, v in exact.items()}, "samples_s": times, "ratios": ratios}
 
 
 # -- the run --------------------------------------------------------------------------------------------
@@ -378,24 +394,45 @@ def _summary(runs: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[st
     return out
 
 
-def _fresh_window(name: str, cfg: Mapping[str, Any], work: Path) -> dict[str, Any]:
-    """One full-parameter row in a fresh process (``--row``): its own model, built as ``run`` builds it."""
+def _fresh_pair(cfg: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    """The full-parameter pair in a fresh process (``--row pair``): its own model, built as ``run`` builds it."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = [sys.executable, "-m", "bench.training.incremental", "--row", name, "--base", str(cfg["base"]),
-           "--rank", str(cfg["rank"]), "--full-steps", str(cfg["full_steps"]), "--quiet-wait", str(cfg["quiet_wait_s"]),
-           "--dir", str(work)]
-    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    cmd = [sys.executable, "-m", "bench.training.incremental", "--row", "pair", "--base", str(cfg["base"]),
+           "--rank", str(cfg["rank"]), "--full-steps", str(cfg["full_steps"]), "--full-pairs", str(cfg["full_pairs"]),
+           "--quiet-wait", str(cfg["quiet_wait_s"]), "--dir", str(work)]
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
-        raise RuntimeError(f"row {name} failed ({p.returncode}): {p.stderr[-2000:]}")
+        raise RuntimeError(f"the full-parameter pair failed ({p.returncode}): {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _one_row(name: str, cfg: Mapping[str, Any], work: Path) -> int:
-    """The child of :func:`_fresh_window`: prints the row's figures and state size as one JSON line."""
+def _pair(cfg: Mapping[str, Any], work: Path) -> int:
+    """The child of :func:`_fresh_pair`: both full-parameter rows open on one model, their timed windows
+    alternating (``on off``, then ``off on``, ...; each pair adjacent in time, so the host's drift, which
+    moves a window by 10-15 % here over minutes, falls on both); prints one JSON line: per row the
+    median of its windows' figures, every pair's ratio (window with / without), and the state size."""
     full = _model(cfg["base"], cfg["rank"], True)
-    out = _window(name, full, work, cfg["full_steps"], cfg["quiet_wait_s"])
-    print(json.dumps({**out, "state_bytes": full.state_bytes()}))
+    rows = {name: _make_row(name, full, work / name) for name in FULL_ROWS}
+    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in FULL_ROWS}
+    try:
+        step = 1
+        for name in FULL_ROWS:
+            step, _ = _warm(rows[name], full, step)
+        for k in range(cfg["full_pairs"]):
+            for name in FULL_ROWS if k % 2 == 0 else FULL_ROWS[::-1]:
+                windows[name].append(_timed(name, rows[name], full, step, cfg["full_steps"], cfg["quiet_wait_s"]))
+                step += cfg["full_steps"]
+    finally:
+        for row in rows.values():
+            row.close()
+    on, off = (windows[name] for name in FULL_ROWS)
+    out: dict[str, Any] = {name: {key: statistics.median(w[key] for w in windows[name]) for key, v in windows[name][0].items()
+                                  if isinstance(v, (int, float)) and all(w.get(key) is not None for w in windows[name])}
+                           for name in FULL_ROWS}
+    out["pair_ratios"] = [a["window_s"] / b["window_s"] for a, b in zip(on, off)]
+    out["state_bytes"] = full.state_bytes()
+    print(json.dumps(out))
     return 0
 
 
@@ -416,23 +453,30 @@ def run(cfg: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
                     lambda step, rep=rep, work=work: one.__setitem__(
                         "load", _loads(lora, work / "pccheck_incremental", work / "load_full", step, rep)))
                 one[name] = _window(name, lora, work, cfg["steps"], cfg["quiet_wait_s"], after)
-            for name in FULL_ROWS if rep % 2 == 0 else FULL_ROWS[::-1]:
-                one[name] = _fresh_window(name, cfg, work)
+            pair = _fresh_pair(cfg, work)
+            one.update({name: pair[name] for name in FULL_ROWS})
+            one["full_params_pair_ratios"] = pair["pair_ratios"]
+            one["full_params_state_bytes"] = pair["state_bytes"]
         base = one["none"]
         for name in ROWS[1:]:
             r = one[name]
             r["time_lost_s"] = (r["window_s"] - base["window_s"]) / r["checkpoints"]
             r["extra_cpu_s"] = (r["cpu_s"] - base["cpu_s"]) / r["checkpoints"]
             r["step_lost_s"] = r["step_s"] - base["step_s"]  # median step against median step: bursts left out
-        one["full_params_slowdown"] = one["full_params_incremental"]["window_s"] / one["full_params_full"]["window_s"]
+        one["full_params_slowdown"] = statistics.median(one["full_params_pair_ratios"])
         runs.append(one)
     summary = _summary(runs, ROWS + FULL_ROWS + ("load",))
-    summary["full_params_slowdown"] = {
-        "median": statistics.median(r["full_params_slowdown"] for r in runs),
-        "min": min(r["full_params_slowdown"] for r in runs), "max": max(r["full_params_slowdown"] for r in runs)}
+    # judged over every pair of every repeat (each pair's two windows adjacent in time), and every
+    # paired cold load's ratio likewise
+    pairs = [x for r in runs for x in r["full_params_pair_ratios"]]
+    summary["full_params_slowdown"] = {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
+                                       "pairs": len(pairs)}
+    loads = [x for r in runs for x in r["load"]["ratios"]]
+    summary["load_ratio"] = {"median": statistics.median(loads), "min": min(loads), "max": max(loads),
+                             "pairs": len(loads)}
     host = host_info(base_dir)
     return {"bench": "incremental", "config": dict(cfg), "model": lora.describe,
-            "state_bytes": lora.state_bytes(), "full_params_state_bytes": runs[0][FULL_ROWS[0]]["state_bytes"],
+            "state_bytes": lora.state_bytes(), "full_params_state_bytes": runs[0]["full_params_state_bytes"],
             "changed_bytes": changed, "host": host, "machine": machine_label(host), "date": host["date"],
             "measure_s": time.perf_counter() - t0, "summary": summary, "runs": runs,
             "bit_exact": all(r["load"]["incremental_bit_exact"] and r["load"]["full_bit_exact"] for r in runs)}
@@ -447,7 +491,7 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
 
     allowed = BYTES_FACTOR * doc["changed_bytes"] + BYTES_SLACK
     lost_ratio = med("pccheck_incremental", "time_lost_s") / med("pccheck_adapters", "time_lost_s")
-    load_ratio = med("load", "incremental_load_s") / med("load", "full_load_s")
+    load_ratio = s["load_ratio"]["median"]
     out = [
         {"name": "io_bytes_per_checkpoint", "what": "write_bytes per checkpoint / (1.25 x changed + 4 MiB)",
          "value": med("pccheck_incremental", "io_write_bytes") / allowed, "limit": 1.0},
@@ -455,9 +499,9 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
          "value": med("pccheck_incremental", "library_bytes_written") / allowed, "limit": 1.0},
         {"name": "time_lost_vs_adapters", "what": "time lost per checkpoint, incremental / pccheck on the adapters",
          "value": lost_ratio, "limit": TIME_LOST_LIMIT},
-        {"name": "full_params_slowdown", "what": "full-parameter loop, incremental=True / False",
+        {"name": "full_params_slowdown", "what": "full-parameter loop, incremental=True / False (median pair)",
          "value": s["full_params_slowdown"]["median"], "limit": SLOWDOWN_LIMIT},
-        {"name": "load_vs_full", "what": "cold load_latest, incremental store / full store",
+        {"name": "load_vs_full", "what": "cold load_latest, incremental store / full store (median pair)",
          "value": load_ratio, "limit": LOAD_LIMIT},
         {"name": "load_bit_exact", "what": "both loads bit-exact in every repeat", "value": float(doc["bit_exact"]),
          "limit": 1.0},
@@ -498,12 +542,16 @@ def report(doc: Mapping[str, Any]) -> None:
                 f"(none: {_cell(s['none'], 'window_s', lambda v: f'{v:.2f}')} s for {cfg['steps']} steps)",
                 ["row", "write_bytes", "library bytes", "time lost ms", "median step +ms", "extra CPU ms",
                  "fingerprint CPU ms", "blocked ms", "to durable ms"], rows)
-    print_table(f"Full-parameter training, {cfg['full_steps']} steps at interval 1",
+    fp, lr = s["full_params_slowdown"], s["load_ratio"]
+    print_table(f"Full-parameter training, windows of {cfg['full_steps']} steps at interval 1 (median window of "
+                f"{cfg['full_pairs']} pairs per repeat; on / off per pair: {fp['median']:.3f} "
+                f"[{fp['min']:.3f}, {fp['max']:.3f}] over {fp['pairs']} pairs)",
                 ["row", "window s", "write_bytes/ckpt", "fingerprint ms", "fingerprint CPU ms", "to durable ms"],
                 [[name, _cell(s[name], "window_s", lambda v: f"{v:.2f}"), _cell(s[name], "io_write_bytes", size),
                   _cell(s[name], "fingerprint_s", _ms), _cell(s[name], "fingerprint_cpu_s", _ms),
                   _cell(s[name], "durable_s", _ms)] for name in FULL_ROWS])
-    print_table("Cold load_latest", ["store", "seconds"],
+    print_table(f"Cold load_latest (incremental / full per adjacent pair: {lr['median']:.3f} "
+                f"[{lr['min']:.3f}, {lr['max']:.3f}] over {lr['pairs']} pairs)", ["store", "seconds"],
                 [[k, _cell(s["load"], f"{k}_load_s", lambda v: f"{v:.3f}")] for k in ("incremental", "full")])
     for t in doc["targets"]:
         print(f"target {t['name']}: {t['value']:.3f} (limit {t['limit']}) {'ok' if t['ok'] else 'MISSED'}")
@@ -574,16 +622,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=BENCH_DIR / "_scratch")
     p.add_argument("--json", type=Path, default=None, help="default: bench/results/incremental/latest.json")
     p.add_argument("--quick", action="store_true", help="32 MiB base, 3 + 2 steps, 1 repeat (a smoke run)")
-    p.add_argument("--row", choices=FULL_ROWS, help=argparse.SUPPRESS)  # one full-parameter row, in this process
+    p.add_argument("--full-pairs", type=int, default=4, help="alternating full-parameter window pairs per repeat")
+    p.add_argument("--row", choices=("pair",), help=argparse.SUPPRESS)  # the full-parameter pair, in this process
     a = p.parse_args(args)
     if a.quick:
-        a.base, a.steps, a.full_steps, a.repeats, a.quiet_wait = 32 << 20, 3, 2, 1, 0.0
-    if a.steps < 1 or a.full_steps < 1 or a.repeats < 1 or a.rank < 1:
-        p.error("--steps, --full-steps, --repeats and --rank must be at least 1")
-    cfg = {"base": a.base, "rank": a.rank, "steps": a.steps, "full_steps": a.full_steps, "repeats": a.repeats,
-           "quiet_wait_s": a.quiet_wait}
+        a.base, a.steps, a.full_steps, a.full_pairs, a.repeats, a.quiet_wait = 32 << 20, 3, 2, 1, 1, 0.0
+    if min(a.steps, a.full_steps, a.full_pairs, a.repeats, a.rank) < 1:
+        p.error("--steps, --full-steps, --full-pairs, --repeats and --rank must be at least 1")
+    cfg = {"base": a.base, "rank": a.rank, "steps": a.steps, "full_steps": a.full_steps, "full_pairs": a.full_pairs,
+           "repeats": a.repeats, "quiet_wait_s": a.quiet_wait}
     if a.row:
-        return _one_row(a.row, cfg, a.dir)
+        return _pair(cfg, a.dir)
     t0 = time.perf_counter()
     doc: dict[str, Any] = {"command": shlex.join(["python", "-m", "bench.incremental", *args]), **run(cfg, a.dir)}
     doc["targets"] = targets(doc)
