@@ -329,7 +329,7 @@ def test_incremental_bench_small(tmp_path):
     from bench.training import incremental
 
     out = tmp_path / "latest.json"  # a latest*.json result gets the commit it was measured at
-    assert incremental.main(["--base", "16MiB", "--steps", "2", "--full-steps", "1", "--full-pairs", "2",
+    assert incremental.main(["--base", "16MiB", "--steps", "2", "--lora-rounds", "2", "--full-steps", "1", "--full-pairs", "2",
                              "--repeats", "1", "--quiet-wait", "0", "--json", str(out), "--dir", str(tmp_path / "s")]) == 0
     doc = json.loads(out.read_text(encoding="utf-8"))
     s = doc["summary"]
@@ -339,6 +339,9 @@ def test_incremental_bench_small(tmp_path):
     loads = doc["runs"][0]["load"]["ratios"]
     assert len(loads) == 2 * incremental.LOAD_ROUNDS and s["load_ratio"]["median"] == statistics.median(loads)
     assert next(t for t in doc["targets"] if t["name"] == "load_vs_full")["value"] == s["load_ratio"]["median"]
+    # the time-lost target's rows: one time lost per round, each against its round's none window
+    lost = doc["runs"][0]["pccheck_incremental"]["rounds_time_lost_s"]
+    assert len(lost) == 2 and s["pccheck_incremental"]["time_lost_s"]["median"] == statistics.median(lost)
     assert doc["command"].startswith("python -m bench.incremental") and doc["commit"] is not None
     assert set(incremental.ROWS + incremental.FULL_ROWS) <= set(s) and doc["bit_exact"] is True
     inc, full = s["pccheck_incremental"], s["pccheck_full"]

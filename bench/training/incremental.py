@@ -1,16 +1,21 @@
 """Incremental checkpoints on a LoRA-like model: bytes written, training time lost, time to durable and
 load time, against a full checkpoint, DCP, an adapter-only ``torch.save`` and pccheck on the adapters.
 
-    python -m bench.incremental [--base 384MiB] [--rank 8] [--steps 10] [--full-steps 4] [--full-pairs 4]
-                                [--repeats 3] [--quiet-wait 1] [--dir bench/_scratch] [--json PATH] [--quick]
+    python -m bench.incremental [--base 384MiB] [--rank 8] [--steps 10] [--lora-rounds 3] [--full-steps 4]
+                                [--full-pairs 4] [--repeats 3] [--quiet-wait 1] [--dir bench/_scratch]
+                                [--json PATH] [--quick]
 
 Model: ``--base`` of frozen float32 weights in square bias-free layers (width 2048), each with
 rank-``r`` LoRA adapters (A: r x 2048, B: 2048 x r), AdamW on the adapters only, on the CPU, batch 8.
 
-Rows, all in one run, their order rotated from repeat to repeat (each row: a fresh store, three untimed
-steps + checkpoints, each waited for (``WARMUP``: the incremental rules' steady state), then
-``--steps`` timed steps, each followed by a checkpoint: interval 1,
-then the drain of what is in flight, inside the window):
+Rows, all in one run (each row: a fresh store, three untimed steps + checkpoints, each waited for
+(``WARMUP``: the incremental rules' steady state), then windows of ``--steps`` timed steps, each
+followed by a checkpoint: interval 1, then the drain of what is in flight, inside the window). The
+three rows of the time-lost target (``none``, ``pccheck_incremental``, ``pccheck_adapters``) are open
+at once and time ``--lora-rounds`` rounds of one window each, the order rotated per round, so each
+round's windows are adjacent in time; their time lost is per round, against that round's ``none``
+window, pooled over the repeats. The other rows time one window each per repeat, against the median
+``none`` window, their order rotated from repeat to repeat:
 
 - ``none``: the same steps without checkpoints (the baseline of the time lost);
 - ``pccheck_incremental``: ``Checkpointer(model, opt, incremental=True)``, ``max_concurrent=2``;
@@ -50,7 +55,8 @@ Targets (evaluated from the medians, never assumed):
 
 - bytes written (``write_bytes``) by the incremental row <= 1.25 x the changed bytes (trainable
   parameters, their optimizer state, buffers) + 4 MiB; the library's own count judged the same way;
-- time lost per checkpoint, incremental <= 1.5 x pccheck on the adapters alone;
+- time lost per checkpoint, incremental <= 1.5 x pccheck on the adapters alone (the medians over
+  every round);
 - full-parameter loop slowdown, incremental on / off <= 1.03 (median pair);
 - load of the incremental store <= 1.1 x the full store's (median pair), both bit-exact.
 
@@ -87,6 +93,7 @@ BATCH = 8
 ROWS = ("none", "pccheck_incremental", "pccheck_full", "dcp_async", "peft_torch_save", "pccheck_adapters")
 PCCHECK_ROWS = ("pccheck_incremental", "pccheck_full", "pccheck_adapters")
 FULL_ROWS = ("full_params_incremental", "full_params_full")
+ROUNDS_ROWS = ("none", "pccheck_incremental", "pccheck_adapters")  # the time-lost target's rows, timed in rounds
 # Untimed steps + checkpoints before each row's window, the same for every row: the first writes
 # everything in every mode, and by the third the incremental rules reach their steady state (a
 # frozen array is armed for the write watch at its third pass; an array that changes at every step
@@ -311,18 +318,15 @@ def _timed(name: str, row: _Row, wl: Workload, first: int, steps: int, quiet_wai
     return out
 
 
-def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float,
-            after: Callable[[int], None] | None = None) -> dict[str, Any]:
+def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float) -> dict[str, Any]:
     """One row: WARMUP untimed steps + checkpoints (each drained), then ``steps`` timed steps (each
-    checkpointed) and the drain; ``after(last_step)`` runs once the row is closed (untimed)."""
+    checkpointed) and the drain."""
     row = _make_row(name, wl, work / name)
     try:
         first, warm_fp = _warm(row, wl, 1)
         out = _timed(name, row, wl, first, steps, quiet_wait_s)
     finally:
         row.close()
-    if after is not None:
-        after(WARMUP + steps)
     return {**out, "warmup_fingerprint_cpu_s": warm_fp}
 
 
@@ -356,9 +360,13 @@ def _loads(wl: Workload, incremental_store: Path, full_store: Path, step: int, o
     repeated, or the reverse with an odd ``order``), each load checked bit for bit against the live state."""
     import pccheck
 
-    with pccheck.Checkpointer(wl.model, wl.optimizer, full_store, interval=1, incremental=False) as ck:
-        ck.maybe_checkpoint(step)
-        ck.wait()
+    # as many checkpoints as the incremental store holds slots (max_concurrent=2: 3), the newest at
+    # ``step``: a load reads every slot's manifest to find the newest, in both stores alike
+    with pccheck.Checkpointer(wl.model, wl.optimizer, full_store, interval=1, max_concurrent=2,
+                              incremental=False) as ck:
+        for s in range(step - 2, step + 1):
+            ck.maybe_checkpoint(s)
+            ck.wait()
     live = {"model": wl.model.state_dict(), "optimizer": wl.optimizer.state_dict()["state"]}
     stores = [("incremental", incremental_store), ("full", full_store)]
     if order % 2:
@@ -436,6 +444,44 @@ def _pair(cfg: Mapping[str, Any], work: Path) -> int:
     return 0
 
 
+def _rounds(wl: Workload, work: Path, cfg: Mapping[str, Any], rep: int) -> dict[str, Any]:
+    """The rows the time-lost target compares (``ROUNDS_ROWS``), open at once on the LoRA model, each
+    warmed, then ``cfg["lora_rounds"]`` rounds of one timed window per row, the order rotated per round
+    (each round's windows adjacent in time: the host's drift falls on all three). Per row: the median
+    of its windows' figures, and per round its time lost and extra CPU against that round's ``none``
+    window. Then one more untimed checkpoint of the incremental row, whose store the loads read."""
+    rows = {name: _make_row(name, wl, work / name) for name in ROUNDS_ROWS}
+    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in ROUNDS_ROWS}
+    warm: dict[str, float] = {}
+    try:
+        step = 1
+        for name in ROUNDS_ROWS:
+            step, warm[name] = _warm(rows[name], wl, step)
+        for k in range(cfg["lora_rounds"]):
+            j = (rep + k) % len(ROUNDS_ROWS)
+            for name in ROUNDS_ROWS[j:] + ROUNDS_ROWS[:j]:
+                windows[name].append(_timed(name, rows[name], wl, step, cfg["steps"], cfg["quiet_wait_s"]))
+                step += cfg["steps"]
+        wl.step()
+        rows["pccheck_incremental"].checkpoint(step)
+        rows["pccheck_incremental"].drain()
+    finally:
+        for row in rows.values():
+            row.close()
+    out: dict[str, Any] = {"last_step": step}
+    for name in ROUNDS_ROWS:
+        ws = windows[name]
+        out[name] = {key: statistics.median(w[key] for w in ws) for key, v in ws[0].items()
+                     if isinstance(v, (int, float)) and all(w.get(key) is not None for w in ws)}
+        out[name]["warmup_fingerprint_cpu_s"] = warm[name]
+        if name != "none":
+            lost = [(w["window_s"] - b["window_s"]) / w["checkpoints"] for w, b in zip(ws, windows["none"])]
+            cpu = [(w["cpu_s"] - b["cpu_s"]) / w["checkpoints"] for w, b in zip(ws, windows["none"])]
+            out[name].update({"time_lost_s": statistics.median(lost), "extra_cpu_s": statistics.median(cpu),
+                              "rounds_time_lost_s": lost})
+    return out
+
+
 def run(cfg: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
     """Every row, ``cfg["repeats"]`` times (the order rotated per repeat); returns the result document."""
     lora = _model(cfg["base"], cfg["rank"], False)
@@ -443,29 +489,37 @@ def run(cfg: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
     changed = _changed_bytes(lora)
     runs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    others = tuple(n for n in ROWS if n not in ROUNDS_ROWS)
     for rep in range(cfg["repeats"]):
         one: dict[str, Any] = {}
-        k = rep % len(ROWS)
+        k = rep % len(others)
         with scratch_dir(base_dir) as work:
-            for name in ROWS[k:] + ROWS[:k]:
-                # the load pair is measured on the incremental row's store, once its window is over
-                after = None if name != "pccheck_incremental" else (
-                    lambda step, rep=rep, work=work: one.__setitem__(
-                        "load", _loads(lora, work / "pccheck_incremental", work / "load_full", step, rep)))
-                one[name] = _window(name, lora, work, cfg["steps"], cfg["quiet_wait_s"], after)
+            rounds = _rounds(lora, work, cfg, rep)
+            one.update({name: rounds[name] for name in ROUNDS_ROWS})
+            # the load pair is measured on the incremental row's store, once its rows are closed
+            one["load"] = _loads(lora, work / "pccheck_incremental", work / "load_full", rounds["last_step"], rep)
+            for name in others[k:] + others[:k]:
+                one[name] = _window(name, lora, work, cfg["steps"], cfg["quiet_wait_s"])
             pair = _fresh_pair(cfg, work)
             one.update({name: pair[name] for name in FULL_ROWS})
             one["full_params_pair_ratios"] = pair["pair_ratios"]
             one["full_params_state_bytes"] = pair["state_bytes"]
-        base = one["none"]
-        for name in ROWS[1:]:
+        base = one["none"]  # the median of its windows in the rounds: the rows outside them compare with it
+        for name in others:
             r = one[name]
             r["time_lost_s"] = (r["window_s"] - base["window_s"]) / r["checkpoints"]
             r["extra_cpu_s"] = (r["cpu_s"] - base["cpu_s"]) / r["checkpoints"]
+        for name in ROWS[1:]:
+            r = one[name]
             r["step_lost_s"] = r["step_s"] - base["step_s"]  # median step against median step: bursts left out
         one["full_params_slowdown"] = statistics.median(one["full_params_pair_ratios"])
         runs.append(one)
     summary = _summary(runs, ROWS + FULL_ROWS + ("load",))
+    # the time-lost target: every round of every repeat, pooled
+    for name in ("pccheck_incremental", "pccheck_adapters"):
+        lost = [x for r in runs for x in r[name]["rounds_time_lost_s"]]
+        summary[name]["time_lost_s"] = {"median": statistics.median(lost), "min": min(lost), "max": max(lost),
+                                        "rounds": len(lost)}
     # judged over every pair of every repeat (each pair's two windows adjacent in time), and every
     # paired cold load's ratio likewise
     pairs = [x for r in runs for x in r["full_params_pair_ratios"]]
@@ -623,14 +677,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="default: bench/results/incremental/latest.json")
     p.add_argument("--quick", action="store_true", help="32 MiB base, 3 + 2 steps, 1 repeat (a smoke run)")
     p.add_argument("--full-pairs", type=int, default=4, help="alternating full-parameter window pairs per repeat")
+    p.add_argument("--lora-rounds", type=int, default=3,
+                   help="rounds of none / incremental / adapters windows per repeat (the time-lost target)")
     p.add_argument("--row", choices=("pair",), help=argparse.SUPPRESS)  # the full-parameter pair, in this process
     a = p.parse_args(args)
     if a.quick:
-        a.base, a.steps, a.full_steps, a.full_pairs, a.repeats, a.quiet_wait = 32 << 20, 3, 2, 1, 1, 0.0
-    if min(a.steps, a.full_steps, a.full_pairs, a.repeats, a.rank) < 1:
-        p.error("--steps, --full-steps, --full-pairs, --repeats and --rank must be at least 1")
+        a.base, a.steps, a.full_steps, a.full_pairs, a.lora_rounds, a.repeats, a.quiet_wait = 32 << 20, 3, 2, 1, 1, 1, 0.0
+    if min(a.steps, a.full_steps, a.full_pairs, a.lora_rounds, a.repeats, a.rank) < 1:
+        p.error("--steps, --full-steps, --full-pairs, --lora-rounds, --repeats and --rank must be at least 1")
     cfg = {"base": a.base, "rank": a.rank, "steps": a.steps, "full_steps": a.full_steps, "full_pairs": a.full_pairs,
-           "repeats": a.repeats, "quiet_wait_s": a.quiet_wait}
+           "lora_rounds": a.lora_rounds, "repeats": a.repeats, "quiet_wait_s": a.quiet_wait}
     if a.row:
         return _pair(cfg, a.dir)
     t0 = time.perf_counter()

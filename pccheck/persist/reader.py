@@ -261,6 +261,7 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _native.crc32c_combine(crc_a, crc_b, len_b)
 
 THREADS = 2
+SMALL_READ = 1 << 20  # read_region reads pieces under this size after the others
 
 
 def _open(path: Path) -> int:
@@ -292,8 +293,12 @@ def read_region(path: Path, offset: int, length: int, spans: list[tuple[int, int
     view = memoryview(buf)
     starts = [s for s, _ in spans]
     runs = [(0, length, offset)] if extents is None else extents
-    # (buffer offset, length, file offset) of each read, at most PIECE long, in buffer order
+    # (buffer offset, length, file offset) of each read, at most PIECE long, in buffer order, but
+    # the small ones last: a small read issued beside another reader's large one waits for it in
+    # the device's queue (an incremental checkpoint's changed arrays between its frozen ones: 25
+    # reads of 128 KiB took 0.4 s so, of a 0.6 s load); at the end they run back to back
     pieces = [(p, min(PIECE, hi - p), f + p - lo) for lo, hi, f in runs for p in range(lo, hi, PIECE)]
+    pieces = [x for x in pieces if x[1] >= SMALL_READ] + [x for x in pieces if x[1] < SMALL_READ]
     fd = _open(path)
     # the pieces' pages populated in file order, ahead of the readers (Prefaulter's invariant:
     # a piece is read into only once pre.wait says it is populated)
@@ -326,7 +331,7 @@ def read_region(path: Path, offset: int, length: int, spans: list[tuple[int, int
                 s, ln = spans[j]
                 lo, hi = max(s, p), min(s + ln, p + n)
                 if lo < hi:
-                    done.append((j, k, _native.crc32c(view[lo:hi]), hi - lo))
+                    done.append((j, lo, _native.crc32c(view[lo:hi]), hi - lo))
                 j += 1
         return done
 
@@ -337,6 +342,6 @@ def read_region(path: Path, offset: int, length: int, spans: list[tuple[int, int
         pre.close()
         os.close(fd)
     crcs = [0] * len(spans)
-    for j, _, crc, n in sorted(parts, key=lambda t: (t[0], t[1])):  # combine in file order
+    for j, _, crc, n in sorted(parts, key=lambda t: (t[0], t[1])):  # combine in buffer order
         crcs[j] = _native.crc32c_combine(crcs[j], crc, n)
     return buf, crcs
