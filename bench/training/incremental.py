@@ -82,9 +82,9 @@ from typing import Any
 from bench.harness.common import (BENCH_DIR, format_size, host_info, machine_label, median_or_none, parse_size,
                                   print_table, pyplot, result_path, save_figure, scratch_dir, write_json)
 from bench.harness.probes import cpu_busy_s, settle, thread_times, usage, wait_quiet
-from bench.harness.systems import make_loop_system, torch_save_durable
 from bench.harness.workloads import Workload
 from bench.modes.sharded import make_cold  # POSIX_FADV_DONTNEED on every file of a store
+from bench.training.incremental_rows import Row, make_row
 
 __all__ = ["run", "targets", "report", "plot", "main"]
 
@@ -167,117 +167,7 @@ def _write_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
 
 
-# -- the rows -------------------------------------------------------------------------------------------
-
-class _Row:
-    """One way of checkpointing inside the loop: ``checkpoint(step)`` after each update, ``drain()``,
-    then ``records()`` (per checkpoint of the window) and ``close()``."""
-
-    def __init__(self) -> None:
-        self.durable_s: dict[int, float] = {}
-
-    def checkpoint(self, step: int) -> None:
-        """Checkpoint after ``step``."""
-
-    def drain(self) -> None:
-        """Wait for everything in flight."""
-
-    def records(self, first: int) -> dict[str, list[float]]:
-        """Per-checkpoint figures of the checkpoints of steps >= ``first``."""
-        return {"durable_s": [v for s, v in self.durable_s.items() if s >= first]}
-
-    def close(self) -> None:
-        """Release files and threads."""
-
-
-class _Pccheck(_Row):
-    def __init__(self, state: Any, opt: Any, path: Path, incremental: bool) -> None:
-        import pccheck
-
-        super().__init__()
-        self.ck = pccheck.Checkpointer(state, opt, path, interval=1, max_concurrent=2, incremental=incremental)
-
-    def checkpoint(self, step: int) -> None:
-        self.ck.maybe_checkpoint(step)
-
-    def drain(self) -> None:
-        self.ck.wait()
-
-    def records(self, first: int) -> dict[str, list[float]]:
-        cs = [c for c in self.ck.stats().checkpoints if c.step >= first and c.outcome == "committed"]
-        return {"durable_s": [c.persist_s for c in cs], "blocked_s": [c.blocked_s for c in cs],
-                "library_bytes_written": [c.bytes_written for c in cs],
-                "bytes_referenced": [c.bytes_referenced for c in cs], "fingerprint_s": [c.fingerprint_s for c in cs]}
-
-    def close(self) -> None:
-        self.ck.close()
-
-
-class _Dcp(_Row):
-    """bench.harness.systems' ``dcp_async`` loop system, with its call-to-durable record."""
-
-    def __init__(self, wl: Workload, path: Path) -> None:
-        super().__init__()
-        self.sys = make_loop_system("dcp_async", wl, path, 1, None, lag=True)
-
-    def checkpoint(self, step: int) -> None:
-        self.sys.checkpoint(step)
-
-    def drain(self) -> None:
-        self.sys.drain()
-
-    def records(self, first: int) -> dict[str, list[float]]:
-        lag = self.sys._lag  # the Lag the system was made with (lag=True)
-        return {"durable_s": [lag.done[s] - lag.calls[s] for s in lag.calls if s >= first and s in lag.done]}
-
-    def close(self) -> None:
-        self.sys.close()
-
-
-class _AdapterSave(_Row):
-    """PEFT-style: the trainable parameters and the optimizer state, ``torch.save`` + ``fsync``; the
-    previous file is removed once the new one is durable."""
-
-    def __init__(self, wl: Workload, path: Path) -> None:
-        super().__init__()
-        self.wl, self.dir, self.prev = wl, path, None
-        path.mkdir(parents=True, exist_ok=True)
-
-    def checkpoint(self, step: int) -> None:
-        t0 = time.perf_counter()
-        out = self.dir / f"adapter-{step}.pt"
-        adapters = {n: p.detach() for n, p in self.wl.model.named_parameters() if p.requires_grad}
-        torch_save_durable({"adapters": adapters, "optimizer": self.wl.optimizer.state_dict()}, out)
-        self.durable_s[step] = time.perf_counter() - t0
-        if self.prev is not None:
-            self.prev.unlink()
-        self.prev = out
-
-
-def _adapters(wl: Workload) -> Any:
-    """The adapters alone as a module (a ParameterDict of the same Parameter objects)."""
-    import torch
-
-    return torch.nn.ParameterDict({n.replace(".", "_"): p for n, p in wl.model.named_parameters() if p.requires_grad})
-
-
-def _make_row(name: str, wl: Workload, path: Path) -> _Row:
-    if name == "none":
-        return _Row()
-    if name in ("pccheck_incremental", "full_params_incremental"):
-        return _Pccheck(wl.model, wl.optimizer, path, True)
-    if name in ("pccheck_full", "full_params_full"):
-        return _Pccheck(wl.model, wl.optimizer, path, False)
-    if name == "pccheck_adapters":
-        return _Pccheck(_adapters(wl), wl.optimizer, path, False)
-    if name == "dcp_async":
-        return _Dcp(wl, path)
-    if name == "peft_torch_save":
-        return _AdapterSave(wl, path)
-    raise ValueError(f"unknown row {name!r}")
-
-
-def _warm(row: _Row, wl: Workload, first: int) -> tuple[int, float]:
+def _warm(row: Row, wl: Workload, first: int) -> tuple[int, float]:
     """WARMUP untimed steps + checkpoints from step ``first``, each drained; returns the next step
     and the fingerprint threads' CPU seconds they took."""
     warm0 = _fingerprint_cpu()
@@ -288,7 +178,7 @@ def _warm(row: _Row, wl: Workload, first: int) -> tuple[int, float]:
     return first + WARMUP, sum(v - warm0.get(tid, 0.0) for tid, v in _fingerprint_cpu().items())
 
 
-def _timed(name: str, row: _Row, wl: Workload, first: int, steps: int, quiet_wait_s: float) -> dict[str, Any]:
+def _timed(name: str, row: Row, wl: Workload, first: int, steps: int, quiet_wait_s: float) -> dict[str, Any]:
     """``steps`` timed steps from step ``first``, each checkpointed (but in the none row), and the drain."""
     settle()
     waited, other_before = wait_quiet(quiet_wait_s)
@@ -321,7 +211,7 @@ def _timed(name: str, row: _Row, wl: Workload, first: int, steps: int, quiet_wai
 def _window(name: str, wl: Workload, work: Path, steps: int, quiet_wait_s: float) -> dict[str, Any]:
     """One row: WARMUP untimed steps + checkpoints (each drained), then ``steps`` timed steps (each
     checkpointed) and the drain."""
-    row = _make_row(name, wl, work / name)
+    row = make_row(name, wl, work / name)
     try:
         first, warm_fp = _warm(row, wl, 1)
         out = _timed(name, row, wl, first, steps, quiet_wait_s)
@@ -421,7 +311,7 @@ def _pair(cfg: Mapping[str, Any], work: Path) -> int:
     moves a window by 10-15 % here over minutes, falls on both); prints one JSON line: per row the
     median of its windows' figures, every pair's ratio (window with / without), and the state size."""
     full = _model(cfg["base"], cfg["rank"], True)
-    rows = {name: _make_row(name, full, work / name) for name in FULL_ROWS}
+    rows = {name: make_row(name, full, work / name) for name in FULL_ROWS}
     windows: dict[str, list[dict[str, Any]]] = {name: [] for name in FULL_ROWS}
     try:
         step = 1
@@ -450,7 +340,7 @@ def _rounds(wl: Workload, work: Path, cfg: Mapping[str, Any], rep: int) -> dict[
     (each round's windows adjacent in time: the host's drift falls on all three). Per row: the median
     of its windows' figures, and per round its time lost and extra CPU against that round's ``none``
     window. Then one more untimed checkpoint of the incremental row, whose store the loads read."""
-    rows = {name: _make_row(name, wl, work / name) for name in ROUNDS_ROWS}
+    rows = {name: make_row(name, wl, work / name) for name in ROUNDS_ROWS}
     windows: dict[str, list[dict[str, Any]]] = {name: [] for name in ROUNDS_ROWS}
     warm: dict[str, float] = {}
     try:
