@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import csv
 import json
-import statistics
 import math
 import random
+import statistics
 import sys
 from pathlib import Path
 

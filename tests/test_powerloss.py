@@ -315,7 +315,8 @@ def test_power_loss_states(recorded: Recorded, scratch: Path, tmp_path: Path, ca
               f"{len(recorded.ops)} calls ({len(sim.commits)} commits, up to {sim.max_concurrency()} in "
               f"flight): {dict(outcomes)}")
     assert not failures, "\n".join(failures)
-    # Coverage: ten distinct states per crash point on average at least. (How many a trace offers
+    # Coverage: ten distinct states per crash point on average at least (five in the default round,
+    # at half the cap). (How many a trace offers
     # depends on how its writes overlapped: 2.6k to 5.1k over 16 recordings of the 151 points here;
     # a fixed 3000 failed 2 of them.)
     assert n >= (10 if cap >= 128 else 5) * (sim.events + 1) * min(SCALE, 1), (n, sim.events + 1)
