@@ -292,6 +292,34 @@ def _summary(runs: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[st
     return out
 
 
+def _interleaved(wl: Workload, rows: Mapping[str, Row], orders: Sequence[Sequence[str]], steps: int,
+                 quiet_wait_s: float) -> tuple[dict[str, list[dict[str, Any]]], dict[str, float], int]:
+    """Rows open at once on one model: each warmed in turn, then one timed window of ``steps`` per name
+    in each of ``orders`` (windows adjacent in time). Returns every row's windows, its warm-up
+    fingerprint CPU, and the next step."""
+    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in rows}
+    warm: dict[str, float] = {}
+    step = 1
+    for name, row in rows.items():
+        step, warm[name] = _warm(row, wl, step)
+    for order in orders:
+        for name in order:
+            windows[name].append(_timed(name, rows[name], wl, step, steps, quiet_wait_s))
+            step += steps
+    return windows, warm, step
+
+
+def _median_windows(ws: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per numeric figure every window has, its median over the windows."""
+    return {key: statistics.median(w[key] for w in ws) for key, v in ws[0].items()
+            if isinstance(v, (int, float)) and all(w.get(key) is not None for w in ws)}
+
+
+def _pooled(values: Sequence[float], count: str) -> dict[str, Any]:
+    """Median and range of ``values`` pooled over the repeats, with their number under ``count``."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), count: len(values)}
+
+
 def _fresh_pair(cfg: Mapping[str, Any], work: Path) -> dict[str, Any]:
     """The full-parameter pair in a fresh process (``--row pair``): its own model, built as ``run`` builds it."""
     root = Path(__file__).resolve().parents[2]
@@ -312,23 +340,14 @@ def _pair(cfg: Mapping[str, Any], work: Path) -> int:
     median of its windows' figures, every pair's ratio (window with / without), and the state size."""
     full = _model(cfg["base"], cfg["rank"], True)
     rows = {name: make_row(name, full, work / name) for name in FULL_ROWS}
-    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in FULL_ROWS}
+    orders = [FULL_ROWS if k % 2 == 0 else FULL_ROWS[::-1] for k in range(cfg["full_pairs"])]
     try:
-        step = 1
-        for name in FULL_ROWS:
-            step, _ = _warm(rows[name], full, step)
-        for k in range(cfg["full_pairs"]):
-            for name in FULL_ROWS if k % 2 == 0 else FULL_ROWS[::-1]:
-                windows[name].append(_timed(name, rows[name], full, step, cfg["full_steps"], cfg["quiet_wait_s"]))
-                step += cfg["full_steps"]
+        windows, _, _ = _interleaved(full, rows, orders, cfg["full_steps"], cfg["quiet_wait_s"])
     finally:
         for row in rows.values():
             row.close()
-    on, off = (windows[name] for name in FULL_ROWS)
-    out: dict[str, Any] = {name: {key: statistics.median(w[key] for w in windows[name]) for key, v in windows[name][0].items()
-                                  if isinstance(v, (int, float)) and all(w.get(key) is not None for w in windows[name])}
-                           for name in FULL_ROWS}
-    out["pair_ratios"] = [a["window_s"] / b["window_s"] for a, b in zip(on, off)]
+    out: dict[str, Any] = {name: _median_windows(windows[name]) for name in FULL_ROWS}
+    out["pair_ratios"] = [a["window_s"] / b["window_s"] for a, b in zip(*(windows[name] for name in FULL_ROWS))]
     out["state_bytes"] = full.state_bytes()
     print(json.dumps(out))
     return 0
@@ -341,17 +360,10 @@ def _rounds(wl: Workload, work: Path, cfg: Mapping[str, Any], rep: int) -> dict[
     of its windows' figures, and per round its time lost and extra CPU against that round's ``none``
     window. Then one more untimed checkpoint of the incremental row, whose store the loads read."""
     rows = {name: make_row(name, wl, work / name) for name in ROUNDS_ROWS}
-    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in ROUNDS_ROWS}
-    warm: dict[str, float] = {}
+    turns = [(rep + k) % len(ROUNDS_ROWS) for k in range(cfg["lora_rounds"])]
+    orders = [ROUNDS_ROWS[j:] + ROUNDS_ROWS[:j] for j in turns]
     try:
-        step = 1
-        for name in ROUNDS_ROWS:
-            step, warm[name] = _warm(rows[name], wl, step)
-        for k in range(cfg["lora_rounds"]):
-            j = (rep + k) % len(ROUNDS_ROWS)
-            for name in ROUNDS_ROWS[j:] + ROUNDS_ROWS[:j]:
-                windows[name].append(_timed(name, rows[name], wl, step, cfg["steps"], cfg["quiet_wait_s"]))
-                step += cfg["steps"]
+        windows, warm, step = _interleaved(wl, rows, orders, cfg["steps"], cfg["quiet_wait_s"])
         wl.step()
         rows["pccheck_incremental"].checkpoint(step)
         rows["pccheck_incremental"].drain()
@@ -361,8 +373,7 @@ def _rounds(wl: Workload, work: Path, cfg: Mapping[str, Any], rep: int) -> dict[
     out: dict[str, Any] = {"last_step": step}
     for name in ROUNDS_ROWS:
         ws = windows[name]
-        out[name] = {key: statistics.median(w[key] for w in ws) for key, v in ws[0].items()
-                     if isinstance(v, (int, float)) and all(w.get(key) is not None for w in ws)}
+        out[name] = _median_windows(ws)
         out[name]["warmup_fingerprint_cpu_s"] = warm[name]
         if name != "none":
             lost = [(w["window_s"] - b["window_s"]) / w["checkpoints"] for w, b in zip(ws, windows["none"])]
@@ -407,17 +418,11 @@ def run(cfg: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
     summary = _summary(runs, ROWS + FULL_ROWS + ("load",))
     # the time-lost target: every round of every repeat, pooled
     for name in ("pccheck_incremental", "pccheck_adapters"):
-        lost = [x for r in runs for x in r[name]["rounds_time_lost_s"]]
-        summary[name]["time_lost_s"] = {"median": statistics.median(lost), "min": min(lost), "max": max(lost),
-                                        "rounds": len(lost)}
+        summary[name]["time_lost_s"] = _pooled([x for r in runs for x in r[name]["rounds_time_lost_s"]], "rounds")
     # judged over every pair of every repeat (each pair's two windows adjacent in time), and every
     # paired cold load's ratio likewise
-    pairs = [x for r in runs for x in r["full_params_pair_ratios"]]
-    summary["full_params_slowdown"] = {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
-                                       "pairs": len(pairs)}
-    loads = [x for r in runs for x in r["load"]["ratios"]]
-    summary["load_ratio"] = {"median": statistics.median(loads), "min": min(loads), "max": max(loads),
-                             "pairs": len(loads)}
+    summary["full_params_slowdown"] = _pooled([x for r in runs for x in r["full_params_pair_ratios"]], "pairs")
+    summary["load_ratio"] = _pooled([x for r in runs for x in r["load"]["ratios"]], "pairs")
     host = host_info(base_dir)
     return {"bench": "incremental", "config": dict(cfg), "model": lora.describe,
             "state_bytes": lora.state_bytes(), "full_params_state_bytes": runs[0]["full_params_state_bytes"],

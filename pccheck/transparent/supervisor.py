@@ -137,7 +137,11 @@ def _end_torn_line(log_path: Path) -> None:
     process appends (``O_APPEND``), and its first line would otherwise be glued to that torn one."""
     try:
         with open(log_path, "rb+") as f:
-            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
                 f.write(b"\n")
                 log.info("pccheck: %s ended with a torn line (the process was killed mid-write); ended it", log_path)
     except FileNotFoundError:
