@@ -29,6 +29,9 @@ def _watch_here():  # type: ignore[no-untyped-def]
     if not write_watch.watch_active() or write_watch._device_dma_possible():
         pytest.skip("no kernel write tracking in this process (userfaultfd WP_ASYNC and PAGEMAP_SCAN: "
                     "Linux >= 6.7; off where a device runtime is initialized)")
+    # an earlier test's records describe memory since freed; one at the same address and geometry
+    # (a refused shared mapping) would otherwise decide how this test's array is watched
+    write_watch._watch()._records.clear()
 
 KEYS = incremental.new_keys()
 POOL = ThreadPoolExecutor(2)
@@ -174,6 +177,33 @@ def test_memory_mapped_anew_under_an_armed_array_is_read():
     assert libc.mmap(addr, n, prot, private_anon | fixed, -1, 0) == addr
     assert arr[12345] == 0
     assert fps([arr], fp)[0] == true_fp(arr)
+    libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(n))
+
+
+def test_private_memory_mapped_where_a_refused_shared_mapping_was_is_armed_later():
+    """A shared mapping is refused; unmapped, and private memory mapped at its address with the same
+    geometry: that record is tried again within _RETRY_AFTER calls and armed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot, anon, fixed = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_ANONYMOUS, 0x10
+    n = 4 * MiB
+    addr = libc.mmap(None, n, prot, mmap.MAP_SHARED | anon, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+    arr[:] = 3
+    fp = Counting()
+    for _ in range(4):
+        fps([arr], fp)
+    assert fp.reads == 4, "a shared mapping is never armed"
+    assert libc.mmap(addr, n, prot, mmap.MAP_PRIVATE | anon | fixed, -1, 0) == addr
+    arr[:] = 4
+    for _ in range(write_watch._RETRY_AFTER + 3):
+        before = fp.reads
+        assert fps([arr], fp)[0] == true_fp(arr)
+    assert fp.reads == before, "the private memory is armed once the refusal is retried"
+    arr[100] = 5
+    assert fps([arr], fp)[0] == true_fp(arr) and fp.reads == before + 1
     libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(n))
 
 

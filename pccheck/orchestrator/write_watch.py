@@ -58,6 +58,10 @@ MIN_WATCHED_BYTES = 1 << 20
 # A record unseen for this many calls is dropped (an armed one's pages stay protected: a later
 # write to them costs one fault): state whose arrays move (clones, new tensors) does not grow the table.
 _FORGET_AFTER = 64
+# A record whose arming was refused (a shared or file mapping) is tried again after this many
+# calls: the memory under the same address and geometry may since have been unmapped and mapped
+# again as private anonymous memory (a freed shared buffer, then a new tensor in its place).
+_RETRY_AFTER = 16
 
 Fingerprint = tuple[int, int]
 Keys = tuple[int, int]
@@ -69,7 +73,7 @@ class _Record:
     hi: int
     edges: tuple[tuple[int, int], ...]  # (address, length) of its bytes outside [lo, hi)
     armed: bool = False
-    unarmable: bool = False       # registration refused (memory kind): never tried again
+    refused: int | None = None    # the call at which arming was last refused (memory kind)
     epoch: int = 0                # bumped by every report, arming and disarming
     # keys -> (fingerprint, the edge bytes saved before its pass): valid while armed, same epoch
     kept: dict[Keys, tuple[Fingerprint, bytes]] = field(default_factory=dict)
@@ -190,17 +194,22 @@ class _Watch:
         """Protects ``rec``'s pages; another armed on the same pages whose write this reports is
         disarmed."""
         if not _private_anonymous(maps, rec.lo, rec.hi):
-            rec.unarmable = True
+            rec.refused = self._calls
             return
         assert self._native is not None
         regions, rc = self._native.arm(rec.lo, rec.hi)
         if rc != 0:
-            rec.unarmable = True
+            rec.refused = self._calls
             log.debug("pccheck: write tracking refused [%#x, %#x): errno %d", rec.lo, rec.hi, -rc)
             return
         _report([r for r in self._records.values() if r.armed], regions)
-        rec.armed, rec.kept = True, {}
+        rec.armed, rec.kept, rec.refused = True, {}, None
         rec.epoch += 1
+
+    def _may_arm(self, rec: _Record) -> bool:
+        """Whether ``rec`` is tried for arming this call (not one refused in the last
+        _RETRY_AFTER calls)."""
+        return not rec.armed and (rec.refused is None or self._calls - rec.refused >= _RETRY_AFTER)
 
     def fingerprints(self, infos: Sequence[ArrayInfo], keys: Keys, skip: Sequence[bool], pool: Executor,
                      compute: Callable[[ArrayInfo, Keys], Fingerprint]) -> list[Fingerprint | None]:
@@ -237,7 +246,7 @@ class _Watch:
                         continue
                     rec.kept.pop(keys)  # an edge byte changed: read it again
                 prev, last = rec.history.get(keys, (None, None))
-                if not rec.armed and not rec.unarmable and last is not None and prev == last:
+                if self._may_arm(rec) and last is not None and prev == last:
                     if maps is None:
                         maps = _mappings()  # read once per call, under the lock
                     self._arm(rec, maps)  # equal at its last two passes: frozen, by the evidence so far
