@@ -425,6 +425,85 @@ def test_a_reopened_store_whose_latest_is_damaged_continues_from_the_previous_on
     assert_state_equal(r.state, state)
 
 
+def _three_steps(d: Path) -> dict:
+    """Steps 1-3 into 3 slots: the frozen base stays in slot 0's cell, which the latest (step 3)
+    and its fallback (step 2) both reference, and slot 0 is the next checkpoint's own slot."""
+    state = lora_like(0)
+    with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=2, **KW) as ck:
+        for step in range(1, 4):
+            for k, v in lora_like(step).items():
+                state[k][...] = v
+            ck.checkpoint(step)
+            ck.wait()
+    return state
+
+
+def _cells_of(d: Path, slot: int) -> list[int]:
+    image = read_store(d / STORE)
+    with open(d / STORE, "rb", buffering=0) as f:
+        man = read_manifest(image, slot, f.fileno())
+    return [man.cell_of(i, slot) for i in range(len(man.arrays))]
+
+
+def test_a_reopen_reads_no_array_data_and_its_first_checkpoint_writes_every_array(tmp_path):
+    """Reopened with no load in this process before (3 slots): the latest is validated in the
+    background and never referenced; the first checkpoint writes every array, into cells neither
+    the latest nor the fallback kept for it names; the one after references again."""
+    d = tmp_path / "ck"
+    state = _three_steps(d)
+    with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=2, **KW) as ck:
+        store = ck._orch.store
+        assert not store.latest_checked and len(store.fallback) == 1
+        latest_slot = manifest_of_latest(d)[1]
+        kept = [set(cells) for cells in zip(_cells_of(d, latest_slot), _cells_of(d, store.fallback[0]))]
+        for k, v in lora_like(4).items():
+            state[k][...] = v
+        ck.checkpoint(4)
+        ck.wait()
+        first = ck.stats().checkpoints[-1]
+        assert first.bytes_referenced == 0 and first.bytes_written == sum(v.nbytes for v in state.values())
+        written = _cells_of(d, manifest_of_latest(d)[1])
+        assert all(c not in k for c, k in zip(written, kept)), (written, kept)
+        ck.checkpoint(5)
+        ck.wait()
+        assert ck.stats().checkpoints[-1].bytes_referenced >= state["base"].nbytes
+    r = pccheck.load_latest(d)
+    assert r.step == 5
+    assert_state_equal(r.state, lora_like(4))
+
+
+def test_a_reopen_whose_latest_is_damaged_keeps_its_fallback_through_a_failed_first_commit(tmp_path):
+    """The latest's own adapter cell damaged before a reopen that reads no array data, then the
+    frozen base changes and the first checkpoint's writes fail part way: they went to cells
+    neither the latest nor its fallback names (the base's shared cell is in this checkpoint's own
+    slot), so the fallback is still whole and loads; the next commit loads whole."""
+    import errno
+
+    d = tmp_path / "ck"
+    state = _three_steps(d)
+    _flip(d, "adapter")  # step 3 is damaged; step 2 is the fallback
+    errors: list = []
+    with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=2, on_error=errors.append, **KW) as ck:
+        assert not ck._orch.store.latest_checked
+        state["base"] += 1
+        _native.set_fault(_native.OP_PWRITE, 3, errno.EIO, True)  # after some of the base's bytes
+        try:
+            ck.checkpoint(4)
+            ck.wait()
+        finally:
+            _native.clear_fault()
+    assert errors, "the failed write is reported"
+    r = pccheck.load_latest(d)
+    assert r.step == 2
+    assert_state_equal(r.state, lora_like(2))
+    with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=2, **KW) as ck:
+        ck.checkpoint(5)
+        ck.wait()
+    r = pccheck.load_latest(d)
+    assert r.step == 5
+    assert_state_equal(r.state, state)
+
+
 def test_a_new_layout_goes_to_a_new_generation(tmp_path):
     d = tmp_path / "ck"
     state = {"a": np.zeros(3000, np.float32)}
@@ -542,7 +621,46 @@ def test_unsupported_combinations_raise_config_error(tmp_path, kw, what):
 def test_incremental_must_be_a_bool(tmp_path):
     with pytest.raises(pccheck.ConfigError, match="incremental"):
         pccheck.DiskOptions(incremental=1)
-    assert pccheck.Options().disk.incremental is False  # the default stays full checkpoints
+    assert pccheck.Options().disk.incremental is None  # the default: on where supported
+
+
+def test_the_default_references_an_unchanged_array_of_host_state(tmp_path):
+    """No incremental= given: host state taken whole is checkpointed incrementally (a frozen
+    array is referenced, not written again), and loads bit for bit."""
+    frozen, moving = np.arange(1 << 20, dtype=np.float32), np.zeros(1024, dtype=np.float32)
+    with pccheck.Checkpointer({"frozen": frozen, "moving": moving}, tmp_path / "ck",
+                              disk=pccheck.DiskOptions(every=1)) as ck:
+        for step in (1, 2):
+            moving[:] = step
+            ck.maybe_checkpoint(step)
+            ck.wait()
+        last = ck.stats().as_dict()["checkpoints"][-1]
+    assert last["bytes_referenced"] >= frozen.nbytes and last["bytes_written"] < frozen.nbytes
+    got = pccheck.load_latest(tmp_path / "ck")
+    assert got.step == 2 and np.array_equal(got.state["frozen"], frozen) and (got.state["moving"] == 2).all()
+
+
+def test_the_default_is_off_where_incremental_is_not_supported(tmp_path, caplog):
+    """No incremental= given, and state on a device (or spread steps): off, said in the log,
+    where incremental=True raises ConfigError."""
+    import dataclasses
+
+    from pccheck.persist.layout import plan
+    from pccheck.tiers.base import TierContext
+    from pccheck.tiers.stack import _resolve_incremental
+
+    host = plan({"host": np.zeros(4)})
+    on_device = dataclasses.replace(host, infos=(dataclasses.replace(host.infos[0], device="cuda:0"),))
+    ctx = TierContext(tmp_path, pccheck.Options(), None, {}, None, None, print)
+    decided = _resolve_incremental(ctx, host).options
+    assert decided.disk.incremental is True and decided.memory.incremental is False  # memory: when asked
+    with caplog.at_level("INFO", logger="pccheck"):
+        assert _resolve_incremental(ctx, on_device).options.disk.incremental is False
+    assert "state on cuda:0" in caplog.text
+    spread = dataclasses.replace(ctx, options=pccheck.Options().updated(spread_steps=2))
+    assert _resolve_incremental(spread, host).options.disk.incremental is False
+    explicit = dataclasses.replace(ctx, options=pccheck.Options().updated(incremental=False))
+    assert _resolve_incremental(explicit, host).options.disk.incremental is False
 
 
 def test_old_readers_refuse_a_referencing_manifest_cleanly(tmp_path):

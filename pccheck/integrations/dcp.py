@@ -124,6 +124,8 @@ class Writer(StorageWriter, AsyncStager):
             committed save, the rest referenced in other slots' cells (docs/guide/incremental.md);
             with an object store each rank's part uploads only the arrays that changed since the
             last save committed there, and references the rest (FORMAT.md §12.8). Host state only.
+            False (default): every save writes every array (a DCP save's arrays are known only
+            at its write, so the Writer does not decide for its caller as a Checkpointer does).
         **options: :class:`pccheck.EngineOptions` fields: ``max_concurrent`` (N saves in flight;
             each rank store has N+2 slots), ``writer_threads``, ``chunk_size``, ``dram_budget``,
             ``storage``.

@@ -164,7 +164,10 @@ class Incremental:
         self.keys = new_keys()
         self._base: _Pins | None = None
         self._flights: dict[int, _Pins] = {}   # counter -> a checkpoint in flight
-        self._zombies: dict[int, _Pins] = {}   # counter -> a commit that failed: the word may name it
+        # counter -> pinned until a later commit succeeds: a commit that failed (the word may name
+        # it), or, on a reopen whose latest checkpoint is still being validated, that checkpoint and
+        # the fallback recovery would pick if it were damaged (reset_unchecked)
+        self._zombies: dict[int, _Pins] = {}
         self._held: dict[int, _Pins] = {}      # counter -> a committed checkpoint an upload reads
         # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
         # commit thread): it counts for the one-layout rule before it pins anything
@@ -214,6 +217,28 @@ class Incremental:
         with open(store_file, "rb", buffering=0) as f:
             self.reset(read_manifest(image, slot, f.fileno()), slot)
             self.hold_slots(image, f.fileno(), self.protected() if self.protected is not None else ())
+
+    def reset_unchecked(self, store_file: Any, check_word: int, fallback: Sequence[int]) -> None:
+        """A generation was opened whose latest checkpoint is validated in the background
+        (SlotStore._verify), with ``fallback`` kept from reuse meanwhile: there is no base, so the
+        next checkpoint writes every array (it never references bytes not checked yet), and the
+        cells of the latest and of the fallback stay pinned until a later commit succeeds, so a
+        crash before it still finds either complete. What a reopen costs is then one full
+        checkpoint instead of a read of the whole state before the Checkpointer returns."""
+        self.reset(None)
+        image = read_store(store_file)
+        with open(store_file, "rb", buffering=0) as f:
+            for s in (_native.word_slot(check_word), *fallback):
+                try:
+                    man = read_manifest(image, s, f.fileno())
+                except CorruptCheckpointError:  # not loadable: nothing of it to keep
+                    continue
+                if man is None:
+                    continue
+                n = len(man.arrays)
+                with self._lock:
+                    self._zombies[man.counter] = _Pins(man.arrays, tuple(man.cell_of(i, s) for i in range(n)),
+                                                       (None,) * n, man.crcs, man.counter)
 
     def hold_slots(self, image: Any, fd: int, slots: Sequence[int]) -> None:
         """Holds the cells of the committed checkpoints in ``slots`` (validated by the store's open,

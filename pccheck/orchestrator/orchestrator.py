@@ -94,10 +94,12 @@ class Orchestrator:
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         try:
-            # incremental: the continued-from checkpoint is validated at open, before anything relies on its bytes
+            # in_slot (a memory tier's slots): the continued-from checkpoint is validated at open, before
+            # its kept arrays are relied on; incremental stores validate it in the background and
+            # reference nothing of it (Incremental.reset_unchecked)
             self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced,
                                    populate=populate_store,  # tmpfs (memory tier): slots faulted in at open
-                                   validate_latest=self._cells is not None)
+                                   validate_latest=in_slot)
         except BaseException:
             copy_engine.close()
             if self._cells is not None:
@@ -175,10 +177,14 @@ class Orchestrator:
             self._reset_cells()
 
     def _reset_cells(self) -> None:
-        """Incremental: a generation was opened; its committed checkpoint (validated by the
-        store's open) becomes the base that later checkpoints reference and never overwrite."""
-        if self._cells is not None:
+        """Incremental: a generation was opened; its committed checkpoint, once every byte of it
+        was checked, becomes the base that later checkpoints reference and never overwrite."""
+        if self._cells is None:
+            return
+        if self.store.latest_checked:
             self._cells.reset_from(self.store.file, self.store.native.check_word)
+        else:  # Incremental only: a memory tier's slots (SlotRecords) are validated at the open
+            self._cells.reset_unchecked(self.store.file, self.store.native.check_word, self.store.fallback)
 
     def _fit_store(self, slot_bytes: int, layout: Layout | None = None) -> None:
         """Opens the store, or moves to a new generation when the state outgrew the slots (or,

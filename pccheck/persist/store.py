@@ -74,6 +74,11 @@ class SlotStore:
         self._guarded: list[int] = []  # fallback slots kept from reuse, of generation _guarded_gen
         self._guarded_gen = 0
         self._verifier: threading.Thread | None = None
+        # Whether every byte of the checkpoint the open generation continues from was checked
+        # before the open returned (at the open, or earlier by this process's load); False while
+        # the background validation (_verify) is the only check, with ``fallback`` kept from reuse.
+        self.latest_checked = True
+        self.fallback: tuple[int, ...] = ()
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -161,6 +166,7 @@ class SlotStore:
         self.native = self._open_native(file)
         self.file = file
         word, fallback = self._recover(image)
+        self.fallback = fallback
         try:
             self.native.init(word, self._next_counter, sorted(set(protect) | set(fallback)))
             self.native.set_hold_replaced(self.hold_replaced)
@@ -220,6 +226,7 @@ class SlotStore:
         data is also validated here when the word must be repaired (it does not name the slot
         chosen), since the repaired word is a commit barrier.
         """
+        self.latest_checked = True  # until a checkpoint is found that is left to _verify
         with open(image.path, "rb", buffering=0) as f:
             full = self.hold_replaced or image.header["num_slots"] <= 2 or self.validate_latest
             found = first_valid(image, lambda slot: (load_slot(image, slot, fd=f.fileno()) if full
@@ -245,6 +252,7 @@ class SlotStore:
                             man.step, "; ".join(problems))
             if full or was_validated(image, slot):
                 return word, ()
+            self.latest_checked = False
             return word, self._fallback(image, slot, man.counter, f.fileno())
 
     @staticmethod

@@ -108,6 +108,7 @@ class TierStack:
                  prepared: bool, on_finished: Callable[[Any], None] | None = None,
                  copy_engine: CopyEngine | None = None, device_reserve: Any = None, open_now: bool = True,
                  member: SetMember | None = None) -> None:
+        ctx = _resolve_incremental(ctx, layout)
         group, opts = ctx.group, ctx.options
         if member is not None:
             if group is not None:
@@ -355,6 +356,26 @@ class TierStack:
         if self.disk is not None:
             self.disk.close()
 
+
+
+def _resolve_incremental(ctx: TierContext, layout: Layout) -> TierContext:
+    """``ctx`` with ``disk.incremental`` decided where it was left to pccheck (None, the default):
+    on for state in host memory taken whole at each checkpoint (spread_steps == 1), off, silently,
+    where incremental=True would be refused (state on a device: its fingerprint would run there).
+    Every tier built below reads the decided value. The memory tier's None then means full: on
+    its own RAM slot the fingerprint pass costs about what the copy it avoids costs
+    (docs/guide/incremental.md), so it is incremental only when asked."""
+    opts = ctx.options
+    if opts.disk.incremental is not None:
+        return ctx
+    devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
+    on = not devices and opts.snapshot.spread_steps == 1
+    if not on:
+        log.info("pccheck: incremental checkpoints off for this state (%s); every checkpoint writes every array",
+                 f"state on {', '.join(devices)}" if devices else "spread_steps != 1")
+    memory = opts.memory if opts.memory.incremental is not None else dataclasses.replace(opts.memory, incremental=False)
+    return dataclasses.replace(ctx, options=opts.updated(disk=dataclasses.replace(opts.disk, incremental=on),
+                                                         memory=memory))
 
 
 def _check_incremental(group: Any, layout: Layout, snap: Any) -> None:
