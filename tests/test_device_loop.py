@@ -215,3 +215,16 @@ def test_a_failed_device_copy_fails_that_checkpoint_only(tmp_path, fail_at):
         ck.checkpoint(3)  # the pool is whole again: the next checkpoint commits
         ck.wait()
     assert pccheck.load_latest(tmp_path / "ckpt").step == 3
+
+
+def test_a_device_engine_is_never_incremental(tmp_path):
+    """A device copy engine copies whole layouts: left to its default, incremental is off for it
+    (every checkpoint writes every array, though the state is host memory); asked for, refused."""
+    arrays = _arrays(1)
+    with pccheck.Checkpointer(arrays, tmp_path / "ckpt", interval=1, chunk_size=CHUNK, copy_engine=_HostDevice(1)) as ck:
+        for step in (1, 2):
+            ck.checkpoint(step)
+            ck.wait()
+        assert all(c.bytes_referenced == 0 for c in ck.stats().checkpoints)
+    with pytest.raises(pccheck.ConfigError, match="copy_engine='host-device'"):
+        pccheck.Checkpointer(arrays, tmp_path / "other", interval=1, copy_engine=_HostDevice(1), incremental=True)

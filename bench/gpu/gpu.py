@@ -265,7 +265,7 @@ def _section_persist(run: _Run) -> None:
     def pcc() -> dict[str, Any]:
         arrays = {f"a{i}": np.full(nbytes // 16, 1.0 + i, dtype=np.float32) for i in range(4)}  # touched
         ck, runs = pccheck.Checkpointer(arrays, path=run.work / "persist", interval=1, max_concurrent=1,
-                                        writer_threads=4), []
+                                        writer_threads=4, incremental=False), []  # the same bytes each time: full
         try:
             for s in range(5):  # steps 0, 1: warm-up, each of the N+1 = 2 slots written once
                 t0 = time.perf_counter()

@@ -194,8 +194,10 @@ def pccheck_on_arrays(state: Mapping[str, Any], path: Path, storage: str = "auto
             f"pccheck imported from {getattr(pccheck, '__path__', '?')} has no Checkpointer; build and "
             "install it (make setup), or leave pccheck out of --systems")
     path.mkdir(parents=True, exist_ok=True)
+    # full checkpoints: these benches time writing the whole state, which does not change between
+    # their checkpoints (the incremental default would reference it all; bench.incremental times that)
     return pccheck.Checkpointer(dict(state), path=path, interval=1, max_concurrent=2, writer_threads=2,
-                                chunk_size=CHUNK, storage=storage)
+                                chunk_size=CHUNK, storage=storage, incremental=False)
 
 
 def pieces(length: int, piece: int = CHUNK) -> list[tuple[int, int]]:

@@ -58,8 +58,10 @@ def run(nbytes: int, thread_counts: Sequence[int], repeats: int, base: Path) -> 
     copy_s: dict[int, list[float]] = {t: [] for t in thread_counts}
     with scratch_dir(base) as work:
         host = host_info(work)
+        # full checkpoints: the copy of the whole state is timed (one array changes per checkpoint)
         cks = {t: pccheck.Checkpointer(state, path=work / f"t{t}", interval=1, max_concurrent=2,
-                                       copy_engine=CpuCopyEngine(threads=t)) for t in thread_counts}
+                                       copy_engine=CpuCopyEngine(threads=t), incremental=False)
+               for t in thread_counts}
         try:
             step = 0
             for ck in cks.values():  # every slot written once: no timed write converts extents

@@ -64,6 +64,9 @@ class CopyEngine(ABC):
 
     name: str = "abstract"
     native_engine: Any = None
+    # Whether it copies an incremental checkpoint's changed arrays alone into their cells (the host
+    # engines); the device engines copy whole layouts (incremental checkpoints refuse them).
+    incremental: bool = False
 
     def attach(self, native_engine: Any) -> None:
         """Called once with the native engine whose chunk pool this engine fills."""
@@ -135,6 +138,7 @@ class CpuCopyEngine(CopyEngine):
     """
 
     name = "cpu"
+    incremental = True
 
     def __init__(self, threads: int | None = None) -> None:
         threads = default_copy_threads() if threads is None else threads

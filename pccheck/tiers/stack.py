@@ -108,7 +108,7 @@ class TierStack:
                  prepared: bool, on_finished: Callable[[Any], None] | None = None,
                  copy_engine: CopyEngine | None = None, device_reserve: Any = None, open_now: bool = True,
                  member: SetMember | None = None) -> None:
-        ctx = _resolve_incremental(ctx, layout)
+        ctx = _resolve_incremental(ctx, layout, copy_engine)
         group, opts = ctx.group, ctx.options
         if member is not None:
             if group is not None:
@@ -120,7 +120,7 @@ class TierStack:
         self.tiers: list[Tier] = []
         self._remote_timeout: float | None = 0.0  # until close() says otherwise (a failed construction)
         if opts.disk.incremental:
-            _check_incremental(group, layout, snap)
+            _check_incremental(group, layout, snap, copy_engine)
         self.started_step: int | None = None  # the newest step a disk checkpoint was started for
         self.flushed: dict[str, Any] | None = None  # the last flush's FlushResult.as_dict() (stats())
         stack = contextlib.ExitStack()
@@ -358,27 +358,29 @@ class TierStack:
 
 
 
-def _resolve_incremental(ctx: TierContext, layout: Layout) -> TierContext:
+def _resolve_incremental(ctx: TierContext, layout: Layout, copy_engine: CopyEngine | None = None) -> TierContext:
     """``ctx`` with ``disk.incremental`` decided where it was left to pccheck (None, the default):
-    on for state in host memory taken whole at each checkpoint (spread_steps == 1), off, silently,
-    where incremental=True would be refused (state on a device: its fingerprint would run there).
+    on for state in host memory taken whole at each checkpoint (spread_steps == 1) by a host copy
+    engine, off, with a log line, where incremental=True would be refused (state on a device: its
+    fingerprint would run there; a device copy engine).
     Every tier built below reads the decided value. The memory tier's None then means full: on
     its own RAM slot the fingerprint pass costs about what the copy it avoids costs
     (docs/guide/incremental.md), so it is incremental only when asked."""
     opts = ctx.options
     if opts.disk.incremental is not None:
         return ctx
-    devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
-    on = not devices and opts.snapshot.spread_steps == 1
+    why = _not_incremental(layout, copy_engine)
+    if why is None and opts.snapshot.spread_steps != 1:
+        why = "spread_steps != 1"
+    on = why is None
     if not on:
-        log.info("pccheck: incremental checkpoints off for this state (%s); every checkpoint writes every array",
-                 f"state on {', '.join(devices)}" if devices else "spread_steps != 1")
+        log.info("pccheck: incremental checkpoints off for this state (%s); every checkpoint writes every array", why)
     memory = opts.memory if opts.memory.incremental is not None else dataclasses.replace(opts.memory, incremental=False)
     return dataclasses.replace(ctx, options=opts.updated(disk=dataclasses.replace(opts.disk, incremental=on),
                                                          memory=memory))
 
 
-def _check_incremental(group: Any, layout: Layout, snap: Any) -> None:
+def _check_incremental(group: Any, layout: Layout, snap: Any, copy_engine: CopyEngine | None) -> None:
     """incremental=True: refuses (ConfigError) what it does not support yet, before anything is
     built (options.py refuses the tiers and spread_steps; this, what only the state shows).
 
@@ -387,6 +389,16 @@ def _check_incremental(group: Any, layout: Layout, snap: Any) -> None:
     so the group's step keeps what it reads. DTensor state is each rank's local shards, arrays like
     any other."""
     del group, snap
+    why = _not_incremental(layout, copy_engine)
+    if why is not None:
+        raise refuse_incremental(why)
+
+
+def _not_incremental(layout: Layout, copy_engine: CopyEngine | None) -> str | None:
+    """What in the state or its copy engine an incremental disk tier does not support yet, or None."""
     devices = sorted({i.device for i in layout.infos if i.device != "cpu"})
     if devices:
-        raise refuse_incremental(f"state on {', '.join(devices)} (its fingerprint would run on the device)")
+        return f"state on {', '.join(devices)} (its fingerprint would run on the device)"
+    if copy_engine is not None and not copy_engine.incremental:
+        return f"copy_engine={copy_engine.name!r} (it copies whole layouts)"
+    return None
