@@ -215,13 +215,11 @@ class DiskOptions:
         keep_every: also keep a copy of every disk checkpoint whose ``step % k == 0`` (never
             deleted by keep_last). None (default): none.
         incremental: write only the arrays whose bytes differ from the newest committed
-            checkpoint's and reference the rest (docs/guide/incremental.md; FORMAT.md §14), on
-            the disk tier (one process or every rank of a group), the memory tier with its
-            replicas (MemoryOptions.incremental) and the remote tier (which then uploads only the
-            changed arrays, FORMAT.md §12.8). None (default): on for host (CPU) state taken whole
-            at each checkpoint, off where it is not supported yet (state on a device, spread
-            steps). True: on, and ConfigError where it is not supported. False: every checkpoint
-            writes every array. Also a Checkpointer keyword of its own (``incremental=...``).
+            checkpoint's, reference the rest (docs/guide/incremental.md; FORMAT.md §14), and
+            upload only those (FORMAT.md §12.8). None (default): on for host (CPU) state taken
+            whole at each checkpoint, off where unsupported yet (device state or copy engine,
+            spread steps). True: on, else ConfigError. False: every checkpoint writes every
+            array. Also a Checkpointer keyword of its own (``incremental=...``).
 
     ``keep_last`` != 0 copies every disk checkpoint into ``history/``: a second full write of the
     state per checkpoint (in the background, from the committed slot), of which only the newest
@@ -299,10 +297,8 @@ class MemoryOptions:
             other nodes (Gemini's group placement; the node is ``PCCHECK_NODE``, else torchrun's
             ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Needs at least m nodes.
         incremental: copy into a slot, and send to a replica, only the arrays it lacks (host state;
-            docs/guide/incremental.md). None (default): as an explicit ``incremental=True`` or
-            ``False``, and full where ``incremental`` is left to its default (on its own RAM slot
-            the fingerprint pass costs about what the copy it avoids costs); True/False: this
-            tier alone.
+            docs/guide/incremental.md). True/False: this tier alone; None (default): as an explicit
+            ``incremental=``, else full (on a RAM slot a fingerprint costs what the copy it saves).
     """
 
     every: int | None = None

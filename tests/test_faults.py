@@ -568,11 +568,14 @@ def test_on_error_callable_that_raises_is_logged(tmp_path, caplog):
 # -- a failed commit barrier that is never retried ----------------------------------------------------
 
 
+@pytest.mark.parametrize("incremental", [True, False])
 @pytest.mark.parametrize("max_concurrent", [1, 2])
-def test_checkpointer_recovers_after_failed_barriers(tmp_path, max_concurrent):
+def test_checkpointer_recovers_after_failed_barriers(tmp_path, max_concurrent, incremental):
+    """Incremental: each failed commit pins its cells; persisting the word again makes the newest
+    the base (else N failures would pin every cell and nothing could commit again)."""
     d = tmp_path / "c"
     state = make_state()
-    with pccheck.Checkpointer(state, d, **{**KW, "max_concurrent": max_concurrent}) as ck:
+    with pccheck.Checkpointer(state, d, **{**KW, "max_concurrent": max_concurrent}, incremental=incremental) as ck:
         _ok(lambda: ckpt(ck, 1))
         # In O_DIRECT mode the only msync is the CHECK_ADDR barrier.
         _native.set_fault(_native.OP_MSYNC, 1, errno.EIO, persistent=True)

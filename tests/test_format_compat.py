@@ -66,7 +66,7 @@ def test_format_2_keeps_tree_and_user_metadata_apart(tmp_path):
     m, opt, sched = _model()
     m(torch.randn(5, 4)).sum().backward()
     opt.step()
-    with pccheck.Checkpointer(m, opt, tmp_path, metadata={"run": "x"}) as ck:
+    with pccheck.Checkpointer(m, opt, tmp_path, metadata={"run": "x"}, incremental=False) as ck:  # format 2
         ck.checkpoint(3)
     image = read_store(store_files(tmp_path)[0][1])
     slot = next(s.slot for s in image.slots if s.meta)

@@ -641,8 +641,8 @@ def test_the_default_references_an_unchanged_array_of_host_state(tmp_path):
 
 
 def test_the_default_is_off_where_incremental_is_not_supported(tmp_path, caplog):
-    """No incremental= given, and state on a device (or spread steps): off, said in the log,
-    where incremental=True raises ConfigError."""
+    """No incremental= given, and state on a device (or spread steps, or a device reserve): off,
+    said in the log."""
     import dataclasses
 
     from pccheck.persist.layout import plan
@@ -659,6 +659,7 @@ def test_the_default_is_off_where_incremental_is_not_supported(tmp_path, caplog)
     assert "state on cuda:0" in caplog.text
     spread = dataclasses.replace(ctx, options=pccheck.Options().updated(spread_steps=2))
     assert _resolve_incremental(spread, host).options.disk.incremental is False
+    assert _resolve_incremental(ctx, host, device_reserve=1 << 20).options.disk.incremental is False
     explicit = dataclasses.replace(ctx, options=pccheck.Options().updated(incremental=False))
     assert _resolve_incremental(explicit, host).options.disk.incremental is False
 

@@ -426,7 +426,7 @@ def test_io_error_while_reopening_a_crashed_store(recorded: Recorded, tmp_path: 
             err = None
             try:
                 try:
-                    with pccheck.Checkpointer(expected(new_step), d, **KW) as ck:
+                    with pccheck.Checkpointer(expected(new_step), d, **KW, incremental=False) as ck:
                         ck.checkpoint(new_step, metadata={"step": new_step})
                         ck.wait()
                 except pccheck.PCCheckError as exc:
@@ -443,7 +443,7 @@ def test_io_error_while_reopening_a_crashed_store(recorded: Recorded, tmp_path: 
             # Integrity: recovery never falls behind what the crashed image recovered to.
             assert check_recovery(d, floor, old, frozenset({new_step})) in ("barrier", "newer")
             # The device is healthy again: a writer reopens the same store and goes on.
-            with pccheck.Checkpointer(expected(new_step + 1), d, **KW) as ck:
+            with pccheck.Checkpointer(expected(new_step + 1), d, **KW, incremental=False) as ck:
                 ck.checkpoint(new_step + 1, metadata={"step": new_step + 1})
                 ck.wait()
             r = pccheck.load_latest(d)

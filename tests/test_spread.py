@@ -258,8 +258,9 @@ def _spread_run(path: Path, setting, link_iters: float | None, budget=None) -> l
         train_step(model, opt, sched, scaler, -w)
         if opt.state:
             break
+    # full, as the spread Checkpointer below (an incremental slot's block-aligned nbytes is larger)
     with pccheck.Checkpointer(model, opt, path=path.with_name(path.name + "-probe"), extra_state=extra,
-                              interval=1, spread_steps=1) as probe:
+                              interval=1, spread_steps=1, incremental=False) as probe:
         probe.checkpoint(0)
     nbytes = probe.stats().as_dict()["checkpoints"][0]["nbytes"]  # what "auto" measures a copy by
     engine = ThrottledCopyEngine(1e9) if link_iters else None

@@ -1,6 +1,4 @@
-"""The checkpointing systems every benchmark compares pccheck with, each defined once.
-
-Two layers:
+"""The checkpointing systems every benchmark compares pccheck with, each defined once, in two layers.
 
 *How each system saves and loads* (module functions, used by :mod:`bench.micro.persist`,
 :mod:`bench.micro.recovery`, the training-loop systems below and :mod:`bench.gpu.gpu_train`): ``torch_save``
@@ -186,7 +184,8 @@ def dcp_load(shapes: Mapping[str, tuple[tuple[int, ...], Any]], src: Path) -> di
 
 
 def pccheck_on_arrays(state: Mapping[str, Any], path: Path, storage: str = "auto") -> Any:
-    """The Checkpointer the persist and recovery benchmarks use: N = 2, p = 2, 64 MiB chunks."""
+    """The persist and recovery benches' Checkpointer: N = 2, p = 2, 64 MiB chunks, full checkpoints
+    (their state never changes: an incremental one would write nothing; bench.incremental times that)."""
     import pccheck
 
     if not hasattr(pccheck, "Checkpointer"):  # e.g. the bare source tree, not the built package
@@ -194,8 +193,6 @@ def pccheck_on_arrays(state: Mapping[str, Any], path: Path, storage: str = "auto
             f"pccheck imported from {getattr(pccheck, '__path__', '?')} has no Checkpointer; build and "
             "install it (make setup), or leave pccheck out of --systems")
     path.mkdir(parents=True, exist_ok=True)
-    # full checkpoints: these benches time writing the whole state, which does not change between
-    # their checkpoints (the incremental default would reference it all; bench.incremental times that)
     return pccheck.Checkpointer(dict(state), path=path, interval=1, max_concurrent=2, writer_threads=2,
                                 chunk_size=CHUNK, storage=storage, incremental=False)
 

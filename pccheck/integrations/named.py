@@ -58,7 +58,10 @@ def open_store(path: Path, engine: EngineOptions, arrays: Mapping[str, Any],
     path.mkdir(parents=True, exist_ok=True)
     tuned = engine.with_values(resolve_auto(path, 1, engine.max_concurrent, engine.writer_threads,
                                             engine.chunk_size))
-    options = Options().updated(distributed=False)  # one store at `path`; the plugin names its saves
+    # one store at `path`; the plugin names its saves. Full checkpoints: a named save is kept by its
+    # slot (the pointer names it), which would not keep the cells of other slots an incremental
+    # checkpoint references.
+    options = Options().updated(distributed=False, incremental=False)
     ctx = TierContext(path, options, None, {}, None, None, on_error)
     return TierStack(ctx, tuned, plan(arrays), Snapshot(arrays, len(arrays), None), writes=True, prepared=True,
                      open_now=False)

@@ -207,6 +207,16 @@ PYBIND11_MODULE(_native, m) {
            },
            py::arg("timeout") = -1.0, py::arg("zero_meta") = true)
       .def("release_slot", &Store::release_slot)
+      .def("settle_word", [](Store& s) {
+             int rc;
+             {
+               py::gil_scoped_release nogil;
+               rc = s.settle_word();
+             }
+             if (rc < 0) throw_rc(rc, "cannot persist CHECK_ADDR");
+           },
+           "Persists the word in memory again after a failed word barrier (OSError if it fails again); "
+           "the slots it replaced are then free.")
       .def("commit", [](Store& s, uint32_t slot, uint64_t counter, int64_t step, const py::bytes& manifest,
                         uint64_t manifest_offset, uint64_t data_len) {
              std::string mf = manifest;

@@ -190,6 +190,13 @@ void Store::settle_pending_locked() {
   pending_.clear();
 }
 
+int Store::settle_word() {
+  // The word in memory is the truth: persisting it again is always safe (acquire_slot's retry).
+  int rc = barrier_word();
+  if (rc == 0) release_pending();
+  return rc;
+}
+
 int Store::zero_meta(uint32_t slot) {
   uint8_t zeros[64] = {0};
   // Only the magic and crc need to go; a short record is padded with zeros to a full block.

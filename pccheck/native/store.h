@@ -58,6 +58,10 @@ class Store {
   // collects held slots with take_held() and frees them with release_slot() once a newer
   // global step is recorded.
   void set_hold_replaced(bool hold);
+  // After a commit whose word barrier failed (the CAS happened in memory): persists the word in
+  // memory again and, on success, frees the slots it replaced, as acquire_slot does when no slot is
+  // free. Returns 0 (the word in memory is durable) or a negative errno.
+  int settle_word();
   std::vector<uint32_t> take_held();
 
   // §4 step 1: a fresh counter (atomic add). Invariant: counters stay below 2^56 (kMaxCounter),

@@ -31,6 +31,7 @@ layout goes to a new generation (Orchestrator.start).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,8 @@ from ..persist.layout import ArrayEntry, Cells, Layout, Manifest
 from ..persist.recovery import read_manifest, read_store
 from . import write_watch
 from .threads import started_pool
+
+log = logging.getLogger("pccheck")
 
 __all__ = ["CellPlan", "Incremental", "aligned", "eager_end", "own_prefix", "new_keys", "refuse_incremental", "INCREMENTAL_SUPPORTED"]
 
@@ -125,7 +128,7 @@ class _Pins:
     entries: tuple[ArrayEntry, ...]
     cells: tuple[int, ...]
     fps: tuple[tuple[int, int] | None, ...]
-    crcs: tuple[int, ...]
+    crcs: tuple[int, ...] | None  # None: a failed commit whose crc32c are unknown (never the base)
     counter: int
 
 
@@ -164,10 +167,13 @@ class Incremental:
         self.keys = new_keys()
         self._base: _Pins | None = None
         self._flights: dict[int, _Pins] = {}   # counter -> a checkpoint in flight
-        # counter -> pinned until a later commit succeeds: a commit that failed (the word may name
-        # it), or, on a reopen whose latest checkpoint is still being validated, that checkpoint and
-        # the fallback recovery would pick if it were damaged (reset_unchecked)
+        # counter -> a commit that failed after its CAS may have happened (the word may name it):
+        # pinned until a later commit succeeds, or the base once its word is made durable (settled)
         self._zombies: dict[int, _Pins] = {}
+        # counter -> on a reopen whose latest checkpoint is still being validated, that checkpoint
+        # and the fallback recovery would pick if it were damaged (reset_unchecked): pinned until
+        # a later commit succeeds, never the base
+        self._reopened: dict[int, _Pins] = {}
         self._held: dict[int, _Pins] = {}      # counter -> a committed checkpoint an upload reads
         # counter -> the layout of a checkpoint started but not planned yet (its plan runs on the
         # commit thread): it counts for the one-layout rule before it pins anything
@@ -194,7 +200,7 @@ class Incremental:
                 raise RuntimeError("reset with checkpoints in flight")  # the orchestrator drains first
             # held checkpoints of the generation before are in its own file, which no write of
             # this generation touches (the uploader keeps that file from retiring meanwhile)
-            self._zombies, self._pending, self._held = {}, {}, {}
+            self._zombies, self._reopened, self._pending, self._held = {}, {}, {}, {}
             self._base = None
             self._history = ChangeHistory()
             if committed is None:
@@ -207,8 +213,13 @@ class Incremental:
                                committed.cells.fps if same_keys else (None,) * n, committed.crcs,
                                committed.counter)
 
-    def reset_from(self, store_file: Any, check_word: int) -> None:
-        """:meth:`reset` from an opened store file and its CHECK_ADDR word (0: no checkpoint)."""
+    def reset_from(self, store_file: Any, check_word: int, unchecked: Sequence[int] | None = None) -> None:
+        """:meth:`reset` from an opened store file and its CHECK_ADDR word (0: no checkpoint), or,
+        where the store's open left its latest unchecked (``unchecked``: the fallback slots it
+        keeps), :meth:`reset_unchecked`."""
+        if unchecked is not None and check_word and store_file is not None:
+            self.reset_unchecked(store_file, check_word, unchecked)
+            return
         if not check_word or store_file is None:
             self.reset(None)
             return
@@ -237,7 +248,7 @@ class Incremental:
                     continue
                 n = len(man.arrays)
                 with self._lock:
-                    self._zombies[man.counter] = _Pins(man.arrays, tuple(man.cell_of(i, s) for i in range(n)),
+                    self._reopened[man.counter] = _Pins(man.arrays, tuple(man.cell_of(i, s) for i in range(n)),
                                                        (None,) * n, man.crcs, man.counter)
 
     def hold_slots(self, image: Any, fd: int, slots: Sequence[int]) -> None:
@@ -265,6 +276,7 @@ class Incremental:
         """Whether ``layout`` may be written to the open generation (one layout per generation)."""
         with self._lock:
             known = [p.entries for p in (self._base, *self._flights.values(), *self._zombies.values(),
+                                         *self._reopened.values(),
                                          *self._held.values()) if p]
             known += list(self._pending.values())
         return all(e == layout.entries for e in known)
@@ -293,7 +305,7 @@ class Incremental:
             self._pending.pop(counter, None)
             base = self._base
             others = [p.cells for p in (base, *self._flights.values(), *self._zombies.values(),
-                                        *self._held.values()) if p]
+                                        *self._reopened.values(), *self._held.values()) if p]
             if base is not None and base.entries != layout.entries:
                 raise RuntimeError("a layout other than the generation's")  # the orchestrator never plans one
             cells, changed, ref_crcs = [], [], []
@@ -332,14 +344,41 @@ class Incremental:
             if crcs:  # committed or superseded: the written arrays' bytes had these crc32c
                 self._history.written(plan.counter, plan.changed, crcs)
             if outcome == "committed":
-                done = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter)
-                if self._base is None or plan.counter > self._base.counter:
-                    self._base = done
-                if self.hold_commits:
-                    self._held[plan.counter] = done
-                self._zombies = {c: z for c, z in self._zombies.items() if c > plan.counter}
+                self._durable_locked(_Pins(pins.entries, pins.cells, pins.fps, tuple(crcs), plan.counter))
             elif outcome == "failed-commit":
-                self._zombies[plan.counter] = pins
+                # its data, manifest and meta record were durable before its CAS (FORMAT.md §4 step
+                # 3) when only the word's barrier failed: with crcs, it can become the base (settled)
+                self._zombies[plan.counter] = _Pins(pins.entries, pins.cells, pins.fps, tuple(crcs) or None,
+                                                    plan.counter)
+
+    def _durable_locked(self, done: _Pins) -> None:
+        """``done`` is the newest durable checkpoint: the base; the failed commits and the
+        reopened checkpoints before it are settled (their cells are free unless it names them)."""
+        if self._base is None or done.counter > self._base.counter:
+            self._base = done
+        if self.hold_commits:
+            self._held[done.counter] = done
+        self._zombies = {c: z for c, z in self._zombies.items() if c > done.counter}
+        self._reopened = {c: z for c, z in self._reopened.items() if c > done.counter}
+
+    def settle_failed(self, native: Any) -> None:
+        """After commits whose word barrier failed (the CAS happened in memory), persists the word
+        in memory again (``native.settle_word``; the native store's acquire_slot does so only when
+        no slot is free): on success the commit it names is the base, as if its commit had
+        succeeded, and the cells the failed commits pinned are free. Without this N failed word
+        barriers would pin every cell of a position, and no checkpoint could commit again."""
+        with self._lock:
+            if not self._zombies:
+                return
+        try:
+            native.settle_word()
+        except OSError as exc:  # still failing: they stay pinned, and the plan may find no free cell
+            log.warning("pccheck: persisting CHECK_ADDR again failed (%s); failed commits keep their cells", exc)
+            return
+        with self._lock:
+            z = self._zombies.get(_native.word_counter(native.check_word))
+            if z is not None and z.crcs is not None:
+                self._durable_locked(z)
 
     def hold(self, counter: int) -> bool:
         """Pins the cells of committed checkpoint ``counter`` until :meth:`release` (an upload

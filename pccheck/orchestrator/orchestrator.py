@@ -36,7 +36,7 @@ from ..persist.store import SlotStore
 from .args import StartArgs
 from .copy_engine import CopyEngine, abandon
 from .flight import CommitInfo, Flight
-from .incremental import Incremental, aligned, eager_end, own_prefix
+from .incremental import BLOCK, Incremental, aligned, eager_end, own_prefix
 from .slot_records import SlotRecords
 from .slot_size import SlotSize
 from .options import EngineOptions, chunk_geometry
@@ -48,8 +48,6 @@ from .stats import CheckpointStats
 __all__ = ["Orchestrator", "CheckpointStats", "CommitInfo", "StartArgs", "chunk_geometry"]
 
 log = logging.getLogger("pccheck")
-
-BLOCK: int = _native.BLOCK
 
 
 def _closed_error(exc: PCCheckError) -> None:
@@ -94,9 +92,8 @@ class Orchestrator:
         # a coordinator's thread all reach them).
         self._store_lock = threading.Lock()
         try:
-            # in_slot (a memory tier's slots): the continued-from checkpoint is validated at open, before
-            # its kept arrays are relied on; incremental stores validate it in the background and
-            # reference nothing of it (Incremental.reset_unchecked)
+            # in_slot: the continued-from checkpoint is validated at open (its kept arrays are relied
+            # on); an incremental store references nothing unchecked (Incremental.reset_unchecked)
             self.store = SlotStore(path, engine.storage, world_size, rank, hold_replaced=self.retention.hold_replaced,
                                    populate=populate_store,  # tmpfs (memory tier): slots faulted in at open
                                    validate_latest=in_slot)
@@ -113,7 +110,7 @@ class Orchestrator:
         self._slot_size = SlotSize(incremental=self._cells is not None)
         try:
             if pool:
-                self._make_engine(layout.data_len)
+                self._make_engine(aligned(layout, self._cells is not None).data_len)
         except BaseException:
             self._pool.shutdown(wait=True)
             self.store.close()
@@ -177,14 +174,10 @@ class Orchestrator:
             self._reset_cells()
 
     def _reset_cells(self) -> None:
-        """Incremental: a generation was opened; its committed checkpoint, once every byte of it
-        was checked, becomes the base that later checkpoints reference and never overwrite."""
-        if self._cells is None:
-            return
-        if self.store.latest_checked:
-            self._cells.reset_from(self.store.file, self.store.native.check_word)
-        else:  # Incremental only: a memory tier's slots (SlotRecords) are validated at the open
-            self._cells.reset_unchecked(self.store.file, self.store.native.check_word, self.store.fallback)
+        """A generation was opened: its committed checkpoint, if checked, is the base (incremental)."""
+        if self._cells is not None:  # in_slot stores (SlotRecords) are validated at the open
+            self._cells.reset_from(self.store.file, self.store.native.check_word,
+                                   **({} if self.store.latest_checked else {"unchecked": self.store.fallback}))
 
     def _fit_store(self, slot_bytes: int, layout: Layout | None = None) -> None:
         """Opens the store, or moves to a new generation when the state outgrew the slots (or,
@@ -341,6 +334,8 @@ class Orchestrator:
         cells = None
         try:
             if self._cells is not None:
+                if isinstance(self._cells, Incremental):
+                    self._cells.settle_failed(fl.native)
                 h = self.store.header
                 cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],  # given: a replica's
                                          lambda s: h["slots_offset"] + s * h["slot_capacity"],
@@ -521,7 +516,7 @@ class Orchestrator:
             won = native.commit(job.slot, fl.counter, step, manifest, fl.layout.data_len, fl.layout.data_len)
         except OSError as exc:
             if cp is not None:  # the word may name it now: its cells stay pinned
-                self._cells.end(cp, "failed-commit")
+                self._cells.end(cp, "failed-commit", crcs)
             raise storage_error_from_oserror(exc, f"committing checkpoint of step {step}") from None
         if cp is not None:
             self._cells.end(cp, "committed" if won else "superseded", crcs)

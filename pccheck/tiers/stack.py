@@ -108,7 +108,7 @@ class TierStack:
                  prepared: bool, on_finished: Callable[[Any], None] | None = None,
                  copy_engine: CopyEngine | None = None, device_reserve: Any = None, open_now: bool = True,
                  member: SetMember | None = None) -> None:
-        ctx = _resolve_incremental(ctx, layout, copy_engine)
+        ctx = _resolve_incremental(ctx, layout, copy_engine, device_reserve)
         group, opts = ctx.group, ctx.options
         if member is not None:
             if group is not None:
@@ -358,18 +358,21 @@ class TierStack:
 
 
 
-def _resolve_incremental(ctx: TierContext, layout: Layout, copy_engine: CopyEngine | None = None) -> TierContext:
+def _resolve_incremental(ctx: TierContext, layout: Layout, copy_engine: CopyEngine | None = None,
+                         device_reserve: Any = None) -> TierContext:
     """``ctx`` with ``disk.incremental`` decided where it was left to pccheck (None, the default):
     on for state in host memory taken whole at each checkpoint (spread_steps == 1) by a host copy
     engine, off, with a log line, where incremental=True would be refused (state on a device: its
-    fingerprint would run there; a device copy engine).
-    Every tier built below reads the decided value. The memory tier's None then means full: on
+    fingerprint would run there; a device copy engine) and with a device reserve (its staging
+    clones whole layouts). Every tier built below reads the decided value. The memory tier's None then means full: on
     its own RAM slot the fingerprint pass costs about what the copy it avoids costs
     (docs/guide/incremental.md), so it is incremental only when asked."""
     opts = ctx.options
     if opts.disk.incremental is not None:
         return ctx
     why = _not_incremental(layout, copy_engine)
+    if why is None and device_reserve is not None:
+        why = "device_reserve"
     if why is None and opts.snapshot.spread_steps != 1:
         why = "spread_steps != 1"
     on = why is None
