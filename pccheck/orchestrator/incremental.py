@@ -127,7 +127,7 @@ class _Pins:
 
     entries: tuple[ArrayEntry, ...]
     cells: tuple[int, ...]
-    fps: tuple[tuple[int, int] | None, ...]
+    fps: tuple[tuple[int, int] | None, ...] | None  # None: a full checkpoint's (pinned, never the base)
     crcs: tuple[int, ...] | None  # None: a failed commit whose crc32c are unknown (never the base)
     counter: int
 
@@ -240,31 +240,20 @@ class Incremental:
         image = read_store(store_file)
         with open(store_file, "rb", buffering=0) as f:
             for s in (_native.word_slot(check_word), *fallback):
-                try:
-                    man = read_manifest(image, s, f.fileno())
-                except CorruptCheckpointError:  # not loadable: nothing of it to keep
-                    continue
-                if man is None:
-                    continue
-                n = len(man.arrays)
-                with self._lock:
-                    self._reopened[man.counter] = _Pins(man.arrays, tuple(man.cell_of(i, s) for i in range(n)),
-                                                       (None,) * n, man.crcs, man.counter)
+                if (found := _pins_in(image, f.fileno(), s)) is not None:
+                    with self._lock:
+                        self._reopened[found[0].counter] = found[0]
 
     def hold_slots(self, image: Any, fd: int, slots: Sequence[int]) -> None:
         """Holds the cells of the committed checkpoints in ``slots`` (validated by the store's open,
         which keeps protected slots) until :meth:`release`; :meth:`take_held_on_open` says which."""
         for s in slots:
-            try:
-                man = read_manifest(image, s, fd)
-            except CorruptCheckpointError:  # not loadable: nothing of it to keep
-                continue
-            if man is None or man.cells is None:
+            found = _pins_in(image, fd, s)
+            if found is None or found[0].fps is None:  # a full checkpoint: only its own slot, which is kept
                 continue
             with self._lock:
-                self._held[man.counter] = _Pins(man.arrays, tuple(man.cell_of(i, s) for i in range(len(man.arrays))),
-                                                man.cells.fps, man.crcs, man.counter)
-                self._pinned_on_open[man.counter] = man.step
+                self._held[found[0].counter] = found[0]
+                self._pinned_on_open[found[0].counter] = found[1]
 
     def take_held_on_open(self) -> dict[int, int]:
         """The holds :meth:`hold_slots` took (counter -> step), handed over once."""
@@ -394,6 +383,19 @@ class Incremental:
         """Ends a :meth:`hold` (a no-op if there is none)."""
         with self._lock:
             self._held.pop(counter, None)
+
+
+def _pins_in(image: Any, fd: int, slot: int) -> tuple[_Pins, int] | None:
+    """The pins of the committed checkpoint in ``slot`` and its step (its fingerprints None when
+    it is a full one), or None when it is not loadable."""
+    try:
+        man = read_manifest(image, slot, fd)
+    except CorruptCheckpointError:  # not loadable: nothing of it to keep
+        return None
+    if man is None:
+        return None
+    cells = tuple(man.cell_of(i, slot) for i in range(len(man.arrays)))
+    return _Pins(man.arrays, cells, None if man.cells is None else man.cells.fps, man.crcs, man.counter), man.step
 
 
 def aligned(layout: Layout, incremental: bool) -> Layout:

@@ -120,7 +120,7 @@ class TierStack:
         self.tiers: list[Tier] = []
         self._remote_timeout: float | None = 0.0  # until close() says otherwise (a failed construction)
         if opts.disk.incremental:
-            _check_incremental(group, layout, snap, copy_engine)
+            _check_incremental(layout, copy_engine)
         self.started_step: int | None = None  # the newest step a disk checkpoint was started for
         self.flushed: dict[str, Any] | None = None  # the last flush's FlushResult.as_dict() (stats())
         stack = contextlib.ExitStack()
@@ -364,9 +364,9 @@ def _resolve_incremental(ctx: TierContext, layout: Layout, copy_engine: CopyEngi
     on for state in host memory taken whole at each checkpoint (spread_steps == 1) by a host copy
     engine, off, with a log line, where incremental=True would be refused (state on a device: its
     fingerprint would run there; a device copy engine) and with a device reserve (its staging
-    clones whole layouts). Every tier built below reads the decided value. The memory tier's None then means full: on
-    its own RAM slot the fingerprint pass costs about what the copy it avoids costs
-    (docs/guide/incremental.md), so it is incremental only when asked."""
+    clones whole layouts). Every tier built below reads the decided value. The memory tier's
+    None then means full: on its own RAM slot the fingerprint pass costs about what the copy it
+    avoids costs (docs/guide/incremental.md), so it is incremental only when asked."""
     opts = ctx.options
     if opts.disk.incremental is not None:
         return ctx
@@ -383,7 +383,7 @@ def _resolve_incremental(ctx: TierContext, layout: Layout, copy_engine: CopyEngi
                                                          memory=memory))
 
 
-def _check_incremental(group: Any, layout: Layout, snap: Any, copy_engine: CopyEngine | None) -> None:
+def _check_incremental(layout: Layout, copy_engine: CopyEngine | None) -> None:
     """incremental=True: refuses (ConfigError) what it does not support yet, before anything is
     built (options.py refuses the tiers and spread_steps; this, what only the state shows).
 
@@ -391,7 +391,6 @@ def _check_incremental(group: Any, layout: Layout, snap: Any, copy_engine: CopyE
     coordinator holds each commit's cells while it keeps the commit's slot (group/distributed.py),
     so the group's step keeps what it reads. DTensor state is each rank's local shards, arrays like
     any other."""
-    del group, snap
     why = _not_incremental(layout, copy_engine)
     if why is not None:
         raise refuse_incremental(why)
