@@ -218,8 +218,9 @@ class DiskOptions:
             checkpoint's, reference the rest (docs/guide/incremental.md; FORMAT.md §14), and
             upload only those (FORMAT.md §12.8). None (default): on for host (CPU) state taken
             whole at each checkpoint, off where unsupported yet (device state or copy engine,
-            spread steps). True: on, else ConfigError. False: every checkpoint writes every
-            array. Also a Checkpointer keyword of its own (``incremental=...``).
+            spread steps) or for arrays too small for 4 KiB cells (tiers/stack.py). True: on,
+            else ConfigError. False: every checkpoint writes every array. Also a Checkpointer
+            keyword of its own (``incremental=...``).
 
     ``keep_last`` != 0 copies every disk checkpoint into ``history/``: a second full write of the
     state per checkpoint (in the background, from the committed slot), of which only the newest

@@ -641,8 +641,8 @@ def test_the_default_references_an_unchanged_array_of_host_state(tmp_path):
 
 
 def test_the_default_is_off_where_incremental_is_not_supported(tmp_path, caplog):
-    """No incremental= given, and state on a device (or spread steps, or a device reserve): off,
-    said in the log."""
+    """No incremental= given, and state on a device (or spread steps, a device reserve, arrays so
+    small that block alignment would grow the state): off, said in the log."""
     import dataclasses
 
     from pccheck.persist.layout import plan
@@ -660,6 +660,10 @@ def test_the_default_is_off_where_incremental_is_not_supported(tmp_path, caplog)
     spread = dataclasses.replace(ctx, options=pccheck.Options().updated(spread_steps=2))
     assert _resolve_incremental(spread, host).options.disk.incremental is False
     assert _resolve_incremental(ctx, host, device_reserve=1 << 20).options.disk.incremental is False
+    small = plan({f"a{i}": np.zeros(100, np.float32) for i in range(50)})  # 4 KiB cells for 400 bytes each
+    with caplog.at_level("INFO", logger="pccheck"):
+        assert _resolve_incremental(ctx, small).options.disk.incremental is False
+    assert "50 arrays" in caplog.text
     explicit = dataclasses.replace(ctx, options=pccheck.Options().updated(incremental=False))
     assert _resolve_incremental(explicit, host).options.disk.incremental is False
 

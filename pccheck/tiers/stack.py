@@ -37,7 +37,7 @@ from ..group.distributed import GroupCoordinator
 from ..orchestrator.args import StartArgs
 from ..orchestrator.copy_engine import CopyEngine
 from ..orchestrator.engine_choice import select_copy_engine
-from ..orchestrator.incremental import refuse_incremental
+from ..orchestrator.incremental import aligned, refuse_incremental
 from ..orchestrator.options import EngineOptions
 from ..orchestrator.orchestrator import CommitInfo, Orchestrator
 from ..orchestrator.retention import Retention
@@ -51,6 +51,12 @@ from .remote.group import build_remote_tier
 __all__ = ["TierStack", "SetMember"]
 
 log = logging.getLogger("pccheck")
+
+# The incremental default stays off for a state of many small arrays: each array of an incremental
+# checkpoint starts on a 4 KiB block (its cells, FORMAT.md §14), and where that grows the state by
+# more than this share the padding written and the per-array work cost more than the references
+# save (2,400 arrays of 7.4 MiB: the slot doubles, the loop ran 1.13-1.28x the full one's time).
+MAX_ALIGNMENT_GROWTH = 0.02
 
 
 @dataclass(frozen=True)
@@ -361,26 +367,35 @@ class TierStack:
 def _resolve_incremental(ctx: TierContext, layout: Layout, copy_engine: CopyEngine | None = None,
                          device_reserve: Any = None) -> TierContext:
     """``ctx`` with ``disk.incremental`` decided where it was left to pccheck (None, the default):
-    on for state in host memory taken whole at each checkpoint (spread_steps == 1) by a host copy
-    engine, off, with a log line, where incremental=True would be refused (state on a device: its
-    fingerprint would run there; a device copy engine) and with a device reserve (its staging
-    clones whole layouts). Every tier built below reads the decided value. The memory tier's
-    None then means full: on its own RAM slot the fingerprint pass costs about what the copy it
-    avoids costs (docs/guide/incremental.md), so it is incremental only when asked."""
+    on unless :func:`_default_off` names a reason, with a log line then. Every tier built below
+    reads the decided value. The memory tier's None then means full: on its own RAM slot the
+    fingerprint pass costs about what the copy it avoids costs (docs/guide/incremental.md), so it
+    is incremental only when asked."""
     opts = ctx.options
     if opts.disk.incremental is not None:
         return ctx
+    why = _default_off(opts, layout, copy_engine, device_reserve)
+    if why is not None:
+        log.info("pccheck: incremental checkpoints off for this state (%s); every checkpoint writes every array", why)
+    memory = opts.memory if opts.memory.incremental is not None else dataclasses.replace(opts.memory, incremental=False)
+    return dataclasses.replace(ctx, options=opts.updated(disk=dataclasses.replace(opts.disk, incremental=why is None),
+                                                         memory=memory))
+
+
+def _default_off(opts: Any, layout: Layout, copy_engine: CopyEngine | None, device_reserve: Any) -> str | None:
+    """Why the incremental default is off for this state, or None: what incremental=True refuses
+    (state on a device, a device copy engine, spread steps), a device reserve (its staging clones
+    whole layouts), and a state of arrays so small that their block-aligned cells would grow it by
+    more than MAX_ALIGNMENT_GROWTH."""
     why = _not_incremental(layout, copy_engine)
     if why is None and device_reserve is not None:
         why = "device_reserve"
     if why is None and opts.snapshot.spread_steps != 1:
         why = "spread_steps != 1"
-    on = why is None
-    if not on:
-        log.info("pccheck: incremental checkpoints off for this state (%s); every checkpoint writes every array", why)
-    memory = opts.memory if opts.memory.incremental is not None else dataclasses.replace(opts.memory, incremental=False)
-    return dataclasses.replace(ctx, options=opts.updated(disk=dataclasses.replace(opts.disk, incremental=on),
-                                                         memory=memory))
+    grown = aligned(layout, True).data_len / max(layout.data_len, 1) - 1
+    if why is None and grown > MAX_ALIGNMENT_GROWTH:
+        why = f"{len(layout.entries)} arrays: their block-aligned cells would grow the state by {grown:.0%}"
+    return why
 
 
 def _check_incremental(layout: Layout, copy_engine: CopyEngine | None) -> None:
