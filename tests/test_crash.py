@@ -79,8 +79,8 @@ def _torture(path: Path, storage: str, kills: int, seed: int, env: dict | None =
     return recovered
 
 
-# `make test` kills the O_DIRECT writer 25 times; the slow round 50 times, and the mmap writer 50 times
-@pytest.mark.parametrize("storage,kills", [("odirect", 25), pytest.param("odirect", 50, marks=pytest.mark.slow),
+# `make test` kills the O_DIRECT writer 20 times; the slow round 50 times, and the mmap writer 50 times
+@pytest.mark.parametrize("storage,kills", [("odirect", 20), pytest.param("odirect", 50, marks=pytest.mark.slow),
                                            pytest.param("mmap", 50, marks=pytest.mark.slow)])
 def test_sigkill_torture(tmp_path, storage, kills):
     # (the seed: the same kill schedule every run, so that a failure replays)
@@ -96,8 +96,8 @@ def test_sigkill_torture_pmem():
 
     env = dict(os.environ, PMEM_IS_PMEM_FORCE="1")
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        recovered = _torture(Path(d) / "ckpt", "pmem", kills=25, seed=7, env=env)
-    assert recovered >= 20
+        recovered = _torture(Path(d) / "ckpt", "pmem", kills=20, seed=7, env=env)
+    assert recovered >= 16
 
 
 @pytest.mark.parametrize("storage", ["odirect", pytest.param("mmap", marks=pytest.mark.slow)])
@@ -112,7 +112,7 @@ def test_sigkill_torture_incremental(tmp_path, storage):
         with open(r.path, "rb", buffering=0) as f:
             refs.append(pccheck.persist.recovery.read_manifest(image, r.slot, f.fileno()).references(r.slot))
 
-    recovered = _torture(tmp_path / "ckpt", storage, kills=30, seed=zlib.crc32(b"incr" + storage.encode()) & 0xFFFF,
+    recovered = _torture(tmp_path / "ckpt", storage, kills=25, seed=zlib.crc32(b"incr" + storage.encode()) & 0xFFFF,
                          extra=("incremental",), on_recovered=references)
-    assert recovered >= 24
+    assert recovered >= 20
     assert any(refs), "no recovered checkpoint referenced another's cells"

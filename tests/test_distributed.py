@@ -86,7 +86,7 @@ def _check_resumed(job: Job, reference: dict, world: int, tmp: Path) -> int:
     return start
 
 
-@pytest.mark.parametrize("kills", [4, pytest.param(10, marks=pytest.mark.slow)])  # 10: `make test-slow`
+@pytest.mark.parametrize("kills", [3, pytest.param(10, marks=pytest.mark.slow)])  # 10: `make test-slow`
 def test_two_ranks_sigkill_restart_chain(tmp_path, reference, kills):
     """``kills`` times: SIGKILL one rank at a random step, tear the job down, restart it. Every
     restart resumes all ranks at the same, globally committed step, and every loss equals the
