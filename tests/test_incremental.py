@@ -103,13 +103,18 @@ def lora_like(step: int) -> dict[str, np.ndarray]:
     }
 
 
+def _fill(state: dict[str, np.ndarray], step: int) -> None:
+    """``state`` takes ``lora_like(step)``'s values in place (the Checkpointer reads these arrays)."""
+    for k, v in lora_like(step).items():
+        state[k][...] = v
+
+
 def test_only_changed_arrays_are_written_and_loads_are_bit_exact(tmp_path):
     d = tmp_path / "ck"
     state = lora_like(0)
     with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=1, **KW) as ck:
         for step in range(1, 8):
-            for k, v in lora_like(step).items():
-                state[k][...] = v
+            _fill(state, step)
             ck.checkpoint(step)
             ck.wait()
             assert_state_equal(pccheck.load_latest(d).state, lora_like(step))
@@ -431,8 +436,7 @@ def _three_steps(d: Path) -> dict:
     state = lora_like(0)
     with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=2, **KW) as ck:
         for step in range(1, 4):
-            for k, v in lora_like(step).items():
-                state[k][...] = v
+            _fill(state, step)
             ck.checkpoint(step)
             ck.wait()
     return state
@@ -456,8 +460,7 @@ def test_a_reopen_reads_no_array_data_and_its_first_checkpoint_writes_every_arra
         assert not store.latest_checked and len(store.fallback) == 1
         latest_slot = manifest_of_latest(d)[1]
         kept = [set(cells) for cells in zip(_cells_of(d, latest_slot), _cells_of(d, store.fallback[0]))]
-        for k, v in lora_like(4).items():
-            state[k][...] = v
+        _fill(state, 4)
         ck.checkpoint(4)
         ck.wait()
         first = ck.stats().checkpoints[-1]
@@ -547,8 +550,7 @@ def test_history_copies_read_through_references(tmp_path):
     with pccheck.Checkpointer(state, d, incremental=True, disk=pccheck.DiskOptions(every=1, keep_last=2),
                               **{k: v for k, v in KW.items() if k != "interval"}) as ck:
         for step in range(1, 6):
-            for k, v in lora_like(step).items():
-                state[k][...] = v
+            _fill(state, step)
             ck.maybe_checkpoint(step)
             ck.wait()
     files = sorted((d / "history").glob("*.safetensors"))
@@ -564,8 +566,7 @@ def test_cli_reads_through_references(tmp_path):
     state = lora_like(0)
     with pccheck.Checkpointer(state, d, incremental=True, max_concurrent=2, **KW) as ck:
         for step in range(1, 5):
-            for k, v in lora_like(step).items():
-                state[k][...] = v
+            _fill(state, step)
             ck.checkpoint(step)
             ck.wait()
     runner = CliRunner()
