@@ -419,3 +419,38 @@ def test_all_three_tiers_incremental_in_one_process(s3_url, tmp_path):
     r = pccheck.load_latest(s3_url, model=fresh)
     assert r.step == 5
     assert all(torch.equal(want[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_given_up_incremental_upload_cuts_its_part_in_flight_short(s3_url, tmp_path):
+    # as a full upload's: once given up (a flush supersedes it), the part being sent stops at its
+    # next block, so the flush's own upload has the bandwidth and the upload thread at once
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pccheck.persist.recovery import read_store
+    from pccheck.tiers.remote.increment import upload_changed
+    from pccheck.tiers.remote.upload import BufferPool, Cancelled, SlotRef
+
+    d = tmp_path / "ck"
+    with pccheck.Checkpointer({"w": np.ones(4 * MiB, np.float32)}, d, incremental=True, **KW) as ck:
+        ck.checkpoint(1)
+        ck.wait()
+    store_file = d / "store-000001.pcc"
+    image = read_store(store_file)
+    ref = SlotRef(store_file, image.word_slot, image.word_counter, 1)
+    store, given_up = ObjectStore(s3_url), threading.Event()
+    real_part = store.upload_part
+
+    def upload_part(*args, **kw):  # the flush gives the upload up as its first part goes out
+        given_up.set()
+        return real_part(*args, **kw)
+
+    store.upload_part = upload_part
+    aborted: list = []
+    with ThreadPoolExecutor(1) as senders:
+        with pytest.raises(Cancelled):
+            upload_changed(store, ref, 1, 0, 8 * MiB, BufferPool(1, 8 * MiB), senders, given_up.is_set, None,
+                           lambda *a: aborted.append(a))
+        (_, key, upload_id, futures), = aborted
+        for fut in futures:  # the part in flight was cut, not sent whole
+            assert isinstance(fut.exception(timeout=60), Cancelled), fut.result()
+        store.abort_multipart(key, upload_id)

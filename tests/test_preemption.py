@@ -252,6 +252,37 @@ def test_flush_on_demand_and_later_checkpoints_never_undo_it(tmp_path, mem_dir, 
     assert pccheck.load_latest(s3_url).step == 7
 
 
+def test_the_flush_from_the_memory_tier_fingerprints_only_what_may_be_unchanged(tmp_path, mem_dir):
+    # the memory tier's slot carries every array's crc32c: the incremental disk copy of it writes
+    # an array whose crc32c differs from the disk's base without a fingerprint pass (it changed),
+    # and fingerprints, then references, one whose crc32c equals the base's
+    from pccheck.persist.recovery import read_manifest, read_store
+
+    frozen, w = np.arange(1 << 18, dtype=np.float32), np.zeros(1 << 18, np.float32)
+    ck = pccheck.Checkpointer({"frozen": frozen, "w": w}, tmp_path / "ck",
+                              disk=pccheck.DiskOptions(every=10, incremental=True),
+                              memory=pccheck.MemoryOptions(every=1, dir=mem_dir))
+    try:
+        for step in range(1, 14):
+            w[:] = step
+            ck.maybe_checkpoint(step)
+        ck.wait()  # step 10 is the disk's base
+        r = ck.flush(timeout=30)
+        assert r.step == 13 and r.complete and r.source == "memory", r
+    finally:
+        ck.close()
+    image = read_store(tmp_path / "ck" / "store-000001.pcc")
+    with open(image.path, "rb", buffering=0) as f:
+        man = read_manifest(image, image.word_slot, f.fileno())
+    names = [e.name for e in man.arrays]
+    assert man.step == 13 and man.cells.fps[names.index("w")] is None  # written unfingerprinted
+    i = names.index("frozen")
+    assert man.cells.fps[i] is not None and man.cells.cells[i] != image.word_slot  # step 10's cell
+    shutil.rmtree(mem_dir)
+    got = load_newest(tmp_path / "ck")
+    assert got.step == 13 and np.all(got.state["w"] == 13) and np.array_equal(got.state["frozen"], frozen)
+
+
 def test_a_given_up_upload_stops_sending_its_part_in_flight(s3_url):
     # a part's body is read block by block as it is sent; once its upload is given up, the next
     # read ends the request: the part stops taking bandwidth at once, and the caller aborts
@@ -278,6 +309,26 @@ def test_a_given_up_upload_stops_sending_its_part_in_flight(s3_url):
     etag = store.upload_part("data/whole.bin", upload_id, 1, body[: 8 << 20], stop=lambda: False)
     store.complete_multipart("data/whole.bin", upload_id, [etag])
     assert [o.size for o in store.list("data/whole.bin")] == [8 << 20]
+
+
+def test_a_given_up_upload_stops_reading_its_part_within_one_slice(tmp_path):
+    # the read of a part from the local store is asked to stop between slices: the flush's own
+    # upload waits for one slice of the given-up one's read (4 MiB), not for its whole part
+    from pccheck.tiers.remote.upload import _READ_SLICE, Cancelled, _read_part
+
+    f = tmp_path / "store"
+    f.write_bytes(b"\x07" * (4 * _READ_SLICE))
+    asked = []
+    out = bytearray(4 * _READ_SLICE)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        with pytest.raises(Cancelled):
+            _read_part(fd, memoryview(out), 0, f.name, lambda: asked.append(1) or len(asked) >= 2)
+        assert out.count(7) == 2 * _READ_SLICE and len(asked) == 2  # two slices read, then it stopped
+        _read_part(fd, memoryview(out), 0, f.name, lambda: False)
+        assert out.count(7) == len(out)
+    finally:
+        os.close(fd)
 
 
 def test_the_flush_uploads_from_the_memory_tier_while_the_disk_writes(tmp_path, mem_dir, s3_url):

@@ -280,14 +280,24 @@ class Incremental:
         with self._lock:
             self._pending.pop(counter, None)
 
-    def plan(self, layout: Layout, counter: int, home: int, num_slots: int, slot_base: Any) -> CellPlan:
+    def plan(self, layout: Layout, counter: int, home: int, num_slots: int, slot_base: Any,
+             known_crcs: Mapping[str, int] | None = None) -> CellPlan:
         """Fingerprints the arrays (``layout.infos``), picks the referenced and the written ones
         and their cells, and pins them for ``counter`` until :meth:`end`. ``slot_base(s)``: the
-        file offset of slot s."""
+        file offset of slot s. ``known_crcs`` (array name -> crc32c): the bytes' checksums, known
+        before the copy (another tier's committed slot: StartArgs.expect_crcs); an array whose
+        crc32c differs from the base's, or with no base, is written without a fingerprint pass:
+        it changed, or nothing could reference it (the next checkpoint fingerprints it again)."""
         t0 = time.perf_counter()
         infos = layout.infos
         with self._lock:
             skip = self._history.skip(len(infos))
+            if known_crcs is not None:
+                # a base that changes before the lock below only makes a skipped array written
+                # (always safe): a reference needs equal fingerprints, taken only where not skipped
+                base_crcs = self._base.crcs if self._base is not None else None
+                skip = [sk or base_crcs is None or base_crcs[i] != known_crcs.get(e.name)
+                        for i, (sk, e) in enumerate(zip(skip, layout.entries))]
         fps = write_watch.fingerprints(infos, self.keys, skip, self._pool, _fingerprint)
         fingerprint_s = time.perf_counter() - t0
         with self._lock:

@@ -334,12 +334,13 @@ class Orchestrator:
         cells = None
         try:
             if self._cells is not None:
+                extra: dict[str, Any] = {} if fl.given is None else {"given": fl.given}  # a replica's
                 if isinstance(self._cells, Incremental):
                     self._cells.settle_failed(fl.native)
+                    extra["known_crcs"] = fl.expect  # another tier's slot: its crc32c spare fingerprint passes
                 h = self.store.header
-                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],  # given: a replica's
-                                         lambda s: h["slots_offset"] + s * h["slot_capacity"],
-                                         **({} if fl.given is None else {"given": fl.given}))
+                cells = self._cells.plan(fl.layout, fl.counter, fl.slot, h["num_slots"],
+                                         lambda s: h["slots_offset"] + s * h["slot_capacity"], **extra)
                 if fl.on_plan is not None:
                     fl.on_plan(cells)  # e.g. a replica asks its sender for the arrays its slot lacks
             stream = fl.layout if cells is None else cells.stream

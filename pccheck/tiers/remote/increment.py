@@ -145,7 +145,8 @@ def _send_arrays(store: ObjectStore, key: str, ref: SlotRef, man: Manifest, base
         buf, fill = state["buf"], state["fill"]
         view = memoryview(buf)[:fill]
         part_crcs.append(state["crc"])
-        futures.append(senders.submit(_send, store, key, upload_id, len(part_crcs), view, state["crc"], buf, pool))
+        futures.append(senders.submit(_send, store, key, upload_id, len(part_crcs), view, state["crc"], buf, pool,
+                                      cancelled))  # a given-up upload cuts its parts in flight short
         state.update(buf=None, fill=0, crc=0)
 
     try:
@@ -160,11 +161,13 @@ def _send_arrays(store: ObjectStore, key: str, ref: SlotRef, man: Manifest, base
                         raise Cancelled()
                     if state["buf"] is None:
                         state["buf"] = pool.take()  # blocks while every buffer is in flight
+                        if cancelled():  # given up meanwhile: read nothing more (the finally gives it back)
+                            raise Cancelled()
                     buf, fill = state["buf"], state["fill"]
                     n = min(run - done_bytes, part_size - fill)
                     piece = memoryview(buf)[fill:fill + n]
                     try:
-                        _read_part(fd, piece, bases[i] + e.offset + done_bytes, ref.store_file.name)
+                        _read_part(fd, piece, bases[i] + e.offset + done_bytes, ref.store_file.name, cancelled)
                     except BaseException:
                         pool.give(buf)
                         state["buf"] = None
