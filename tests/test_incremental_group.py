@@ -129,8 +129,11 @@ def test_the_group_step_keeps_its_cells_while_a_rank_runs_ahead(tmp_path):
     alone commits steps 4 and 5."""
     lag = str(Path(__file__).with_name("_incr_lag_child.py"))
 
+    jobs = [0]
+
     def job(mode: str) -> list[tuple[int, str, str]]:
-        init = tmp_path / f"init-{mode}"
+        jobs[0] += 1  # each job its own FileStore file: a used one holds the last job's rendezvous keys
+        init = tmp_path / f"init-{mode}-{jobs[0]}"
         procs = [subprocess.Popen([sys.executable, lag, mode, str(tmp_path / "ck"), str(r), str(init)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
         outs = [p.communicate(timeout=300) for p in procs]

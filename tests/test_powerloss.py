@@ -562,8 +562,8 @@ def test_oracle_catches_a_referenced_cell_overwritten(tmp_path: Path, scratch: P
 
     real = incremental.Incremental.plan
 
-    def in_place(self, layout, counter, home, num_slots, slot_base):  # noqa: ANN001
-        plan = real(self, layout, counter, home, num_slots, slot_base)
+    def in_place(self, layout, counter, home, num_slots, slot_base, **kw):  # noqa: ANN001
+        plan = real(self, layout, counter, home, num_slots, slot_base, **kw)
         base = self._base
         if base is None:
             return plan
