@@ -30,6 +30,13 @@ import time
 import numpy as np
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks of a job share torchrun's stdout, and print() writes the
+    line and its newline apart (unbuffered), so two ranks' lines could interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def advance(state: dict, step: int, rank: int = 0) -> None:
     """One training step, in place: momentum SGD on a gradient seeded by (rank, step)."""
     g = np.random.default_rng((rank, step)).standard_normal(state["w"].shape[0], dtype=np.float32)
@@ -80,8 +87,8 @@ def main() -> None:
     ck_box: list = []
     if a.chain:
         def previous(signum, frame):
-            print("PREVIOUS", flush=True)
-            print("FLUSH " + json.dumps(ck_box[0].stats().flush), flush=True)
+            say("PREVIOUS")
+            say("FLUSH " + json.dumps(ck_box[0].stats().flush))
             os._exit(3)
         signal.signal(signal.SIGTERM, previous)
     path = a.path
@@ -102,7 +109,7 @@ def main() -> None:
     grace = float(a.grace_by_rank.split(",")[rank]) if a.grace_by_rank else a.grace
     ck.on_preemption(grace_s=grace, signals=() if a.no_signal else (signal.SIGTERM,), notice_url=a.url,
                      poll_s=a.poll)
-    print("READY", flush=True)
+    say("READY")
     flushed = False
     for step in range(1, a.steps + 1):
         if a.train:
@@ -118,11 +125,11 @@ def main() -> None:
             dist.all_reduce(t)  # the ranks step together, as data-parallel training does
         time.sleep(a.sleep / 2 if a.train else a.sleep)
         ck.maybe_checkpoint(step)
-        print(f"STEP {step}", flush=True)
+        say(f"STEP {step}")
         if ck.preempted and a.no_signal and not flushed:
             while ck.stats().flush is None:  # the flush runs on a thread of pccheck's
                 time.sleep(0.01)
-            print("FLUSH " + json.dumps(ck.stats().flush), flush=True)
+            say("FLUSH " + json.dumps(ck.stats().flush))
             flushed = True
             if not a.keep_going:
                 break
