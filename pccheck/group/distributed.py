@@ -36,7 +36,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,6 @@ __all__ = ["Group", "detect_group", "GroupCoordinator", "agree_and_load", "read_
 
 log = logging.getLogger("pccheck")
 
-_POLL = timedelta(milliseconds=200)
 
 
 @dataclass(frozen=True)
@@ -308,7 +306,9 @@ class GroupCoordinator(Retention):
     # -- the logs -------------------------------------------------------------------------------
 
     def _wait_key(self, key: str) -> str | None:
-        return wait_key(self.group.store, key, self._stop.is_set, slice_s=_POLL.total_seconds())
+        # polls (non-blocking): a blocking wait would hold the job store's shared connection, and
+        # every other request of this process (a flush's agreement, the commits) would queue behind it
+        return wait_key(self.group.store, key, self._stop.is_set, blocking=False)
 
     def _follow_completions(self) -> None:
         """Rank 0: records every newly completed step as the global step, durably, then logs it."""

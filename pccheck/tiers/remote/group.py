@@ -63,7 +63,6 @@ __all__ = ["GroupUploader", "part_key"]
 
 log = logging.getLogger("pccheck")
 
-_POLL = timedelta(milliseconds=200)
 _BACKOFF_MAX_S = 30.0
 
 
@@ -259,8 +258,9 @@ class GroupUploader(RemoteUploader):
     def _run(self) -> None:
         _background_priority()
         self._warm_pool()
+        # polls (non-blocking) on the job store's shared connection, as group/distributed.py does
         while (announced := wait_key(self._kv, self._ns + f"up/{self._seen + 1}", lambda: self._closing,
-                                     slice_s=_POLL.total_seconds())) is not None:
+                                     blocking=False)) is not None:
             step = int(announced)
             with self._cv:
                 self._seen += 1
