@@ -52,7 +52,6 @@ __all__ = ["Group", "detect_group", "GroupCoordinator", "agree_and_load", "read_
 log = logging.getLogger("pccheck")
 
 
-
 @dataclass(frozen=True)
 class Group:
     """This process's place in the job, plus a gloo group and a key-value store of its own."""
